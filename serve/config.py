@@ -1,0 +1,47 @@
+"""Engine configuration, validated once at construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'600MiB' / '1.5GiB' / '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {text!r} (examples: 600MiB, 1.5GiB, 1000000)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"        # embedded name, .gguf file, or Hugging Face directory
+    device: str = "cpu"
+    dtype: str | None = None           # default: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None   # overrides kv_cache_memory
+    kv_cache_memory: str = "1GiB"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None   # default: the model's context length
+    num_threads: int | None = None     # torch intra-op threads; default: torch's choice
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        parse_size(self.kv_cache_memory)

@@ -1,0 +1,269 @@
+"""The engine loop: admission, schedule -> execute -> sample -> stream, in one thread.
+
+Callers add requests from any thread; `step()` runs one iteration; `start_background()` runs steps in a
+loop thread while there is work. Callbacks are called from the stepping thread after the iteration's
+state is updated, so a callback may abort requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from serve.block_pool import BlockPool
+from serve.config import EngineConfig, parse_size
+from serve.executor import TorchExecutor
+from serve.kv_cache import PagedKVCache, kv_bytes_per_block
+from serve.llama import LlamaModel
+from serve.model_loader import LoadedModel, load_model
+from serve.outputs import FinishReason, RequestOutput
+from serve.sampler import sample
+from serve.sampling_params import SamplingParams
+from serve.scheduler import Scheduler, SchedulerOutput
+from serve.sequence import Sequence
+from serve.tokenizer import IncrementalDetokenizer
+
+Callback = Callable[[RequestOutput], None]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
+        self.dtype = _DTYPES[dtype_name]
+        loaded = loaded or load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
+        self.bytes_per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(1, parse_size(config.kv_cache_memory) // self.bytes_per_block)
+        self.pool = BlockPool(num_blocks)
+        self.kv = PagedKVCache(loaded.config, self.pool.max_blocks, config.block_size, self.device, self.dtype)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.executor = TorchExecutor(self.model, self.kv)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.last_step_error: str | None = None
+
+    # ---- admission -------------------------------------------------------------------------------
+    def validate_and_tokenize(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                             f"(prompt + at least one generated token must fit)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
+        if blocks > self.pool.max_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens}) "
+                             f"but the KV pool can never hold more than {self.pool.max_blocks}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, callback: Callback | None = None) -> str:
+        """Validate, then queue. Raises ValueError/TypeError for bad input; the engine is unaffected."""
+        params = params or SamplingParams()
+        ids = self.validate_and_tokenize(prompt, params)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seq = Sequence(rid, ids, params, time.perf_counter(), IncrementalDetokenizer(self.tokenizer, params.stop),
+                           callback, gen)
+            self._requests[rid] = seq
+            self.scheduler.add(seq)
+            self._wake.notify_all()
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its KV blocks are freed before this returns. False if it is unknown/finished."""
+        with self._lock:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                return False
+            out = self._finish(seq, FinishReason.ABORT)
+        self._deliver([(seq, out)])
+        return True
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            sched = self.scheduler.schedule()
+            if not sched.chunks:
+                return []
+            logits, sampled = self.executor.execute(sched.chunks)
+            self.scheduler.on_executed(sched)
+            produced = self._append_tokens(sampled, logits)
+            self.num_steps += 1
+        self._deliver(produced)
+        return [out for _, out in produced]
+
+    def _append_tokens(self, sampled, logits: torch.Tensor) -> list[tuple[Sequence, RequestOutput]]:
+        if not sampled:
+            return []
+        seqs = [c.seq for c in sampled]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        now = time.perf_counter()
+        produced = []
+        for seq, tok in zip(seqs, tokens):
+            seq.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                produced.append((seq, self._finish(seq, reason, last_token=tok)))
+            else:
+                seq.detokenizer.add(tok)
+                produced.append((seq, self._output(seq, [tok], final=False)))
+        return produced
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.params
+        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+            return FinishReason.STOP
+        if tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop:
+            seq.detokenizer.add(tok)
+            if seq.detokenizer.stopped_by is not None:
+                return FinishReason.STOP
+            seq.detokenizer.token_ids.pop()  # _append_tokens adds it again for unfinished sequences
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.detokenizer.add(tok)
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, last_token: int | None = None) -> RequestOutput:
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        seq.finish_reason = reason
+        new = [last_token] if last_token is not None else []
+        return self._output(seq, new, final=True)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], final: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_tokens, new_text=seq.detokenizer.delta(final),
+            finished=final, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+        )
+
+    def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
+        for seq, out in produced:
+            if seq.callback is not None:
+                seq.callback(out)
+
+    # ---- background mode -------------------------------------------------------------------------
+    def start_background(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="morphserve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        self.last_step_error = message
+        with self._lock:
+            seqs = list(self._requests.values())
+            produced = []
+            for seq in seqs:
+                out = self._finish(seq, FinishReason.ERROR)
+                out.error = message
+                produced.append((seq, out))
+        self._deliver(produced)
+
+    def stop(self) -> None:
+        """Stop the loop thread and abort whatever is still queued or running."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for rid in list(self._requests):
+            self.abort_request(rid)
+
+    # ---- convenience -----------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
+        """Run prompts to completion in this thread; returns {"text", "token_ids", "finish_reason"} per prompt."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, dict] = {}
+
+        def collect(out: RequestOutput) -> None:
+            r = results.setdefault(out.request_id, {"text": "", "token_ids": []})
+            r["text"] += out.new_text
+            r["token_ids"] += out.new_token_ids
+            if out.finished:
+                r["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+                r["num_prompt_tokens"] = out.num_prompt_tokens
+                r["ttft_s"] = (out.first_token_time - out.arrival_time) if out.first_token_time else None
+                r["error"] = out.error
+        rids = [self.add_request(p, sp, callback=collect) for p, sp in zip(prompts, params_list)]
+        while any("finish_reason" not in results.get(r, {}) for r in rids):
+            if not self.step() and not self.has_unfinished_requests():
+                break
+        return [results[r] for r in rids]
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "kv_blocks_total": self.pool.num_blocks,
+                "kv_blocks_used": self.pool.num_used,
+                "kv_cache_usage_perc": self.pool.usage,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.num_steps,
+                "num_generated_tokens": self.num_generated_tokens,
+                "layers_quantized": {},
+                "swaps_total": 0,
+                "restores_total": 0,
+            }
