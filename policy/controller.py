@@ -1,0 +1,207 @@
+"""The MorphServe controller: telemetry in, one ``MorphDecision`` out per iteration.
+
+Pure and deterministic: no clock (time comes in ``Telemetry.now_s``), no threads,
+no I/O. The only state it keeps is its hysteresis (how many consecutive calls saw
+pressure, and since when it has been calm); which layers are quantized is read
+from the telemetry every time, so the engine stays the single source of truth.
+
+Rules (dynamic modes):
+
+* Quantize. Pressure must be seen on ``persist_iters`` consecutive calls. The
+  step then covers the block deficit, as in the paper's released code:
+  ``k = ceil(deficit_blocks / blocks_per_layer_chunk[precision])``, capped by
+  ``max_layers_per_step`` and by the room left under ``max_quantized_fraction``.
+  New layers are taken in swap (LIS) order and go to ``ladder[0]``. When no room
+  is left, layers already at rung ``i`` move to rung ``i + 1`` (e.g. int8 -> int4),
+  again in swap order, the mildest rung first; the gain per layer is then the
+  difference of the two chunks. After a quantize step the streak restarts, so two
+  steps are always at least ``persist_iters`` calls apart.
+* Restore. Calm = no pressure, nothing waiting, KV usage below ``kv_low`` and TTFT
+  within SLO. After ``restore_persist_s`` seconds of unbroken calm, the most
+  recently quantized layer (last of ``Telemetry.quantized_layers``; LIFO) returns
+  to full precision, but only if its KV chunk is entirely free
+  (``pending_restore_chunk_free``) and shrinking the pool by that chunk would not
+  push KV usage above ``kv_high`` (which would re-trigger pressure at once). One
+  layer per decision; the calm period restarts after each restore.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .decision import MorphDecision
+from .modes import PolicyConfig
+from .telemetry import Telemetry
+
+
+def describe(t: Telemetry) -> str:
+    """Compact summary of the signals, appended to every decision's reason."""
+    parts = [
+        f"kv {t.kv_usage:.1%} ({t.kv_blocks_used}/{t.kv_blocks_total} used, {t.kv_blocks_free} free)",
+        f"running {t.num_running}",
+        f"waiting {t.num_waiting} (oldest {t.oldest_wait_s * 1e3:.0f} ms, needs {t.blocks_needed_waiting} blocks)",
+    ]
+    if t.ttft_p95_s is not None:
+        parts.append(f"ttft_p95 {t.ttft_p95_s:.3f} s")
+    if t.tbt_p99_s is not None:
+        parts.append(f"tbt_p99 {t.tbt_p99_s * 1e3:.1f} ms")
+    if t.device_mem_used_bytes is not None and t.device_mem_total_bytes:
+        parts.append(f"device mem {t.device_mem_used_bytes / t.device_mem_total_bytes:.1%}")
+    parts.append(f"quantized {len(t.quantized_layers)}/{t.num_layers}")
+    return "[" + ", ".join(parts) + "]"
+
+
+class MorphController:
+    """Decides, once per engine iteration, which layers to quantize or restore."""
+
+    def __init__(self, config: PolicyConfig, swap_order: Sequence[int]) -> None:
+        order = tuple(swap_order)
+        if not order or sorted(order) != list(range(len(order))):
+            raise ValueError(f"swap_order must be a permutation of 0..n-1, got {order}")
+        self.config = config
+        self.swap_order = order
+        self._pressure_streak = 0
+        self._calm_since: float | None = None
+
+    @property
+    def max_quantized_layers(self) -> int:
+        """Most layers that may be quantized at once (floor of the fraction)."""
+        return math.floor(self.config.max_quantized_fraction * len(self.swap_order) + 1e-9)
+
+    def decide(self, t: Telemetry) -> MorphDecision:
+        if t.num_layers != len(self.swap_order):
+            raise ValueError(f"telemetry has {t.num_layers} layers, swap order has {len(self.swap_order)}")
+        strategy = self.config.strategy
+        if strategy == "off":
+            return MorphDecision.nothing(f"mode {self.config.mode}: never morphs {describe(t)}")
+        if strategy == "static":
+            return self._static(t)
+        return self._dynamic(t)
+
+    # -- static baselines ---------------------------------------------------------
+
+    def _static(self, t: Telemetry) -> MorphDecision:
+        target = self.config.ladder[0]
+        precision_of = t.precision_of
+        todo = tuple(layer for layer in self.swap_order if precision_of.get(layer) != target)
+        if not todo:
+            return MorphDecision.nothing(
+                f"mode {self.config.mode}: all {t.num_layers} layers at {target}, never restores {describe(t)}"
+            )
+        return MorphDecision(
+            "quantize", todo, target,
+            f"mode {self.config.mode}: quantize all remaining {len(todo)} layer(s) to {target} {describe(t)}",
+        )
+
+    # -- dynamic (MorphServe) -----------------------------------------------------
+
+    def _dynamic(self, t: Telemetry) -> MorphDecision:
+        triggers, deficit = self._pressure(t)
+        if triggers:
+            self._calm_since = None
+            self._pressure_streak += 1
+            persist = self.config.persist_iters
+            if self._pressure_streak < persist:
+                return MorphDecision.nothing(
+                    f"pressure ({'; '.join(triggers)}) seen {self._pressure_streak}/{persist} iterations, "
+                    f"waiting for it to persist {describe(t)}"
+                )
+            decision = self._quantize_step(t, triggers, deficit)
+            if decision.action == "quantize":
+                self._pressure_streak = 0
+            return decision
+        self._pressure_streak = 0
+        return self._maybe_restore(t)
+
+    def _pressure(self, t: Telemetry) -> tuple[list[str], int]:
+        """Triggered pressure signals (empty if none) and the KV block deficit (>= 1 under pressure)."""
+        c = self.config
+        triggers: list[str] = []
+        deficit = 0
+        if t.kv_usage > c.kv_high:
+            triggers.append(f"kv usage {t.kv_usage:.1%} > kv_high {c.kv_high:.0%}")
+            # Blocks to add so that used / total falls back to kv_high.
+            deficit = max(deficit, math.ceil(t.kv_blocks_used / c.kv_high - 1e-9) - t.kv_blocks_total)
+        if t.oldest_wait_s > c.queue_delay_high_s:
+            triggers.append(f"queueing delay {t.oldest_wait_s * 1e3:.0f} ms > {c.queue_delay_high_s * 1e3:.0f} ms")
+        if t.blocks_needed_waiting > t.kv_blocks_free:
+            triggers.append(f"waiting prompts need {t.blocks_needed_waiting} blocks > {t.kv_blocks_free} free")
+            deficit = max(deficit, t.blocks_needed_waiting - t.kv_blocks_free)
+        if t.num_waiting and t.ttft_p95_s is not None and t.ttft_p95_s > c.ttft_slo_s:
+            triggers.append(f"ttft_p95 {t.ttft_p95_s:.3f} s > SLO {c.ttft_slo_s} s with {t.num_waiting} waiting")
+        return triggers, (max(deficit, 1) if triggers else 0)
+
+    def _quantize_step(self, t: Telemetry, triggers: list[str], deficit: int) -> MorphDecision:
+        c = self.config
+        precision_of = t.precision_of
+        chunk = t.blocks_per_layer_chunk
+        room = self.max_quantized_layers - len(precision_of)
+        candidates: list[int] = []
+        target, gain, what = c.ladder[0], 0, ""
+        if room > 0:
+            candidates = [layer for layer in self.swap_order if layer not in precision_of][:room]
+            gain = chunk.get(target, 0)
+            what = f"{room} layer(s) left under max_quantized_fraction {c.max_quantized_fraction}"
+        else:
+            for milder, target in zip(c.ladder, c.ladder[1:]):
+                candidates = [layer for layer in self.swap_order if precision_of.get(layer) == milder]
+                if candidates:
+                    gain = chunk.get(target, 0) - chunk.get(milder, 0)
+                    what = f"max_quantized_fraction reached, {len(candidates)} layer(s) at {milder} can go to {target}"
+                    break
+        if not candidates:
+            return MorphDecision.nothing(
+                f"pressure ({'; '.join(triggers)}) but nothing left to quantize: "
+                f"{len(precision_of)}/{self.max_quantized_layers} layers at the last rung; "
+                f"preemption is the fallback {describe(t)}"
+            )
+        needed = math.ceil(deficit / gain) if gain > 0 else 1
+        k = min(needed, c.max_layers_per_step, len(candidates))
+        return MorphDecision(
+            "quantize", tuple(candidates[:k]), target,
+            f"pressure ({'; '.join(triggers)}) for {c.persist_iters} iteration(s): deficit {deficit} blocks, "
+            f"{gain} blocks/layer -> {needed} layer(s) needed, at most {c.max_layers_per_step}/step, {what} "
+            f"-> quantize {k} to {target} {describe(t)}",
+        )
+
+    def _maybe_restore(self, t: Telemetry) -> MorphDecision:
+        c = self.config
+        not_calm = []
+        if t.num_waiting:
+            not_calm.append(f"{t.num_waiting} waiting")
+        if t.kv_usage >= c.kv_low:
+            not_calm.append(f"kv usage {t.kv_usage:.1%} >= kv_low {c.kv_low:.0%}")
+        if t.ttft_p95_s is not None and t.ttft_p95_s > c.ttft_slo_s:
+            not_calm.append(f"ttft_p95 {t.ttft_p95_s:.3f} s > SLO {c.ttft_slo_s} s")
+        if not_calm:
+            self._calm_since = None
+            return MorphDecision.nothing(f"no pressure, not calm enough to restore ({'; '.join(not_calm)}) {describe(t)}")
+        if self._calm_since is None:
+            self._calm_since = t.now_s
+        if not t.quantized_layers:
+            return MorphDecision.nothing(f"calm, nothing quantized {describe(t)}")
+        calm_for = t.now_s - self._calm_since
+        if calm_for < c.restore_persist_s:
+            return MorphDecision.nothing(
+                f"calm for {calm_for:.2f} s < restore_persist_s {c.restore_persist_s} s {describe(t)}"
+            )
+        layer, precision = t.quantized_layers[-1]
+        if not t.pending_restore_chunk_free:
+            return MorphDecision.nothing(
+                f"calm for {calm_for:.2f} s but layer {layer}'s KV chunk is still in use; restore waits {describe(t)}"
+            )
+        chunk = t.blocks_per_layer_chunk.get(precision, 0)
+        remaining = t.kv_blocks_total - chunk
+        projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
+        if projected > c.kv_high:
+            return MorphDecision.nothing(
+                f"calm, but restoring layer {layer} would leave {remaining} blocks at {projected:.1%} usage "
+                f"> kv_high {c.kv_high:.0%} {describe(t)}"
+            )
+        self._calm_since = t.now_s
+        return MorphDecision(
+            "restore", (layer,), None,
+            f"calm for {calm_for:.2f} s >= {c.restore_persist_s} s, layer {layer} ({precision}) chunk free "
+            f"-> restore it (LIFO), pool shrinks by {chunk} blocks to {projected:.1%} usage {describe(t)}",
+        )

@@ -1,0 +1,143 @@
+"""Controller thresholds and the named serving modes.
+
+The paper names three dynamic modes (default, performance, accuracy) but does not
+publish their thresholds; the numbers below are ours, anchored on the paper's
+example triggers (KV usage > 85 %, queueing delay > 100 ms) and its TTFT SLO (2 s).
+``off`` and the two ``static-*`` modes are the FP16 and static-quantization
+baselines run through the same engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Strategy = Literal["off", "static", "dynamic"]
+
+KNOWN_PRECISIONS: tuple[str, ...] = ("fp8", "int8", "int4")
+"""Quantized variants the builder can produce."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Thresholds of the MorphServe controller.
+
+    Pressure (any one of):
+      * KV usage (used / total blocks) above ``kv_high``;
+      * the oldest waiting request has queued longer than ``queue_delay_high_s``;
+      * the waiting requests' prompts need more KV blocks than are free;
+      * P95 TTFT above ``ttft_slo_s`` while requests are waiting.
+    Pressure must hold on ``persist_iters`` consecutive ``decide()`` calls before a
+    quantize step; each step moves at most ``max_layers_per_step`` layers, and at
+    most ``max_quantized_fraction`` of all layers are ever quantized.
+
+    Restore needs calm (no pressure, nothing waiting, KV usage below ``kv_low``,
+    TTFT within SLO) held for ``restore_persist_s`` seconds of engine time.
+
+    ``ladder`` lists precisions from mildest to most aggressive: layers are first
+    quantized to ``ladder[0]``; once ``max_quantized_fraction`` is reached, already
+    quantized layers move one rung down (e.g. int8 -> int4) in swap order.
+    """
+
+    mode: str = "default"
+    """Name of the preset this config came from (labels only)."""
+    strategy: Strategy = "dynamic"
+    """off: never morph; static: quantize every layer once, never restore; dynamic: MorphServe."""
+    kv_high: float = 0.85
+    kv_low: float = 0.60
+    queue_delay_high_s: float = 0.10
+    persist_iters: int = 3
+    restore_persist_s: float = 5.0
+    max_layers_per_step: int = 2
+    max_quantized_fraction: float = 0.5
+    ladder: tuple[str, ...] = ("int4",)
+    ttft_slo_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        if self.strategy not in ("off", "static", "dynamic"):
+            errors.append(f"strategy must be off, static or dynamic, got {self.strategy!r}")
+        if not 0.0 < self.kv_low < self.kv_high <= 1.0:
+            errors.append(f"need 0 < kv_low < kv_high <= 1, got kv_low={self.kv_low}, kv_high={self.kv_high}")
+        if not self.queue_delay_high_s > 0:
+            errors.append(f"queue_delay_high_s must be > 0, got {self.queue_delay_high_s}")
+        if isinstance(self.persist_iters, bool) or not isinstance(self.persist_iters, int) or self.persist_iters < 1:
+            errors.append(f"persist_iters must be an int >= 1, got {self.persist_iters!r}")
+        if not self.restore_persist_s >= 0:
+            errors.append(f"restore_persist_s must be >= 0, got {self.restore_persist_s}")
+        if (
+            isinstance(self.max_layers_per_step, bool)
+            or not isinstance(self.max_layers_per_step, int)
+            or self.max_layers_per_step < 1
+        ):
+            errors.append(f"max_layers_per_step must be an int >= 1, got {self.max_layers_per_step!r}")
+        if not 0.0 <= self.max_quantized_fraction <= 1.0:
+            errors.append(f"max_quantized_fraction must be in [0, 1], got {self.max_quantized_fraction}")
+        if not isinstance(self.ladder, tuple):
+            errors.append(f"ladder must be a tuple, got {type(self.ladder).__name__}")
+        elif self.strategy != "off":
+            if not self.ladder:
+                errors.append("ladder must name at least one precision")
+            unknown = [p for p in self.ladder if p not in KNOWN_PRECISIONS]
+            if unknown:
+                errors.append(f"unknown precision(s) {unknown} in ladder; known: {list(KNOWN_PRECISIONS)}")
+            if len(set(self.ladder)) != len(self.ladder):
+                errors.append(f"ladder repeats a precision: {self.ladder}")
+            if self.strategy == "static" and len(self.ladder) != 1:
+                errors.append(f"a static mode takes exactly one precision, got {self.ladder}")
+        if not self.ttft_slo_s > 0:
+            errors.append(f"ttft_slo_s must be > 0, got {self.ttft_slo_s}")
+        if errors:
+            raise ValueError("invalid PolicyConfig: " + "; ".join(errors))
+
+    @classmethod
+    def for_mode(cls, name: str, **overrides: object) -> PolicyConfig:
+        """The preset called ``name``, with any field replaced by ``overrides``."""
+        try:
+            preset = MODES[name]
+        except KeyError:
+            raise ValueError(f"unknown policy mode {name!r}; valid modes: {', '.join(MODES)}") from None
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown PolicyConfig field(s) {unknown}; fields: {sorted(fields)}")
+        return dataclasses.replace(preset, **overrides)  # type: ignore[arg-type]
+
+
+MODES: dict[str, PolicyConfig] = {
+    "off": PolicyConfig(mode="off", strategy="off", ladder=()),
+    "static-int8": PolicyConfig(
+        mode="static-int8", strategy="static", ladder=("int8",), max_quantized_fraction=1.0
+    ),
+    "static-int4": PolicyConfig(
+        mode="static-int4", strategy="static", ladder=("int4",), max_quantized_fraction=1.0
+    ),
+    # Conservative: act late and slowly, prefer int8, touch few layers, give them back soon.
+    "accuracy": PolicyConfig(
+        mode="accuracy",
+        kv_high=0.90,
+        kv_low=0.70,
+        queue_delay_high_s=0.25,
+        persist_iters=6,
+        restore_persist_s=2.0,
+        max_layers_per_step=1,
+        max_quantized_fraction=0.25,
+        ladder=("int8", "int4"),
+    ),
+    # The paper's evaluated configuration: INT4 (AWQ) layers, moderate hysteresis.
+    "default": PolicyConfig(mode="default"),
+    # Aggressive: act on the first sign of pressure, many layers at once, keep them longer.
+    "performance": PolicyConfig(
+        mode="performance",
+        kv_high=0.80,
+        kv_low=0.50,
+        queue_delay_high_s=0.05,
+        persist_iters=1,
+        restore_persist_s=10.0,
+        max_layers_per_step=8,
+        max_quantized_fraction=0.75,
+        ladder=("int4",),
+    ),
+}
+"""Named presets; ``PolicyConfig.for_mode`` copies one and applies overrides."""

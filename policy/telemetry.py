@@ -1,0 +1,86 @@
+"""One snapshot of the serving engine's signals, as the controller sees them.
+
+The engine builds a ``Telemetry`` at every iteration boundary and passes it to
+``MorphController.decide``. Everything the controller needs is in here, including
+the time (``now_s``), so the policy never reads a clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """Engine signals at one iteration boundary.
+
+    Contract with the engine (``serve``):
+
+    * ``quantized_layers`` lists every layer that is currently quantized, as
+      ``(layer, precision)``, ordered by when the layer was *first* quantized
+      (its position in the swap stack). A later re-quantization (int8 -> int4)
+      keeps the layer's position. Swaps the engine has accepted but is still
+      copying must already be listed, so the controller never asks twice.
+    * ``pending_restore_chunk_free`` describes the last entry of
+      ``quantized_layers``: True only if every KV block that layer's swap(s)
+      added to the pool is free, i.e. the layer could be restored right now.
+    * ``blocks_per_layer_chunk[p]`` is the number of KV blocks quantizing one
+      full-precision layer to precision ``p`` adds (all Llama layers are the
+      same size, so one number per precision).
+    """
+
+    now_s: float
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_layers: int
+    num_running: int = 0
+    num_waiting: int = 0
+    oldest_wait_s: float = 0.0
+    """Queueing delay of the oldest waiting request; 0 when nothing waits."""
+    blocks_needed_waiting: int = 0
+    """KV blocks the waiting requests' prompts would need; 0 when nothing waits."""
+    ttft_p95_s: float | None = None
+    """P95 time-to-first-token over the engine's sliding window; None without data."""
+    tbt_p99_s: float | None = None
+    """P99 time-between-tokens over the sliding window; None without data."""
+    device_mem_used_bytes: int | None = None
+    device_mem_total_bytes: int | None = None
+    quantized_layers: tuple[tuple[int, str], ...] = ()
+    pending_restore_chunk_free: bool = False
+    blocks_per_layer_chunk: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_blocks_total < 0 or self.kv_blocks_used < 0:
+            raise ValueError("KV block counts must be >= 0")
+        if self.kv_blocks_used > self.kv_blocks_total:
+            raise ValueError(
+                f"kv_blocks_used ({self.kv_blocks_used}) > kv_blocks_total ({self.kv_blocks_total})"
+            )
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if min(self.num_running, self.num_waiting, self.blocks_needed_waiting) < 0:
+            raise ValueError("num_running, num_waiting and blocks_needed_waiting must be >= 0")
+        if self.oldest_wait_s < 0:
+            raise ValueError(f"oldest_wait_s must be >= 0, got {self.oldest_wait_s}")
+        layers = [layer for layer, _ in self.quantized_layers]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"quantized_layers lists a layer twice: {self.quantized_layers}")
+        if any(not 0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(
+                f"quantized_layers has a layer outside [0, {self.num_layers}): {self.quantized_layers}"
+            )
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0.0 for an empty pool)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def precision_of(self) -> dict[int, str]:
+        """Map layer -> precision for the quantized layers."""
+        return dict(self.quantized_layers)
