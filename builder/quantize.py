@@ -1,0 +1,319 @@
+"""Turn decoder-layer ``nn.Linear`` weights into the runtime formats of :mod:`serve.quantized_linear`.
+
+Two routes:
+
+- **modelopt** (:func:`quantize_with_modelopt`): runs ``mtq.quantize`` with ``INT8_WEIGHT_ONLY_CFG``
+  (per-channel max calibration), ``INT4_AWQ_CFG`` (awq_lite; block size 128 when every decoder
+  linear's in_features allows it, else 64, else 32) or ``FP8_DEFAULT_CFG`` with input quantizers
+  disabled (weights only), then :func:`extract_quantized_linears` reads each quantizer's calibrated
+  ``amax`` (and AWQ's ``pre_quant_scale``) and rebuilds exactly the integer / e4m3 codes modelopt's
+  fake quantization uses. modelopt int4 AWQ is symmetric: codes ``q in [-8, 7]`` map to the CPU
+  kernel's ``(code - 8) * scale + zero`` as ``code = q + 8``, ``zero = 0``.
+- **plain round-to-nearest fallback** (``quantize_*_rtn``, :func:`quantize_model_rtn`): no modelopt,
+  no calibration data; int8 per-channel symmetric, int4 symmetric group-wise, fp8 per-tensor or
+  per-channel. Fast, meant for tests and quick experiments.
+
+modelopt is imported lazily, so the fallback does not pay its import cost.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from serve.quantized_linear import (
+    INT4_GROUP_SIZES,
+    Fp8WeightOnly,
+    Int4WeightOnly,
+    Int8WeightOnly,
+    QuantizedLinear,
+)
+
+PRECISIONS: tuple[str, ...] = ("int8", "int4", "fp8")
+DECODER_LINEAR_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_DECODER_LINEAR_RE = re.compile(r"(^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(DECODER_LINEAR_NAMES) + r")$")
+
+_INT4_MAX, _INT8_MAX, _FP8_MAX = 7.0, 127.0, 448.0
+_AMAX_EPS = 1.0 / (1 << 24)
+"""modelopt's _tensor_quant / _fp8_eager treat amax <= 2**-24 as zero (whole block -> 0)."""
+
+ForwardLoop = Callable[[nn.Module], None]
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    return precision
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every decoder-layer q/k/v/o/gate/up/down linear, by its ``named_modules`` name."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if _DECODER_LINEAR_RE.search(name) and isinstance(module, nn.Linear)
+    }
+
+
+def choose_int4_block_size(in_features: Iterable[int]) -> int:
+    """128 when every in_features allows it, else 64 (e.g. SmolLM's hidden 576), else 32."""
+    dims = sorted(set(in_features))
+    for block in (128, 64, 32):
+        if all(k % block == 0 for k in dims):
+            return block
+    raise ValueError(f"no int4 block size in (128, 64, 32) divides all input dims {dims}")
+
+
+def _check_int4_block_size(in_features: Iterable[int], block_size: int) -> None:
+    if block_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {block_size}")
+    bad = sorted({k for k in in_features if k % block_size})
+    if bad:
+        dims = ", ".join(map(str, bad))
+        raise ValueError(
+            f"int4 group size {block_size} does not divide in_features {dims}; "
+            "use a group size that divides every input dim (e.g. 64 or 32 for a hidden size of 576)"
+        )
+
+
+# ------------------------------------------------------------------------------- plain RTN fallback
+
+
+def quantize_int8_rtn(weight: torch.Tensor) -> Int8WeightOnly:
+    """Plain (no modelopt) int8 symmetric per-output-channel round-to-nearest, scale = amax / 127."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    return Int8WeightOnly.from_int(_round_codes(w, amax[:, None], _INT8_MAX, -128.0), _scale(amax, _INT8_MAX))
+
+
+def quantize_int4_rtn(weight: torch.Tensor, group_size: int = 128) -> Int4WeightOnly:
+    """Plain (no modelopt) int4 symmetric group-wise round-to-nearest: per group of ``group_size``
+    inputs, scale = amax / 7, q = clamp(round(w / scale), -8, 7), zero = 0."""
+    w = weight.detach().float()
+    n, k = w.shape
+    _check_int4_block_size([k], group_size)
+    groups = w.reshape(n, k // group_size, group_size)
+    amax = groups.abs().amax(dim=2)
+    q = _round_codes(groups, amax[..., None], _INT4_MAX, -8.0).reshape(n, k)
+    return Int4WeightOnly.from_codes(q + 8, _scale(amax, _INT4_MAX), group_size)
+
+
+def quantize_fp8_rtn(weight: torch.Tensor, per_channel: bool = False) -> Fp8WeightOnly:
+    """Plain (no modelopt) e4m3 quantization, scale = amax / 448 per tensor or per output channel."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
+    return _fp8_from_amax(w, amax)
+
+
+def quantize_linear_rtn(weight: torch.Tensor, precision: str, group_size: int = 128) -> QuantizedLinear:
+    """Dispatch to the plain RTN quantizer of ``precision`` (``group_size`` is used by int4 only)."""
+    check_precision(precision)
+    if precision == "int8":
+        return quantize_int8_rtn(weight)
+    if precision == "int4":
+        return quantize_int4_rtn(weight, group_size)
+    return quantize_fp8_rtn(weight)
+
+
+def quantize_model_rtn(
+    model: nn.Module, precision: str, group_size: int | None = None
+) -> dict[str, QuantizedLinear]:
+    """Plain RTN for every decoder linear; int4 group size defaults to :func:`choose_int4_block_size`."""
+    check_precision(precision)
+    linears = decoder_linears(model)
+    if precision == "int4" and group_size is None:
+        group_size = choose_int4_block_size(m.in_features for m in linears.values())
+    return {
+        name: quantize_linear_rtn(m.weight, precision, group_size or 128) for name, m in linears.items()
+    }
+
+
+def _scale(amax: torch.Tensor, max_bound: float) -> torch.Tensor:
+    scale = amax.float() / max_bound
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _round_codes(w: torch.Tensor, amax: torch.Tensor, max_bound: float, min_bound: float) -> torch.Tensor:
+    """Signed integer codes exactly as modelopt's ``_tensor_quant``: clamp(round(w * (max/amax)))."""
+    amax = amax.float()
+    mult = torch.tensor(max_bound, dtype=torch.float32) / amax
+    mult = torch.where(amax <= _AMAX_EPS, torch.zeros_like(mult), mult)
+    return torch.clamp((w.float() * mult).round(), min_bound, max_bound)
+
+
+def _fp8_from_amax(w: torch.Tensor, amax: torch.Tensor) -> Fp8WeightOnly:
+    """Mirrors modelopt's ``_fp8_eager``: codes = e4m3(clamp(w * 448/amax)), scale = 1 / (448/amax)."""
+    amax = amax.float()
+    safe = torch.where(amax <= _AMAX_EPS, torch.ones_like(amax), amax)
+    mult = _FP8_MAX / safe
+    bmult = mult[:, None] if mult.numel() > 1 else mult.reshape(())
+    codes = (w.float() * bmult).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8WeightOnly(codes, 1 / mult)
+
+
+# --------------------------------------------------------------------------------------- modelopt
+
+
+@dataclass
+class ModeloptQuantization:
+    """Result of :func:`quantize_with_modelopt`.
+
+    ``model`` is the modelopt-quantized (fake-quant) model: its QuantLinear modules are the
+    reference the runtime layers are checked against; after AWQ its linear weights are the smoothed
+    ones. ``block_size`` is the int4 block size used (None for int8 / fp8)."""
+
+    model: nn.Module
+    precision: str
+    block_size: int | None
+    layers: dict[str, QuantizedLinear] = field(default_factory=dict)
+
+
+def modelopt_config(precision: str, block_size: int | None = None) -> dict[str, Any]:
+    """A private copy of the modelopt preset for ``precision``, adjusted for weight-only use:
+    int4 gets ``block_size`` (default 128); fp8 gets its input quantizers disabled."""
+    import modelopt.torch.quantization as mtq
+
+    check_precision(precision)
+    presets = {"int8": mtq.INT8_WEIGHT_ONLY_CFG, "int4": mtq.INT4_AWQ_CFG, "fp8": mtq.FP8_DEFAULT_CFG}
+    cfg = copy.deepcopy(presets[precision])
+    if precision == "int4":
+        _set_weight_block_size(cfg, block_size or 128)
+    if precision == "fp8":
+        # Later entries win in modelopt 0.47's ordered quant_cfg list.
+        cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    return cfg
+
+
+def _set_weight_block_size(cfg: dict[str, Any], block_size: int) -> None:
+    entries = [e for e in cfg["quant_cfg"] if e.get("quantizer_name") == "*weight_quantizer" and "cfg" in e]
+    if not entries:
+        raise ValueError("modelopt int4 preset has no '*weight_quantizer' entry to set the block size on")
+    for entry in entries:
+        entry["cfg"]["block_sizes"][-1] = block_size
+
+
+def quantize_with_modelopt(
+    model: nn.Module,
+    precision: str,
+    forward_loop: ForwardLoop,
+    block_size: int | None = None,
+    inplace: bool = False,
+) -> ModeloptQuantization:
+    """Calibrate with modelopt and extract every decoder linear in the runtime format.
+
+    ``forward_loop(model)`` runs calibration batches through the model (modelopt's ForwardLoop).
+    The model is deep-copied first unless ``inplace`` (mtq.quantize swaps modules and AWQ rewrites
+    weights). For int4, ``block_size`` defaults to :func:`choose_int4_block_size` of the decoder
+    linears' in_features; the one used is reported in the result."""
+    import modelopt.torch.quantization as mtq
+
+    check_precision(precision)
+    in_dims = [m.in_features for m in decoder_linears(model).values()]
+    if not in_dims:
+        raise ValueError("model has no decoder-layer q/k/v/o/gate/up/down linears")
+    if precision == "int4":
+        block_size = block_size or choose_int4_block_size(in_dims)
+        _check_int4_block_size(in_dims, block_size)
+    else:
+        block_size = None
+    target = model if inplace else copy.deepcopy(model)
+    with torch.no_grad():
+        target = mtq.quantize(target, modelopt_config(precision, block_size), forward_loop)
+    return ModeloptQuantization(target, precision, block_size, extract_quantized_linears(target, precision))
+
+
+def extract_quantized_linears(model: nn.Module, precision: str) -> dict[str, QuantizedLinear]:
+    """Runtime layers for every decoder linear of a modelopt-quantized model."""
+    check_precision(precision)
+    layers = {name: extract_quantized_linear(m, precision) for name, m in decoder_linears(model).items()}
+    if not layers:
+        raise ValueError("model has no decoder-layer q/k/v/o/gate/up/down linears")
+    return layers
+
+
+def extract_quantized_linear(module: nn.Module, precision: str) -> QuantizedLinear:
+    """Runtime layer from one modelopt QuantLinear, reproducing its fake-quant weight codes."""
+    check_precision(precision)
+    _check_modelopt_format(module, precision)
+    with torch.no_grad():
+        if precision == "int8":
+            return _extract_int8(module)
+        if precision == "int4":
+            return _extract_int4(module)
+        return _extract_fp8(module)
+
+
+def _check_modelopt_format(module: nn.Module, precision: str) -> None:
+    from modelopt.torch.export import model_config as mc
+    from modelopt.torch.export.quant_utils import get_quantization_format
+
+    expected = {
+        "int8": {mc.QUANTIZATION_INT8_WO},
+        "int4": {mc.QUANTIZATION_INT4_AWQ},
+        "fp8": {mc.QUANTIZATION_FP8, mc.QUANTIZATION_FP8_PC_PT},
+    }[precision]
+    found = get_quantization_format(module) if hasattr(module, "weight_quantizer") else None
+    if found not in expected:
+        raise ValueError(
+            f"module is not modelopt-quantized as {precision} (format {found!r}, expected {sorted(expected)})"
+        )
+
+
+def _weight_amax(module: nn.Module) -> torch.Tensor:
+    amax = module.weight_quantizer.export_amax()
+    if amax is None:
+        raise ValueError("weight quantizer has no amax: was the model calibrated?")
+    return amax.float()
+
+
+def _min_bound(quantizer: Any, max_bound: float) -> float:
+    return -max_bound if quantizer.narrow_range else -max_bound - 1
+
+
+def _extract_int8(module: nn.Module) -> Int8WeightOnly:
+    wq = module.weight_quantizer
+    amax = _weight_amax(module).reshape(-1)  # [N], axis=0
+    q = _round_codes(module.weight, amax[:, None], float(wq.maxbound), _min_bound(wq, float(wq.maxbound)))
+    return Int8WeightOnly.from_int(q, _scale(amax, float(wq.maxbound)))
+
+
+def _extract_int4(module: nn.Module) -> Int4WeightOnly:
+    from modelopt.torch.export.quant_utils import get_prequant_scaling_factor, get_weight_block_size
+
+    wq = module.weight_quantizer
+    block = get_weight_block_size(module)
+    w = module.weight.float()
+    n, k = w.shape
+    _check_int4_block_size([k], block)
+    amax = _weight_amax(module).reshape(n, k // block)
+    groups = w.reshape(n, k // block, block)
+    q = _round_codes(groups, amax[..., None], float(wq.maxbound), _min_bound(wq, float(wq.maxbound)))
+    pqs = get_prequant_scaling_factor(module)
+    return Int4WeightOnly.from_codes(
+        q.reshape(n, k) + 8,
+        _scale(amax, float(wq.maxbound)),
+        block,
+        pre_quant_scale=None if pqs is None else pqs.float().reshape(k),
+    )
+
+
+def _extract_fp8(module: nn.Module) -> Fp8WeightOnly:
+    amax = _weight_amax(module).reshape(-1)  # [1] per-tensor, [N] per-channel
+    return _fp8_from_amax(module.weight.float(), amax)
+
+
+def token_batches_loop(batches: Sequence[torch.Tensor]) -> ForwardLoop:
+    """A modelopt forward loop feeding ``input_ids`` batches through a causal LM."""
+
+    def loop(model: nn.Module) -> None:
+        with torch.no_grad():
+            for ids in batches:
+                model(input_ids=ids)
+
+    return loop
