@@ -5,6 +5,9 @@ TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ENGINE_DIR ?= engines/$(MODEL)
 PY := $(VENV)/bin/python
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
 PIP := $(VENV)/bin/pip
 
 .PHONY: install test build-engines serve bench bench-engine clean help
@@ -28,6 +31,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q
+
+serve: install
+	$(PY) -m serve.triton_launcher --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) \
+	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 bench-engine: install
 	$(PY) -m serve.bench_engine

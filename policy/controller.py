@@ -18,7 +18,8 @@ Rules (dynamic modes):
   steps are always at least ``persist_iters`` calls apart.
 * Restore. Calm = no pressure, nothing waiting, KV usage below ``kv_low`` and TTFT
   within SLO. After ``restore_persist_s`` seconds of unbroken calm, the most
-  recently quantized layer (last of ``Telemetry.quantized_layers``; LIFO) returns
+  recent transition (last of ``Telemetry.quantized_layers``; LIFO) is undone: the
+  layer goes one rung back on the ladder (int4 -> int8) or to full precision, and
   to full precision, but only if its KV chunk is entirely free
   (``pending_restore_chunk_free``) and shrinking the pool by that chunk would not
   push KV usage above ``kv_high`` (which would re-trigger pressure at once). One
@@ -191,7 +192,8 @@ class MorphController:
             return MorphDecision.nothing(
                 f"calm for {calm_for:.2f} s but layer {layer}'s KV chunk is still in use; restore waits {describe(t)}"
             )
-        chunk = t.blocks_per_layer_chunk.get(precision, 0)
+        target = self._milder_rung(precision)
+        chunk = t.blocks_per_layer_chunk.get(precision, 0) - (t.blocks_per_layer_chunk.get(target, 0) if target else 0)
         remaining = t.kv_blocks_total - chunk
         projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
         if projected > c.kv_high:
@@ -201,7 +203,15 @@ class MorphController:
             )
         self._calm_since = t.now_s
         return MorphDecision(
-            "restore", (layer,), None,
+            "restore", (layer,), target,
             f"calm for {calm_for:.2f} s >= {c.restore_persist_s} s, layer {layer} ({precision}) chunk free "
-            f"-> restore it (LIFO), pool shrinks by {chunk} blocks to {projected:.1%} usage {describe(t)}",
+            f"-> restore it to {target or 'full precision'} (LIFO), pool shrinks by {chunk} blocks to "
+            f"{projected:.1%} usage {describe(t)}",
         )
+
+    def _milder_rung(self, precision: str) -> str | None:
+        """The rung a restore returns to: one step back on the ladder, or full precision (None)."""
+        ladder = self.config.ladder
+        if precision in ladder and ladder.index(precision) > 0:
+            return ladder[ladder.index(precision) - 1]
+        return None

@@ -14,8 +14,9 @@ class MorphDecision:
 
     * ``quantize``: move ``layers`` (in the given order) to ``precision``; a
       layer may already be quantized at a lower rung of the ladder (int8 -> int4).
-    * ``restore``: bring ``layers`` back to full precision (``precision`` is
-      None) and release their KV chunks.
+    * ``restore``: undo the most recent transition of ``layers``: back to
+      ``precision`` (the milder rung of the ladder, e.g. int4 -> int8) or to full
+      precision when ``precision`` is None; the transition's KV chunk leaves the pool.
     * ``none``: do nothing; ``reason`` says why.
     """
 
@@ -29,8 +30,8 @@ class MorphDecision:
             if not self.layers or not self.precision:
                 raise ValueError("a quantize decision needs layers and a precision")
         elif self.action == "restore":
-            if not self.layers or self.precision is not None:
-                raise ValueError("a restore decision needs layers and no precision")
+            if not self.layers:
+                raise ValueError("a restore decision needs layers")
         elif self.action == "none":
             if self.layers or self.precision is not None:
                 raise ValueError("a none decision carries no layers or precision")

@@ -18,13 +18,14 @@ class Telemetry:
     Contract with the engine (``serve``):
 
     * ``quantized_layers`` lists every layer that is currently quantized, as
-      ``(layer, precision)``, ordered by when the layer was *first* quantized
-      (its position in the swap stack). A later re-quantization (int8 -> int4)
-      keeps the layer's position. Swaps the engine has accepted but is still
-      copying must already be listed, so the controller never asks twice.
+      ``(layer, precision)``, ordered by each layer's most recent transition: it
+      is the swap stack, and its last entry owns the newest KV chunk. A
+      re-quantization (int8 -> int4) moves the layer to the end, because it adds a
+      new chunk on top. Swaps the engine has accepted but is still copying must
+      already be listed, so the controller never asks twice.
     * ``pending_restore_chunk_free`` describes the last entry of
-      ``quantized_layers``: True only if every KV block that layer's swap(s)
-      added to the pool is free, i.e. the layer could be restored right now.
+      ``quantized_layers``: True only if every KV block of that layer's newest
+      chunk is free, i.e. its most recent transition could be undone right now.
     * ``blocks_per_layer_chunk[p]`` is the number of KV blocks quantizing one
       full-precision layer to precision ``p`` adds (all Llama layers are the
       same size, so one number per precision).

@@ -261,7 +261,9 @@ class TritonServer:
 
     Ports default to free ones picked at construction. ``params`` override the model's config.pbtxt
     parameters. The server's stdout/stderr (Triton's log and the model's JSON log lines) go to
-    ``log_path`` (a file in the private work directory unless given).
+    ``log_path`` (a file in the private work directory unless given). stop() deletes the private
+    work directory, keeping its log only when ``keep_log`` is set or the server exited with an error.
+    ``die_with_parent`` asks the kernel to SIGTERM the server if the creating thread's process dies.
     """
 
     def __init__(
@@ -281,6 +283,7 @@ class TritonServer:
         extra_args: Sequence[str] = (),
         workdir: str | os.PathLike[str] | None = None,
         die_with_parent: bool = True,
+        keep_log: bool = False,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -298,6 +301,7 @@ class TritonServer:
         self.use_gpu = gpu_present() if use_gpu is None else use_gpu
         self.extra_args = list(extra_args)
         self.die_with_parent = die_with_parent
+        self.keep_log = keep_log
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="morphserve-triton-"))
         self.log_path = Path(log_path) if log_path else self.workdir / "tritonserver.log"
@@ -404,6 +408,22 @@ class TritonServer:
         lines = data.decode("utf-8", errors="replace").splitlines()
         return "\n".join(lines[-n_lines:])
 
+    def error_summary(self, max_lines: int = 6) -> str:
+        """Triton's error lines from the log (``E....`` records and ``error: ...``), minus known CPU noise."""
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        noise = ("CudaDriverHelper", "pinned memory", "Pinned memory", "GPU metrics")
+        errors = [ln.strip() for ln in lines
+                  if (re.match(r"^E\d{4} ", ln) or ln.startswith("error:")) and not any(n in ln for n in noise)]
+        return "\n".join(errors[-max_lines:])
+
+    def _failure(self, what: str) -> TritonLaunchError:
+        summary = self.error_summary()
+        head = f"{what}: {summary}" if summary else what
+        return TritonLaunchError(f"{head}\n--- last lines of {self.log_path} ---\n{self.log_tail()}")
+
     def _get(self, url: str, timeout: float = 2.0) -> int:
         try:
             with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback http only
@@ -433,18 +453,13 @@ class TritonServer:
         while True:
             rc = self.proc.poll()
             if rc is not None:
-                raise TritonLaunchError(
-                    f"tritonserver exited with code {rc} before becoming ready "
-                    f"(log {self.log_path}):\n{self.log_tail()}"
-                )
+                raise self._failure(f"tritonserver exited with code {rc} before becoming ready")
             if self.is_ready():
                 self.ready_after_s = time.monotonic() - self.started_at
                 log.info("tritonserver_ready", model=self.model_name, ready_after_s=round(self.ready_after_s, 3))
                 return self.ready_after_s
             if time.monotonic() > deadline:
-                raise TritonLaunchError(
-                    f"tritonserver not ready after {timeout:.0f} s (log {self.log_path}):\n{self.log_tail()}"
-                )
+                raise self._failure(f"tritonserver not ready after {timeout:.0f} s")
             time.sleep(poll_s)
 
     def stop(self, grace_s: float | None = None) -> int | None:
@@ -475,10 +490,10 @@ class TritonServer:
             self._log_file = None
         if self._own_workdir:
             log_inside = self.workdir.resolve() in self.log_path.resolve().parents
-            if rc in (0, None) or not log_inside:
+            if not log_inside or (rc in (0, None) and not self.keep_log):
                 shutil.rmtree(self.workdir, ignore_errors=True)
             else:
-                # Keep the log of a failed server for debugging; drop the rest.
+                # Keep the log (asked for, or the server failed); drop the rest.
                 for sub in ("backends", "model_repository"):
                     shutil.rmtree(self.workdir / sub, ignore_errors=True)
         self.proc = None
@@ -559,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    p.add_argument("--log-level", default="info", help="level of the launcher's own JSON log (stderr)")
+    p.add_argument("--log-level", default="warning", help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     p.add_argument(
         "--gpu",
@@ -619,12 +634,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_verbose=args.log_verbose,
         use_gpu={"auto": None, "yes": True, "no": False}[args.gpu],
         extra_args=extra,
+        keep_log=True,
     )
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise _Terminate
 
-    if threading.current_thread() is threading.main_thread():
+    def on_second_signal(signum: int, frame: FrameType | None) -> None:
+        # A second Ctrl-C / SIGTERM while shutting down: do not wait for Triton's exit timeout.
+        if srv.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+        os._exit(130)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
         srv.start()
@@ -642,12 +666,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return rc or 1
             time.sleep(0.5)
     except TritonLaunchError as e:
-        log.error("tritonserver_failed", error=str(e))
+        log.error("tritonserver_failed", error=str(e).splitlines()[0], log_path=str(srv.log_path))
+        sys.stderr.write(f"morphserve failed to start: {e}\n")
         return 1
     except (KeyboardInterrupt, _Terminate):
         log.info("shutdown_requested")
         return 0
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, on_second_signal)
+            signal.signal(signal.SIGINT, on_second_signal)
         srv.stop()
 
 

@@ -18,12 +18,21 @@ BASE_TOTAL = 1000
 
 
 class FakeEngine:
-    """Applies decisions to a model of the engine's layer/KV state and builds telemetry from it."""
+    """Applies decisions to a model of the engine's layer/KV state and builds telemetry from it.
+
+    Like the real engine it keeps a stack of transitions (one KV chunk each); a layer's place in
+    ``quantized_layers`` is the place of its newest chunk, so the last entry always owns the top chunk.
+    """
 
     def __init__(self, num_layers: int = NUM_LAYERS) -> None:
         self.num_layers = num_layers
-        self.quantized: dict[int, str] = {}  # insertion order = swap stack
+        self.stack: list[tuple[int, str]] = []  # (layer, precision reached), one chunk each
         self.now = 0.0
+
+    @property
+    def quantized(self) -> dict[int, str]:
+        latest = {layer: (i, p) for i, (layer, p) in enumerate(self.stack)}
+        return {layer: p for layer, (_, p) in sorted(latest.items(), key=lambda kv: kv[1][0])}
 
     @property
     def total(self) -> int:
@@ -46,12 +55,14 @@ class FakeEngine:
         if d.action == "quantize":
             for layer in d.layers:
                 assert self.quantized.get(layer) != d.precision, f"layer {layer} quantized twice to {d.precision}"
-                self.quantized[layer] = d.precision  # type: ignore[assignment]  # re-quantizing keeps the position
+                self.stack.append((layer, d.precision))  # type: ignore[arg-type]
         elif d.action == "restore":
             for layer in d.layers:
                 assert layer in self.quantized, f"restored layer {layer} that is not quantized"
-                assert layer == list(self.quantized)[-1], "restore must be LIFO"
-                del self.quantized[layer]
+                assert self.stack[-1][0] == layer, "restore must be LIFO: the layer owns the top chunk"
+                self.stack.pop()
+                after = self.quantized.get(layer)
+                assert after == d.precision, f"restore of {layer} should reach {after}, decision says {d.precision}"
 
 
 def step(ctl: MorphController, eng: FakeEngine, **kw: object) -> MorphDecision:
