@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -31,6 +32,15 @@ class EngineConfig:
     max_model_len: int | None = None   # default: the model's context length
     num_threads: int | None = None     # torch intra-op threads; default: torch's choice
     seed: int = 0
+    # MorphServe: runtime quantized layer swapping + KV resizing (policy/ modes: off, static-int8,
+    # static-int4, accuracy, default, performance)
+    morph_mode: str = "off"
+    device_memory: str | None = None   # budget: a size ('600MiB') or, on CUDA, a fraction ('0.9')
+    memory_reserve: str = "16MiB"      # kept free inside the budget (activations, allocator slack)
+    slo_ttft_s: float = 2.0
+    morph_precisions: str = "int8,int4"  # variants built on the fly when the model is not an engine dir
+    int4_group_size: int | None = None   # on-the-fly int4 group (default: 128 if it divides, else 64)
+    policy_overrides: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields, e.g. kv_high
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -45,3 +55,11 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         parse_size(self.kv_cache_memory)
+        parse_size(self.memory_reserve)
+        from policy import MODES, PolicyConfig  # the policy package is pure and cheap to import
+
+        if self.morph_mode not in MODES:
+            raise ValueError(f"unknown morph_mode {self.morph_mode!r}; valid: {sorted(MODES)}")
+        PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
+        if self.slo_ttft_s <= 0:
+            raise ValueError(f"slo_ttft_s must be positive, got {self.slo_ttft_s}")

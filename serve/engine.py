@@ -15,12 +15,15 @@ from typing import Callable, Iterable
 
 import torch
 
-from serve.block_pool import BlockPool
-from serve.config import EngineConfig, parse_size
+from serve.config import EngineConfig
 from serve.executor import TorchExecutor
 from serve.kv_cache import PagedKVCache, kv_bytes_per_block
 from serve.llama import LlamaModel
+from serve.logging_setup import ensure_logging
 from serve.model_loader import LoadedModel, load_model
+from serve.morph_runtime import MorphRuntime
+from serve.morph_setup import MorphPlan, build_memory, build_runtime, rtn_plan
+from policy import PolicyConfig
 from serve.outputs import FinishReason, RequestOutput
 from serve.sampler import sample
 from serve.sampling_params import SamplingParams
@@ -33,23 +36,33 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config = config or EngineConfig()
+        ensure_logging()
+        self.clock = clock or time.perf_counter  # one clock for arrivals, token times and the controller
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         self.dtype = _DTYPES[dtype_name]
-        loaded = loaded or load_model(config.model)
+        plan: MorphPlan | None = None
+        if loaded is None:
+            loaded, plan = load_model_and_plan(config)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
         self.bytes_per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(1, parse_size(config.kv_cache_memory) // self.bytes_per_block)
-        self.pool = BlockPool(num_blocks)
+        policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+        if policy.strategy != "off" and plan is None:
+            plan = rtn_plan(loaded.weights, loaded.config.num_layers, _precisions(config, policy), config.int4_group_size)
+        self.pool, self.ledger, bank = build_memory(config, self.model, self.bytes_per_block, plan, policy)
         self.kv = PagedKVCache(loaded.config, self.pool.max_blocks, config.block_size, self.device, self.dtype)
+        self.morph: MorphRuntime | None = None
+        if bank is not None and plan is not None:
+            self.morph = build_runtime(policy, plan, bank, self.pool, self.ledger, config.block_size, clock=self.clock)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
         self.executor = TorchExecutor(self.model, self.kv)
         self.default_generator = torch.Generator().manual_seed(config.seed)
@@ -90,8 +103,13 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, callback: Callback | None = None) -> str:
-        """Validate, then queue. Raises ValueError/TypeError for bad input; the engine is unaffected."""
+                    request_id: str | None = None, callback: Callback | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate, then queue. Raises ValueError/TypeError for bad input; the engine is unaffected.
+
+        arrival_time (on the engine's clock) lets a replay count queueing from the request's scheduled
+        arrival rather than from when its loop got round to adding it.
+        """
         params = params or SamplingParams()
         ids = self.validate_and_tokenize(prompt, params)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -99,7 +117,7 @@ class LLMEngine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params, time.perf_counter(), IncrementalDetokenizer(self.tokenizer, params.stop),
+            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop),
                            callback, gen)
             self._requests[rid] = seq
             self.scheduler.add(seq)
@@ -123,6 +141,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
+            if self.morph is not None:
+                self.morph.on_iteration_boundary(self.scheduler)
             sched = self.scheduler.schedule()
             if not sched.chunks:
                 return []
@@ -138,13 +158,18 @@ class LLMEngine:
             return []
         seqs = [c.seq for c in sampled]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
-        now = time.perf_counter()
+        now = self.clock()
         produced = []
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
             self.num_generated_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                if self.morph is not None:
+                    self.morph.record_first_token(now, now - seq.arrival_time)
+            elif self.morph is not None and seq.last_token_time is not None:
+                self.morph.record_token_gap(now, now - seq.last_token_time)
+            seq.last_token_time = now
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 produced.append((seq, self._finish(seq, reason, last_token=tok)))
@@ -201,6 +226,9 @@ class LLMEngine:
         while True:
             with self._lock:
                 while not self._stopping and not self.scheduler.has_work():
+                    if self.morph is not None and not self.morph.is_settled():
+                        self._wake.wait(0.05)  # keep ticking so the controller can restore layers when calm
+                        break
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -263,7 +291,32 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens,
-                "layers_quantized": {},
-                "swaps_total": 0,
-                "restores_total": 0,
+                "layers_quantized": self.morph.quantized_by_precision() if self.morph else {},
+                "swaps_total": self.morph.stats.swaps if self.morph else 0,
+                "restores_total": self.morph.stats.restores if self.morph else 0,
+                "kv_blocks_base": self.pool.base_blocks,
+                "memory": self.ledger.as_dict(),
             }
+
+    def shutdown(self) -> None:
+        self.stop()
+        if self.morph is not None:
+            self.morph.bank.shutdown()
+
+
+def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
+    names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
+    return sorted(set(names) | set(policy.ladder))
+
+
+def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:
+    """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain."""
+    from pathlib import Path
+
+    if (Path(config.model) / "manifest.json").is_file():
+        from serve.engine_dir import load_engine_dir
+
+        ed = load_engine_dir(config.model)
+        plan = MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, "engine-dir")
+        return ed.loaded, plan
+    return load_model(config.model), None

@@ -77,3 +77,9 @@ def get_logger(component: str, **bound: Any) -> structlog.typing.FilteringBoundL
     logger picks up a configure_logging() call made later, e.g. in main().
     """
     return structlog.get_logger(component=component, **bound)
+
+
+def ensure_logging() -> None:
+    """Configure JSON logging to stderr unless the process already did (library entry points call this)."""
+    if _configured is None:
+        configure_logging()

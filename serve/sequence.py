@@ -35,6 +35,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

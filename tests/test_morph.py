@@ -1,0 +1,200 @@
+"""Runtime layer swapping + KV resizing on a tiny random Llama: exact accounting, state preservation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from policy import MorphDecision
+from serve.config import EngineConfig
+from serve.engine import LLMEngine
+from serve.layer_bank import FULL
+from serve.sampling_params import SamplingParams
+from test_kv_accounting import assert_exact_accounting
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def morph_engine(tiny, mode="performance", blocks=20, clock=None, **overrides) -> LLMEngine:
+    policy = {"persist_iters": 1, "restore_persist_s": 5.0, **overrides}
+    if mode.startswith("static") or mode == "off":
+        policy = {}
+    return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
+                                  morph_mode=mode, policy_overrides=policy, max_model_len=256), loaded=tiny,
+                     clock=clock or FakeClock())
+
+
+def assert_memory_exact(engine: LLMEngine) -> None:
+    """Resident weights + KV pool + reserve fit the budget, and the ledger equals the real objects."""
+    led, m = engine.ledger, engine.morph
+    led.check()
+    assert led.layer_bytes == [layer.nbytes for layer in engine.model.layers]
+    assert led.kv_blocks == engine.pool.num_blocks
+    chunk_blocks = sum(c.num_blocks for c in engine.pool.chunks[1:])
+    assert chunk_blocks == sum(t.blocks for t in m.stack)
+    assert [c.owner for c in engine.pool.chunks[1:]] == [t.owner for t in m.stack if t.owner]
+    for t in m.stack:  # the KV chunk of a swap is exactly the bytes it freed, rounded down to blocks
+        freed = m.bank.nbytes(t.layer, t.from_precision) - m.bank.nbytes(t.layer, t.to_precision)
+        assert t.blocks == freed // led.bytes_per_block
+
+
+def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
+    steps = 0
+    while engine.has_unfinished_requests() or not engine.morph.is_settled():
+        engine.step()
+        clock.t += 0.5
+        assert_memory_exact(engine)
+        assert_exact_accounting(engine)
+        steps += 1
+        assert steps < max_steps, "engine did not return to full precision"
+
+
+def test_static_modes_quantize_every_layer_up_front(tiny):
+    for mode, precision in (("static-int8", "int8"), ("static-int4", "int4")):
+        e = morph_engine(tiny, mode)
+        assert [layer.precision for layer in e.model.layers] == [precision] * tiny.config.num_layers
+        assert e.pool.num_blocks > e.pool.base_blocks
+        assert_memory_exact(e)
+        out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert len(out["token_ids"]) == 4
+
+
+def test_off_mode_has_no_layer_bank(tiny):
+    e = morph_engine(tiny, "off")
+    assert e.morph is None
+    assert e.stats()["layers_quantized"] == {} and e.stats()["swaps_total"] == 0
+
+
+def test_pressure_quantizes_then_calm_restores_to_base(tiny):
+    clock = FakeClock()
+    e = morph_engine(tiny, "performance", clock=clock)
+    base = e.pool.num_blocks
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for i in range(8):
+        e.add_request([(17 * i + j) % 4000 + 10 for j in range(30)], params)
+    max_total = base
+    while e.has_unfinished_requests():
+        e.step()
+        clock.t += 0.05
+        max_total = max(max_total, e.pool.num_blocks)
+        assert_memory_exact(e)
+        assert_exact_accounting(e)
+    assert e.morph.stats.swaps >= 1 and max_total > base
+    events = {ev["event"] for ev in e.morph.events}
+    assert "swap" in events
+    drain_and_settle(e, clock)
+    assert e.pool.num_blocks == base
+    assert all(layer.precision == FULL for layer in e.model.layers)
+    assert e.morph.stats.restores == e.morph.stats.swaps
+    assert "kv_shrink" in {ev["event"] for ev in e.morph.events}
+
+
+def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int4"):
+    """One request; optionally quantize `layers` at iteration `swap_step` (mid-decode)."""
+    e = morph_engine(tiny, "performance", blocks=64, kv_high=1.0, queue_delay_high_s=1e9, restore_persist_s=1e9)
+    tokens, computed = [], []
+    prompt = list(range(300, 340))
+    e.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True),
+                  callback=lambda o: tokens.extend(o.new_token_ids))
+    step = 0
+    while e.has_unfinished_requests():
+        if step == swap_step:
+            seq = e.scheduler.running[0]
+            kv_before = list(seq.block_ids)
+            e.morph.apply_now(MorphDecision("quantize", layers, precision, "test"))
+            assert seq.block_ids == kv_before, "a swap must not touch a sequence's KV blocks"
+        sched = e.scheduler.schedule()
+        computed.append(sched.num_tokens)
+        logits, sampled = e.executor.execute(sched.chunks)
+        e.scheduler.on_executed(sched)
+        e._deliver(e._append_tokens(sampled, logits))
+        step += 1
+    return tokens, computed, e
+
+
+def test_swap_mid_decode_preserves_state_and_matches_deterministic_replay(tiny):
+    plain, plain_computed, _ = _run_with_swap_at(tiny, None)
+    swapped, computed, engine = _run_with_swap_at(tiny, 6)
+    replay, _, _ = _run_with_swap_at(tiny, 6)
+    assert swapped == replay                      # deterministic: same swap, same step -> same tokens
+    assert swapped[:6] == plain[:6]               # tokens before the swap are the full-precision ones
+    assert swapped != plain                       # the quantized layers really ran afterwards
+    assert sum(computed) == sum(plain_computed) == 40 + 24 - 1   # no recomputation of the prompt
+    assert engine.scheduler.num_preemptions == 0
+    assert [engine.model.layers[i].precision for i in (0, 1)] == ["int4", "int4"]
+
+
+def test_restore_waits_for_its_chunk_to_be_free(tiny):
+    clock = FakeClock()
+    e = morph_engine(tiny, "performance", blocks=8, clock=clock, restore_persist_s=0.0)
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    top = e.morph.stack[-1]
+    held = e.pool.allocate(e.pool.num_free)            # occupy every block, including the chunk's
+    e.morph.start(MorphDecision("restore", (0,), None, "test"))
+    assert e.model.layers[0].precision == "int4" and e.morph.stack[-1] is top
+    assert e.morph.events[-1]["event"] == "restore_skipped"
+    e.pool.free(held)
+    e.morph.start(MorphDecision("restore", (0,), None, "test"))
+    e.morph.complete_ready(wait=True)
+    assert e.model.layers[0].precision == FULL and e.pool.num_blocks == e.pool.base_blocks
+    assert_memory_exact(e)
+
+
+def test_ladder_int8_then_int4_and_back_in_reverse(tiny):
+    e = morph_engine(tiny, "accuracy", blocks=8)
+    m = e.morph
+    for layer, prec in ((0, "int8"), (1, "int8"), (0, "int4")):
+        m.apply_now(MorphDecision("quantize", (layer,), prec, "test"))
+        assert_memory_exact(e)
+    assert m.quantized_layers() == ((1, "int8"), (0, "int4"))
+    for layer, prec in ((0, "int8"), (1, None), (0, None)):
+        m.apply_now(MorphDecision("restore", (layer,), prec, "test"))
+        assert_memory_exact(e)
+    assert m.is_settled() and e.pool.num_blocks == e.pool.base_blocks
+
+
+def test_budget_too_small_is_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        LLMEngine(EngineConfig(device_memory="1MiB", morph_mode="default"), loaded=tiny)
+    with pytest.raises(ValueError, match="morph_mode"):
+        EngineConfig(morph_mode="turbo")
+
+
+request = st.tuples(st.integers(4, 40), st.integers(1, 16), st.integers(0, 30), st.sampled_from([None, 2, 5, 11]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=st.lists(request, min_size=1, max_size=12), mode=st.sampled_from(["default", "performance", "accuracy"]),
+       blocks=st.integers(16, 40), seed=st.integers(0, 1000))
+def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, mode, blocks, seed):
+    clock = FakeClock()
+    e = morph_engine(tiny, mode, blocks=blocks, clock=clock, persist_iters=1 + seed % 3,
+                     restore_persist_s=float(seed % 4))
+    base = e.pool.num_blocks
+    plan = sorted((arrive, i) for i, (_, _, arrive, _) in enumerate(reqs))
+    rids: dict[int, str] = {}
+    step = 0
+    while plan or e.has_unfinished_requests():
+        while plan and plan[0][0] <= step:
+            _, i = plan.pop(0)
+            n, max_tokens, _, _ = reqs[i]
+            rids[i] = e.add_request([(seed + 13 * i + j) % 4000 + 10 for j in range(n)],
+                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        for i, (_, _, arrive, abort_after) in enumerate(reqs):
+            if abort_after is not None and i in rids and step == arrive + abort_after:
+                e.abort_request(rids[i])
+        e.step()
+        clock.t += 0.05
+        assert_memory_exact(e)
+        assert_exact_accounting(e)
+        step += 1
+        assert step < 5000
+    drain_and_settle(e, clock)
+    assert e.pool.num_blocks == base and e.pool.num_used == 0
+    assert all(layer.precision == FULL for layer in e.model.layers)
