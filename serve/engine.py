@@ -58,6 +58,13 @@ class LLMEngine:
         policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
         if policy.strategy != "off" and plan is None:
             plan = rtn_plan(loaded.weights, loaded.config.num_layers, _precisions(config, policy), config.int4_group_size)
+        elif plan is not None:  # an engine dir may hold more variants (fp8) than this mode uses
+            wanted = _precisions(config, policy)
+            missing = [p for p in policy.ladder if p not in plan.precisions]
+            if missing:
+                raise ValueError(f"engine {config.model} lacks the {missing} variants that morph mode "
+                                 f"{config.morph_mode!r} needs (built: {plan.precisions})")
+            plan.precisions = [p for p in plan.precisions if p in wanted]
         self.pool, self.ledger, bank = build_memory(config, self.model, self.bytes_per_block, plan, policy)
         self.kv = PagedKVCache(loaded.config, self.pool.max_blocks, config.block_size, self.device, self.dtype)
         self.morph: MorphRuntime | None = None
@@ -174,23 +181,18 @@ class LLMEngine:
             if reason is not None:
                 produced.append((seq, self._finish(seq, reason, last_token=tok)))
             else:
-                seq.detokenizer.add(tok)
                 produced.append((seq, self._output(seq, [tok], final=False)))
         return produced
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
         p = seq.params
-        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+        if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
             return FinishReason.STOP
-        if tok in p.stop_token_ids:
+        seq.detokenizer.add(tok)
+        if seq.detokenizer.stopped_by is not None:
             return FinishReason.STOP
-        if p.stop:
-            seq.detokenizer.add(tok)
-            if seq.detokenizer.stopped_by is not None:
-                return FinishReason.STOP
-            seq.detokenizer.token_ids.pop()  # _append_tokens adds it again for unfinished sequences
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.detokenizer.add(tok)
             return FinishReason.LENGTH
         return None
 

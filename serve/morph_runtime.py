@@ -73,6 +73,7 @@ class MorphRuntime:
         self.pending: list[PendingSwap] = []
         self.stats = MorphStats()
         self.events: collections.deque[dict] = collections.deque(maxlen=10_000)
+        self.tokens_served = 0  # tokens generated so far; events carry it so logs give tokens per configuration
         self._ttfts: collections.deque[tuple[float, float]] = collections.deque()
         self._gaps: collections.deque[tuple[float, float]] = collections.deque()
         missing = [p for p in config.ladder if p not in bank.precisions]
@@ -85,9 +86,11 @@ class MorphRuntime:
     # ---- signals -----------------------------------------------------------------------------------
     def record_first_token(self, now: float, ttft_s: float) -> None:
         self._ttfts.append((now, ttft_s))
+        self.tokens_served += 1
 
     def record_token_gap(self, now: float, gap_s: float) -> None:
         self._gaps.append((now, gap_s))
+        self.tokens_served += 1
 
     def _window(self, q: collections.deque, now: float, pct: float) -> float | None:
         while q and q[0][0] < now - self.window_s:
@@ -231,6 +234,6 @@ class MorphRuntime:
         return not self.pending and not self.stack
 
     def _event(self, event: str, **fields) -> None:
-        record = {"event": event, **fields}
+        record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}
         self.events.append(record)
         log.info(event, **fields)
