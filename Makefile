@@ -36,6 +36,9 @@ serve: install
 	$(PY) -m serve.triton_launcher --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
+bench: install
+	$(PY) -m serve.bench --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)
+
 bench-engine: install
 	$(PY) -m serve.bench_engine
 

@@ -236,4 +236,4 @@ class MorphRuntime:
     def _event(self, event: str, **fields) -> None:
         record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}
         self.events.append(record)
-        log.info(event, **fields)
+        log.info(event, **{k: v for k, v in record.items() if k != "event"})
