@@ -10,12 +10,13 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PIP := $(VENV)/bin/pip
 
-.PHONY: install test build-engines serve bench bench-engine clean help
+.PHONY: install test build-engines quality serve bench bench-engine clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
 	@echo "make test           run the test suite"
-	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants)"
+	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants; a no-op when up to date)"
+	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 
@@ -32,8 +33,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q
 
-serve: install
-	$(PY) -m serve.triton_launcher --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) \
+build-engines: install
+	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(BUILD_ARGS)
+
+QUALITY_TEXT ?= ../shared/data/text/botchan.txt
+quality: build-engines
+	$(PY) -m builder.evaluate --engine-dir $(ENGINE_DIR) --text $(QUALITY_TEXT)
+
+serve: build-engines
+	$(PY) -m serve.triton_launcher --engine-dir $(ENGINE_DIR) \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 bench: install

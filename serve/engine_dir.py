@@ -138,9 +138,7 @@ def read_layer_variant(path: Path) -> dict[str, QuantizedLinear]:
             meta = f.metadata() or {}
             tensors = {key: f.get_tensor(key) for key in f.keys()}
         metas = json.loads(meta["projs"])
-    except (OSError, KeyError, ValueError, RuntimeError) as exc:  # safetensors raises SafetensorError(Exception)
-        raise EngineDirError(f"{path}: unreadable layer file ({type(exc).__name__}: {exc})") from exc
-    except Exception as exc:  # noqa: BLE001 - safetensors_rust.SafetensorError is not importable portably
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError derives from Exception only
         raise EngineDirError(f"{path}: unreadable layer file ({type(exc).__name__}: {exc})") from exc
     out: dict[str, QuantizedLinear] = {}
     for proj in PROJS:
@@ -253,10 +251,12 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 
 def manifest_files(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every file record of the manifest (model files, profile, every layer variant)."""
+    """Every file record of the manifest (model files, profile, layer variants, TensorRT-LLM checkpoints)."""
     records = list(manifest["files"].values())
     for layer in manifest["layers"]:
         records.extend(layer["variants"].values())
+    for export in manifest.get("trtllm", {}).get("precisions", {}).values():
+        records.extend(export.get("files", []))
     return records
 
 

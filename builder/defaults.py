@@ -1,0 +1,11 @@
+"""CLI defaults shared by builder/__main__.py (kept free of torch imports) and builder/build.py."""
+
+from __future__ import annotations
+
+PRECISIONS: tuple[str, ...] = ("int8", "int4", "fp8")  # == builder.quantize.PRECISIONS (checked in tests)
+MODEL = "smollm2-135m"
+CALIB_TOKENS = 512
+"""modelopt calibration tokens (2 sequences of 256): int8 + int4 AWQ + fp8 take ~25 s for SmolLM2-135M."""
+PROFILE_TOKENS = 256
+"""Tokens for the layer-importance profile; its cost is ~ tokens x layers^3 (~2 min for 30 layers, 2 cores)."""
+SEQ_LEN = 256

@@ -1,0 +1,137 @@
+"""A dense (no KV cache) Llama forward over swappable decoder layers, for profiling and evaluation.
+
+Each decoder layer is a :class:`DenseLayer` whose seven projections are plain callables, so the same
+forward runs full-precision weights, dequantized runtime weights (fp32 matmul) or the runtime
+quantized kernels themselves. Hidden states are ``[batch, tokens, hidden]`` fp32; attention is causal
+over each row. Checked against transformers' LlamaForCausalLM in tests/test_builder.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from serve.model_config import ModelConfig
+from serve.quantized_linear import Int4WeightOnly, QuantizedLinear
+from serve.rope import RotaryEmbedding
+
+PROJ_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ_MODULE: dict[str, str] = {
+    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+}
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def proj_key(layer: int, proj: str) -> str:
+    """HF name prefix of a projection, e.g. ``model.layers.3.self_attn.q_proj``."""
+    return f"model.layers.{layer}.{PROJ_MODULE[proj]}.{proj}"
+
+
+class DenseProjection:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class KernelProjection:
+    """A runtime quantized linear (its own aten kernel) plus the full-precision bias, if any."""
+
+    def __init__(self, layer: QuantizedLinear, bias: torch.Tensor | None = None) -> None:
+        self.layer = layer
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x)
+        return y + self.bias if self.bias is not None else y
+
+
+def dequantized_weight(layer: QuantizedLinear) -> torch.Tensor:
+    """fp32 weight equivalent to the runtime layer (AWQ's pre_quant_scale folded in)."""
+    if isinstance(layer, Int4WeightOnly):
+        return layer.dequantize_folded()
+    return layer.dequantize()
+
+
+@dataclass
+class DenseLayer:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    projs: dict[str, Projection]
+
+
+class DenseLlama:
+    """Embedding, final norm, lm_head and RoPE tables of one model; layers are passed per call."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], max_positions: int = 4096) -> None:
+        self.config = config
+        self.weights = weights
+        self.embed_weight = weights["model.embed_tokens.weight"].float()
+        self.norm_weight = weights["model.norm.weight"].float()
+        self.lm_head_weight = weights.get("lm_head.weight", self.embed_weight).float()
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed_weight
+        self.rope = RotaryEmbedding(config, max_positions, torch.device("cpu"), torch.float32)
+        self.full_layers = [self.full_layer(i) for i in range(config.num_layers)]
+
+    def _bias(self, layer: int, proj: str) -> torch.Tensor | None:
+        bias = self.weights.get(proj_key(layer, proj) + ".bias")
+        return None if bias is None else bias.float()
+
+    def _norms(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = f"model.layers.{i}."
+        return self.weights[p + "input_layernorm.weight"].float(), self.weights[p + "post_attention_layernorm.weight"].float()
+
+    def full_layer(self, i: int) -> DenseLayer:
+        projs = {n: DenseProjection(self.weights[proj_key(i, n) + ".weight"].float(), self._bias(i, n)) for n in PROJ_NAMES}
+        return DenseLayer(*self._norms(i), projs)
+
+    def quantized_layer(self, i: int, variant: Mapping[str, QuantizedLinear], kernels: bool = False) -> DenseLayer:
+        """Layer ``i`` with its projections replaced by ``variant`` (dequantized fp32, or the kernels)."""
+        if kernels:
+            projs: dict[str, Projection] = {n: KernelProjection(variant[n], self._bias(i, n)) for n in PROJ_NAMES}
+        else:
+            projs = {n: DenseProjection(dequantized_weight(variant[n]), self._bias(i, n)) for n in PROJ_NAMES}
+        return DenseLayer(*self._norms(i), projs)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_weight)
+
+    def layer_forward(self, layer: DenseLayer, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        b, t, _ = h.shape
+        x = self._rms_norm(h, layer.input_norm)
+        positions = torch.arange(t)
+        q = self.rope.apply(layer.projs["q_proj"](x).view(b, t, cfg.num_heads, cfg.head_dim), positions)
+        k = self.rope.apply(layer.projs["k_proj"](x).view(b, t, cfg.num_kv_heads, cfg.head_dim), positions)
+        v = layer.projs["v_proj"](x).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
+        h = h + layer.projs["o_proj"](attn.transpose(1, 2).reshape(b, t, cfg.q_size))
+        x = self._rms_norm(h, layer.post_attention_norm)
+        return h + layer.projs["down_proj"](F.silu(layer.projs["gate_proj"](x)) * layer.projs["up_proj"](x))
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(h, self.norm_weight)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.final_hidden(h), self.lm_head_weight)
+
+    def forward(self, input_ids: torch.Tensor, layers: list[DenseLayer] | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]``; ``layers`` default to the full-precision ones."""
+        h = self.embed(input_ids)
+        for layer in layers if layers is not None else self.full_layers:
+            h = self.layer_forward(layer, h)
+        return self.logits(h)
