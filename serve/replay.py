@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy threshold, e.g. --policy kv_high=0.8 (repeatable)")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
+    p.add_argument("--quality", action="store_true",
+                   help="also measure perplexity (held-out text) of every configuration the engine ran, "
+                        "weighted by the tokens it generated in each (serve/quality.py)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_trace_arguments(p)
     return p
@@ -101,7 +104,7 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
             engine.step()  # lets the controller tick (restore when calm) between arrivals
             if queue:
                 time.sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
-        config = engine.morph.config_signature() if engine.morph else "full"
+        config = engine.morph.config_signature() if engine.morph else "f" * num_layers
         tokens_by_config[config] += engine.num_generated_tokens - before
         now = clock() - t0
         if now - last_sample >= 0.1:
@@ -161,16 +164,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = {"mode": args.mode, "trace": desc, "device_memory": args.device_memory, "model": args.model,
               **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=not args.quiet)}
+    engine.shutdown()
+    if args.quality:
+        result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.threads)
     print(markdown_table({args.mode: result}))
     m = result["morph"]
     print(f"\nswaps {m['swaps']}, restores {m['restores']}, max quantized layers {m['max_quantized_layers']}, "
           f"KV capacity {m['kv_capacity_tokens']['base']} -> {m['kv_capacity_tokens']['max']} tokens, "
           f"time-weighted quantized share {m['time_weighted_quantized_share']:.1%}, preemptions {m['preemptions']}")
+    if "quality" in result:
+        q = result["quality"]
+        print(f"perplexity: full {q['perplexity_full']:.2f}, served (token-weighted) {q['perplexity']:.2f} "
+              f"({q['loss_pct']:+.2f} %)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
-    engine.shutdown()
     return 0
+
+
+def configuration_quality(model: str, tokens_by_config: dict[str, int], threads: int) -> dict:
+    from serve.quality import QualityEvaluator, full_signature, quality_loss_pct, weighted_perplexity
+
+    evaluator = QualityEvaluator(model, num_threads=threads)
+    try:
+        configs = {c: n for c, n in tokens_by_config.items() if n > 0}
+        full = full_signature(len(next(iter(tokens_by_config))))
+        nll = {c: evaluator.nll(c) for c in set(configs) | {full}}
+        ppl = weighted_perplexity(configs, nll)
+        ppl_full = evaluator.perplexity(full)
+        return {"perplexity": ppl, "perplexity_full": ppl_full, "loss_pct": quality_loss_pct(ppl, ppl_full),
+                "perplexity_by_config": {c: evaluator.perplexity(c) for c in configs}}
+    finally:
+        evaluator.shutdown()
 
 
 if __name__ == "__main__":
