@@ -38,7 +38,7 @@ class EngineConfig:
     device_memory: str | None = None   # budget: a size ('600MiB') or, on CUDA, a fraction ('0.9')
     memory_reserve: str = "16MiB"      # kept free inside the budget (activations, allocator slack)
     slo_ttft_s: float = 2.0
-    morph_precisions: str = "int8,int4"  # variants built on the fly when the model is not an engine dir
+    morph_precisions: str = ""  # extra precisions to hold beyond the mode's ladder (e.g. "int8,int4" for evaluation)
     int4_group_size: int | None = None   # on-the-fly int4 group (default: 128 if it divides, else 64)
     policy_overrides: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields, e.g. kv_high
 

@@ -307,6 +307,8 @@ class LLMEngine:
 
 
 def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
+    """The variants the layer bank holds: the mode's ladder plus any extra asked for. Holding only what the
+    mode can use keeps host memory down and the staging headroom (sized for the largest variant) small."""
     names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
     return sorted(set(names) | set(policy.ladder))
 

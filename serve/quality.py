@@ -119,7 +119,7 @@ class QualityEvaluator:
         self.model_name = model
         self.window = window
         blocks = math.ceil(window / 16) + 1
-        self.engine = LLMEngine(EngineConfig(model=model, morph_mode="default", num_kv_blocks=blocks,
+        self.engine = LLMEngine(EngineConfig(model=model, morph_mode="default", morph_precisions="int8,int4", num_kv_blocks=blocks,
                                              num_threads=num_threads))
         if self.engine.morph is None:  # pragma: no cover - default mode always has a bank
             raise RuntimeError("the quality engine has no layer bank")
