@@ -71,6 +71,9 @@ class MorphRuntime:
         self.window_s = window_s
         self.stack: list[Transition] = []
         self.pending: list[PendingSwap] = []
+        # Layers of an accepted quantize decision not yet copying: one copy is in flight at a time, so the
+        # staging headroom is one layer's variant whatever the mode's layers per step.
+        self.queued: collections.deque[tuple[int, str, str]] = collections.deque()
         self.stats = MorphStats()
         self.events: collections.deque[dict] = collections.deque(maxlen=10_000)
         self.tokens_served = 0  # tokens generated so far; events carry it so logs give tokens per configuration
@@ -102,9 +105,9 @@ class MorphRuntime:
         latest: dict[int, tuple[int, str]] = {}
         for i, tr in enumerate(self.stack):
             latest[tr.layer] = (i, tr.to_precision)
-        for j, p in enumerate(self.pending):
-            if p.kind == "quantize":  # a pending restore has already left the stack
-                latest[p.layer] = (len(self.stack) + j, p.target)
+        accepted = [(p.layer, p.target) for p in self.pending if p.kind == "quantize"]  # restores left the stack
+        for j, (layer, target) in enumerate(accepted + [(layer, target) for layer, target, _ in self.queued]):
+            latest[layer] = (len(self.stack) + j, target)
         return tuple((layer, prec) for layer, (_, prec) in sorted(latest.items(), key=lambda kv: kv[1][0]))
 
     def telemetry(self, now: float, scheduler: Scheduler) -> Telemetry:
@@ -119,7 +122,7 @@ class MorphRuntime:
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
             ttft_p95_s=self._window(self._ttfts, now, 95), tbt_p99_s=self._window(self._gaps, now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
-            quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending,
+            quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
             blocks_per_layer_chunk=self.blocks_per_layer_chunk,
         )
 
@@ -127,8 +130,8 @@ class MorphRuntime:
     def on_iteration_boundary(self, scheduler: Scheduler) -> MorphDecision | None:
         now = self.clock()
         self.complete_ready(wait=False)
-        if self.pending:
-            return None  # one batch of swaps at a time keeps the stack order simple
+        if self.pending or self.queued:
+            return None  # one decision at a time keeps the stack order simple
         decision = self.controller.decide(self.telemetry(now, scheduler))
         if decision.action != "none":
             self.start(decision)
@@ -137,18 +140,27 @@ class MorphRuntime:
     def start(self, decision: MorphDecision) -> None:
         for layer in decision.layers:
             if decision.action == "quantize":
-                self._start_quantize(layer, decision.precision, decision.reason)  # type: ignore[arg-type]
+                self.queued.append((layer, decision.precision, decision.reason))  # type: ignore[arg-type]
             else:
                 self._start_restore(layer, decision.precision or FULL, decision.reason)
+        self._start_next()
 
-    def _start_quantize(self, layer: int, target: str, reason: str) -> None:
+    def _start_next(self) -> None:
+        if self.pending or not self.queued:
+            return
+        layer, target, reason = self.queued.popleft()
+        if not self._start_quantize(layer, target, reason):
+            self.queued.clear()  # no headroom now means none for the rest of the decision either
+
+    def _start_quantize(self, layer: int, target: str, reason: str) -> bool:
         staged = self.bank.nbytes(layer, target)
         if staged > self.ledger.available:
             self._event("swap_deferred", layer=layer, to_precision=target, needed_bytes=staged,
                         available_bytes=self.ledger.available, reason="no headroom for the staging copy")
-            return
+            return False
         self.ledger.staging_bytes += staged
         self.pending.append(PendingSwap("quantize", layer, target, self.bank.prepare(layer, target), staged, reason, self.clock()))
+        return True
 
     def _start_restore(self, layer: int, target: str, reason: str) -> None:
         top = self.stack[-1] if self.stack else None
@@ -175,7 +187,7 @@ class MorphRuntime:
                                         self.clock(), transition=top))
 
     def complete_ready(self, wait: bool) -> None:
-        """Install every finished copy (or all of them when wait=True), in the order they were started."""
+        """Install finished copies in order; each install starts the next queued copy. wait=True drains all."""
         while self.pending and (wait or self.pending[0].future.done()):
             p = self.pending.pop(0)
             layer_obj = p.future.result()
@@ -193,6 +205,7 @@ class MorphRuntime:
                 self._event("restore", layer=p.layer, from_precision=before, to_precision=p.target,
                             time_ms=round(elapsed_ms, 3), reason=p.reason)
             self.ledger.check()
+            self._start_next()
 
     def _finish_quantize(self, p: PendingSwap, before: str, freed: int, elapsed_ms: float) -> None:
         blocks = max(0, freed) // self.ledger.bytes_per_block
@@ -231,7 +244,7 @@ class MorphRuntime:
 
     def is_settled(self) -> bool:
         """Nothing in flight and every layer at full precision (the state an idle engine returns to)."""
-        return not self.pending and not self.stack
+        return not self.pending and not self.queued and not self.stack
 
     def _event(self, event: str, **fields) -> None:
         record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}

@@ -57,8 +57,9 @@ def build_memory(config: EngineConfig, model: LlamaModel, bytes_per_block: int, 
         bank = LayerBank(model, variants)
         smallest = min(bank.nbytes(0, p) for p in plan.precisions)
         largest_q = max(bank.nbytes(0, p) for p in plan.precisions)
-        # staging copies of one decision's layers live in the budget until installed
-        headroom = max(1, min(policy.max_layers_per_step, len(model.layers))) * largest_q + bytes_per_block
+        # one staging copy is in flight at a time (MorphRuntime queues the rest of a decision); the extra
+        # block covers a restore, whose removed chunk is up to one block smaller than the bytes it needs
+        headroom = largest_q + bytes_per_block
         max_extra = len(model.layers) * ((layer_bytes[0] - smallest) // bytes_per_block)
     if config.device_memory is not None:
         budget = resolve_budget(model.device, config.device_memory, 0)

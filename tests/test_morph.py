@@ -198,3 +198,16 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
     drain_and_settle(e, clock)
     assert e.pool.num_blocks == base and e.pool.num_used == 0
     assert all(layer.precision == FULL for layer in e.model.layers)
+
+
+def test_a_multi_layer_decision_stages_one_copy_at_a_time(tiny):
+    e = morph_engine(tiny, "performance", blocks=8)
+    m = e.morph
+    m.start(MorphDecision("quantize", (1, 0), "int4", "test"))
+    assert len(m.pending) == 1 and list(m.queued) == [(0, "int4", "test")]
+    assert e.ledger.staging_bytes == m.bank.nbytes(1, "int4")      # headroom for one variant is enough
+    assert m.quantized_layers() == ((1, "int4"), (0, "int4"))      # accepted swaps are visible to the policy
+    m.complete_ready(wait=True)
+    assert not m.pending and not m.queued and e.ledger.staging_bytes == 0
+    assert [t.layer for t in m.stack] == [1, 0]
+    assert_memory_exact(e)
