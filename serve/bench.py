@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from serve.latency_metrics import RequestTiming, distribution, markdown_table, summarize
+from serve.replay import time_weighted_quantized_share
 from serve.workload import WorkItem, add_trace_arguments, build_workload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -341,14 +342,6 @@ def tokens_by_config(changes: Sequence[tuple[int, str]], initial: str, start_tok
         if hi > lo:
             out[config] = out.get(config, 0) + (hi - lo)
     return out
-
-
-def time_weighted_quantized_share(timeline: Sequence[Mapping], num_layers: int, duration_s: float) -> float:
-    """Mean over time of quantized layers / layers (each sample holds until the next one)."""
-    if duration_s <= 0 or num_layers <= 0:
-        return 0.0
-    weighted = sum(a["quantized_layers"] / num_layers * (b["t"] - a["t"]) for a, b in zip(timeline, timeline[1:]))
-    return weighted / duration_s
 
 
 def morph_summary(events: Sequence[Mapping], timeline: Sequence[Mapping], final: Mapping | None, num_layers: int,

@@ -15,6 +15,7 @@ import collections
 import json
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from serve.config import EngineConfig
@@ -71,7 +72,6 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     kv_block_tokens = engine.config.block_size
     t0 = clock()
     last_sample = -1.0
-    n_failed_admission = 0
 
     def on_output(out) -> None:
         t = timings[out.request_id]
@@ -96,14 +96,11 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
             except ValueError as exc:
                 timings[rid].ok, timings[rid].error = False, str(exc)
                 done.add(rid)
-                n_failed_admission += 1
         before = engine.num_generated_tokens
-        if engine.has_unfinished_requests():
-            engine.step()
-        else:
-            engine.step()  # lets the controller tick (restore when calm) between arrivals
-            if queue:
-                time.sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
+        idle = not engine.has_unfinished_requests()
+        engine.step()  # when idle this still lets the controller tick (restore when calm) between arrivals
+        if idle and queue:
+            time.sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
         config = engine.morph.config_signature() if engine.morph else "f" * num_layers
         tokens_by_config[config] += engine.num_generated_tokens - before
         now = clock() - t0
@@ -128,11 +125,15 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     return result
 
 
+def time_weighted_quantized_share(timeline: Sequence[Mapping], num_layers: int, duration_s: float) -> float:
+    """Mean over time of quantized layers / layers (each timeline sample holds until the next one)."""
+    if duration_s <= 0 or num_layers <= 0:
+        return 0.0
+    weighted = sum(a["quantized_layers"] / num_layers * (b["t"] - a["t"]) for a, b in zip(timeline, timeline[1:]))
+    return weighted / duration_s
+
+
 def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: int) -> dict:
-    num_layers = engine.model_config.num_layers
-    weighted = 0.0
-    for a, b in zip(timeline, timeline[1:]):
-        weighted += a["quantized_layers"] / num_layers * (b["t"] - a["t"])
     m = engine.morph
     swap_ms = {k: round(sum(v) / len(v), 3) for k, v in m.stats.swap_ms.items()} if m else {}
     return {
@@ -140,7 +141,7 @@ def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: i
         "restores": m.stats.restores if m else 0,
         "max_quantized_layers": max((p["quantized_layers"] for p in timeline), default=0),
         "final_quantized_layers": m.num_quantized if m else 0,
-        "time_weighted_quantized_share": weighted / duration if duration > 0 else 0.0,
+        "time_weighted_quantized_share": time_weighted_quantized_share(timeline, engine.model_config.num_layers, duration),
         "kv_capacity_tokens": {"base": engine.pool.base_blocks * block_tokens,
                                "max": max((p["kv_capacity_tokens"] for p in timeline), default=0)},
         "mean_swap_ms": swap_ms,
