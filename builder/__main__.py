@@ -1,4 +1,4 @@
-"""``python -m builder``: build an engine directory (see serve/engine_dir.py for its layout).
+"""``python -m builder``: build an engine directory (see serve/model/engine_dir.py for its layout).
 
 Exit status: 0 built or already up to date; 2 bad input (one-line message on stderr); 130 interrupted.
 """

@@ -1,6 +1,6 @@
 """One engine-directory build: load, calibrate, quantize per layer, profile importance, export, commit.
 
-Order of work (all inside a staging directory, see serve/engine_dir.py; the manifest is written last):
+Order of work (all inside a staging directory, see serve/model/engine_dir.py; the manifest is written last):
 model files -> for each precision: modelopt calibration + per-layer variant files (+ TensorRT-LLM
 checkpoint) -> layer-importance profile on the int4 variants -> profile.json -> manifest.json -> rename.
 """
@@ -26,14 +26,16 @@ from builder import defaults, importance
 from builder.calibration import CalibrationData, calibration_text, load_calibration, text_sha256
 from builder.errors import BuildError
 from builder.forward import DenseLlama
-from builder.quantize import PRECISIONS, choose_int4_block_size
 from builder.trtllm_export import export_precision, fp8_w8a8_model, trtllm_available
-from builder.variants import VariantResult, build_variants, hf_llama
-from serve import engine_dir as ed
-from serve.model_config import ModelConfig
+from builder.variants import VariantResult, build_variants
+from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS
 from serve.logging_setup import get_logger
-from serve.model_loader import EMBEDDED_MODELS, LoadedModel, ModelLoadError, load_model, resolve_model_source
-from serve.quantized_linear import INT4_GROUP_SIZES
+from serve.model import engine_dir as ed
+from serve.model.hf_reference import hf_llama
+from serve.model.loader import EMBEDDED_MODELS, LoadedModel, ModelLoadError, load_model, resolve_model_source
+from serve.model.model_config import ModelConfig
+from serve.model.quantized_linear import INT4_GROUP_SIZES
+from serve.model.rtn import choose_int4_block_size
 
 log = get_logger("builder")
 

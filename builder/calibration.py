@@ -11,7 +11,7 @@ import torch
 from builder import defaults
 from builder.calibration_corpus import DEFAULT_CALIBRATION_NAME, DEFAULT_CALIBRATION_TEXT
 from builder.errors import BuildError
-from serve.tokenizer import Tokenizer
+from serve.model.tokenizer import Tokenizer
 
 DEFAULT_SEQ_LEN = defaults.SEQ_LEN
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-PRECISIONS: tuple[str, ...] = ("int8", "int4", "fp8")  # == builder.quantize.PRECISIONS (checked in tests)
+from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS  # noqa: F401 - the CLI's default list (stdlib-only import)
+
 MODEL = "smollm2-135m"
 CALIB_TOKENS = 512
 """modelopt calibration tokens (2 sequences of 256): int8 + int4 AWQ + fp8 take ~25 s for SmolLM2-135M."""

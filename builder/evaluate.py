@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from builder.forward import DenseLayer, DenseLlama
-from serve.engine_dir import EngineDir, EngineDirError, load_engine_dir
+from serve.model.engine_dir import EngineDir, EngineDirError, load_engine_dir
 
 ORDER_LABELS = {"lis": "LIS", "front_to_back": "front-to-back", "back_to_front": "back-to-front"}
 

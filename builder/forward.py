@@ -14,31 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serve.model_config import ModelConfig
-from serve.quantized_linear import Int4WeightOnly, QuantizedLinear
-from serve.rope import RotaryEmbedding
-
-PROJ_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROJ_MODULE: dict[str, str] = {
-    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-}
+from serve.model.layers import PROJECTIONS, projection_key
+from serve.model.linear import DenseLinear
+from serve.model.llama import rms_norm
+from serve.model.model_config import ModelConfig
+from serve.model.quantized_linear import Int4WeightOnly, QuantizedLinear
+from serve.model.rope import RotaryEmbedding
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
-
-
-def proj_key(layer: int, proj: str) -> str:
-    """HF name prefix of a projection, e.g. ``model.layers.3.self_attn.q_proj``."""
-    return f"model.layers.{layer}.{PROJ_MODULE[proj]}.{proj}"
-
-
-class DenseProjection:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class KernelProjection:
@@ -82,7 +65,7 @@ class DenseLlama:
         self.full_layers = [self.full_layer(i) for i in range(config.num_layers)]
 
     def _bias(self, layer: int, proj: str) -> torch.Tensor | None:
-        bias = self.weights.get(proj_key(layer, proj) + ".bias")
+        bias = self.weights.get(projection_key(layer, proj) + ".bias")
         return None if bias is None else bias.float()
 
     def _norms(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,19 +73,19 @@ class DenseLlama:
         return self.weights[p + "input_layernorm.weight"].float(), self.weights[p + "post_attention_layernorm.weight"].float()
 
     def full_layer(self, i: int) -> DenseLayer:
-        projs = {n: DenseProjection(self.weights[proj_key(i, n) + ".weight"].float(), self._bias(i, n)) for n in PROJ_NAMES}
+        projs = {n: DenseLinear(self.weights[projection_key(i, n) + ".weight"].float(), self._bias(i, n)) for n in PROJECTIONS}
         return DenseLayer(*self._norms(i), projs)
 
     def quantized_layer(self, i: int, variant: Mapping[str, QuantizedLinear], kernels: bool = False) -> DenseLayer:
         """Layer ``i`` with its projections replaced by ``variant`` (dequantized fp32, or the kernels)."""
         if kernels:
-            projs: dict[str, Projection] = {n: KernelProjection(variant[n], self._bias(i, n)) for n in PROJ_NAMES}
+            projs: dict[str, Projection] = {n: KernelProjection(variant[n], self._bias(i, n)) for n in PROJECTIONS}
         else:
-            projs = {n: DenseProjection(dequantized_weight(variant[n]), self._bias(i, n)) for n in PROJ_NAMES}
+            projs = {n: DenseLinear(dequantized_weight(variant[n]), self._bias(i, n)) for n in PROJECTIONS}
         return DenseLayer(*self._norms(i), projs)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * weight
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_weight)

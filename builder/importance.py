@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from builder.forward import DenseLayer, DenseLlama
-from serve.quantized_linear import QuantizedLinear
+from serve.model.quantized_linear import QuantizedLinear
 
 LIS_WEIGHTS: tuple[float, float, float] = (0.25, 0.25, 0.5)
 """(a1 for LTS, a2 for LRS, b for MDS), the paper's values."""

@@ -1,4 +1,4 @@
-"""Turn decoder-layer ``nn.Linear`` weights into the runtime formats of :mod:`serve.quantized_linear`.
+"""Turn decoder-layer ``nn.Linear`` weights into the runtime formats of :mod:`serve.model.quantized_linear`.
 
 Two routes:
 
@@ -20,36 +20,34 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from serve.quantized_linear import (
-    INT4_GROUP_SIZES,
+from policy.precisions import check_quantized_precision
+from serve.model.layers import PROJECTIONS
+from serve.model.quantized_linear import (
     Fp8WeightOnly,
     Int4WeightOnly,
     Int8WeightOnly,
     QuantizedLinear,
 )
+from serve.model.rtn import (
+    _fp8_from_amax,
+    _round_codes,
+    _scale,
+    check_int4_block_size,
+    choose_int4_block_size,
+    quantize_linear_rtn,
+)
 
-PRECISIONS: tuple[str, ...] = ("int8", "int4", "fp8")
-DECODER_LINEAR_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_DECODER_LINEAR_RE = re.compile(r"(^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(DECODER_LINEAR_NAMES) + r")$")
+_DECODER_LINEAR_RE = re.compile(r"(^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")$")
 
-_INT4_MAX, _INT8_MAX, _FP8_MAX = 7.0, 127.0, 448.0
-_AMAX_EPS = 1.0 / (1 << 24)
-"""modelopt's _tensor_quant / _fp8_eager treat amax <= 2**-24 as zero (whole block -> 0)."""
 
 ForwardLoop = Callable[[nn.Module], None]
-
-
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    return precision
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -61,100 +59,20 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
-def choose_int4_block_size(in_features: Iterable[int]) -> int:
-    """128 when every in_features allows it, else 64 (e.g. SmolLM's hidden 576), else 32."""
-    dims = sorted(set(in_features))
-    for block in (128, 64, 32):
-        if all(k % block == 0 for k in dims):
-            return block
-    raise ValueError(f"no int4 block size in (128, 64, 32) divides all input dims {dims}")
-
-
-def _check_int4_block_size(in_features: Iterable[int], block_size: int) -> None:
-    if block_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {block_size}")
-    bad = sorted({k for k in in_features if k % block_size})
-    if bad:
-        dims = ", ".join(map(str, bad))
-        raise ValueError(
-            f"int4 group size {block_size} does not divide in_features {dims}; "
-            "use a group size that divides every input dim (e.g. 64 or 32 for a hidden size of 576)"
-        )
-
-
 # ------------------------------------------------------------------------------- plain RTN fallback
-
-
-def quantize_int8_rtn(weight: torch.Tensor) -> Int8WeightOnly:
-    """Plain (no modelopt) int8 symmetric per-output-channel round-to-nearest, scale = amax / 127."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    return Int8WeightOnly.from_int(_round_codes(w, amax[:, None], _INT8_MAX, -128.0), _scale(amax, _INT8_MAX))
-
-
-def quantize_int4_rtn(weight: torch.Tensor, group_size: int = 128) -> Int4WeightOnly:
-    """Plain (no modelopt) int4 symmetric group-wise round-to-nearest: per group of ``group_size``
-    inputs, scale = amax / 7, q = clamp(round(w / scale), -8, 7), zero = 0."""
-    w = weight.detach().float()
-    n, k = w.shape
-    _check_int4_block_size([k], group_size)
-    groups = w.reshape(n, k // group_size, group_size)
-    amax = groups.abs().amax(dim=2)
-    q = _round_codes(groups, amax[..., None], _INT4_MAX, -8.0).reshape(n, k)
-    return Int4WeightOnly.from_codes(q + 8, _scale(amax, _INT4_MAX), group_size)
-
-
-def quantize_fp8_rtn(weight: torch.Tensor, per_channel: bool = False) -> Fp8WeightOnly:
-    """Plain (no modelopt) e4m3 quantization, scale = amax / 448 per tensor or per output channel."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
-    return _fp8_from_amax(w, amax)
-
-
-def quantize_linear_rtn(weight: torch.Tensor, precision: str, group_size: int = 128) -> QuantizedLinear:
-    """Dispatch to the plain RTN quantizer of ``precision`` (``group_size`` is used by int4 only)."""
-    check_precision(precision)
-    if precision == "int8":
-        return quantize_int8_rtn(weight)
-    if precision == "int4":
-        return quantize_int4_rtn(weight, group_size)
-    return quantize_fp8_rtn(weight)
 
 
 def quantize_model_rtn(
     model: nn.Module, precision: str, group_size: int | None = None
 ) -> dict[str, QuantizedLinear]:
     """Plain RTN for every decoder linear; int4 group size defaults to :func:`choose_int4_block_size`."""
-    check_precision(precision)
+    check_quantized_precision(precision)
     linears = decoder_linears(model)
     if precision == "int4" and group_size is None:
         group_size = choose_int4_block_size(m.in_features for m in linears.values())
     return {
         name: quantize_linear_rtn(m.weight, precision, group_size or 128) for name, m in linears.items()
     }
-
-
-def _scale(amax: torch.Tensor, max_bound: float) -> torch.Tensor:
-    scale = amax.float() / max_bound
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
-
-
-def _round_codes(w: torch.Tensor, amax: torch.Tensor, max_bound: float, min_bound: float) -> torch.Tensor:
-    """Signed integer codes exactly as modelopt's ``_tensor_quant``: clamp(round(w * (max/amax)))."""
-    amax = amax.float()
-    mult = torch.tensor(max_bound, dtype=torch.float32) / amax
-    mult = torch.where(amax <= _AMAX_EPS, torch.zeros_like(mult), mult)
-    return torch.clamp((w.float() * mult).round(), min_bound, max_bound)
-
-
-def _fp8_from_amax(w: torch.Tensor, amax: torch.Tensor) -> Fp8WeightOnly:
-    """Mirrors modelopt's ``_fp8_eager``: codes = e4m3(clamp(w * 448/amax)), scale = 1 / (448/amax)."""
-    amax = amax.float()
-    safe = torch.where(amax <= _AMAX_EPS, torch.ones_like(amax), amax)
-    mult = _FP8_MAX / safe
-    bmult = mult[:, None] if mult.numel() > 1 else mult.reshape(())
-    codes = (w.float() * bmult).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8WeightOnly(codes, 1 / mult)
 
 
 # --------------------------------------------------------------------------------------- modelopt
@@ -179,7 +97,7 @@ def modelopt_config(precision: str, block_size: int | None = None) -> dict[str, 
     int4 gets ``block_size`` (default 128); fp8 gets its input quantizers disabled."""
     import modelopt.torch.quantization as mtq
 
-    check_precision(precision)
+    check_quantized_precision(precision)
     presets = {"int8": mtq.INT8_WEIGHT_ONLY_CFG, "int4": mtq.INT4_AWQ_CFG, "fp8": mtq.FP8_DEFAULT_CFG}
     cfg = copy.deepcopy(presets[precision])
     if precision == "int4":
@@ -213,13 +131,13 @@ def quantize_with_modelopt(
     linears' in_features; the one used is reported in the result."""
     import modelopt.torch.quantization as mtq
 
-    check_precision(precision)
+    check_quantized_precision(precision)
     in_dims = [m.in_features for m in decoder_linears(model).values()]
     if not in_dims:
         raise ValueError("model has no decoder-layer q/k/v/o/gate/up/down linears")
     if precision == "int4":
         block_size = block_size or choose_int4_block_size(in_dims)
-        _check_int4_block_size(in_dims, block_size)
+        check_int4_block_size(in_dims, block_size)
     else:
         block_size = None
     target = model if inplace else copy.deepcopy(model)
@@ -230,7 +148,7 @@ def quantize_with_modelopt(
 
 def extract_quantized_linears(model: nn.Module, precision: str) -> dict[str, QuantizedLinear]:
     """Runtime layers for every decoder linear of a modelopt-quantized model."""
-    check_precision(precision)
+    check_quantized_precision(precision)
     layers = {name: extract_quantized_linear(m, precision) for name, m in decoder_linears(model).items()}
     if not layers:
         raise ValueError("model has no decoder-layer q/k/v/o/gate/up/down linears")
@@ -239,7 +157,7 @@ def extract_quantized_linears(model: nn.Module, precision: str) -> dict[str, Qua
 
 def extract_quantized_linear(module: nn.Module, precision: str) -> QuantizedLinear:
     """Runtime layer from one modelopt QuantLinear, reproducing its fake-quant weight codes."""
-    check_precision(precision)
+    check_quantized_precision(precision)
     _check_modelopt_format(module, precision)
     with torch.no_grad():
         if precision == "int8":
@@ -290,7 +208,7 @@ def _extract_int4(module: nn.Module) -> Int4WeightOnly:
     block = get_weight_block_size(module)
     w = module.weight.float()
     n, k = w.shape
-    _check_int4_block_size([k], block)
+    check_int4_block_size([k], block)
     amax = _weight_amax(module).reshape(n, k // block)
     groups = w.reshape(n, k // block, block)
     q = _round_codes(groups, amax[..., None], float(wq.maxbound), _min_bound(wq, float(wq.maxbound)))

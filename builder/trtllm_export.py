@@ -34,9 +34,9 @@ from torch import nn
 
 from builder.quantize import token_batches_loop
 from builder.variants import captured_output
-from serve.engine_dir import file_record
 from serve.logging_setup import get_logger
-from serve.model_config import ModelConfig
+from serve.model.engine_dir import file_record
+from serve.model.model_config import ModelConfig
 
 log = get_logger("builder.trtllm")
 

@@ -15,8 +15,7 @@ from torch import nn
 
 from builder.quantize import quantize_model_rtn, quantize_with_modelopt, token_batches_loop
 from serve.logging_setup import get_logger
-from serve.model_loader import LoadedModel
-from serve.quantized_linear import QuantizedLinear
+from serve.model.quantized_linear import QuantizedLinear
 
 log = get_logger("builder.variants")
 
@@ -43,19 +42,6 @@ class VariantResult:
         return {"method": self.method, "format": formats[0] if len(formats) == 1 else formats,
                 "group_size": self.block_size, "seconds": round(self.seconds, 3),
                 "fallback_reason": self.fallback_reason}
-
-
-def hf_llama(loaded: LoadedModel) -> nn.Module:
-    """transformers' LlamaForCausalLM holding the loaded fp32 weights (modelopt works on nn.Modules)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(**loaded.config.to_hf_dict())).eval()
-    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
-    if unexpected or not set(missing) <= {"lm_head.weight"}:
-        raise ValueError(f"weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
-    if loaded.config.tie_word_embeddings or "lm_head.weight" not in loaded.weights:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
 
 
 def by_layer(named: Mapping[str, QuantizedLinear]) -> dict[int, dict[str, QuantizedLinear]]:

@@ -2,7 +2,9 @@
 
 from .controller import MorphController
 from .decision import MorphDecision
-from .modes import KNOWN_PRECISIONS, MODES, PolicyConfig
+from .modes import MODES, PolicyConfig
+from .precisions import ALL_PRECISIONS, FULL, PRECISION_CODE, QUANTIZED_PRECISIONS, signature
 from .telemetry import Telemetry
 
-__all__ = ["KNOWN_PRECISIONS", "MODES", "MorphController", "MorphDecision", "PolicyConfig", "Telemetry"]
+__all__ = ["ALL_PRECISIONS", "FULL", "MODES", "PRECISION_CODE", "QUANTIZED_PRECISIONS", "MorphController",
+           "MorphDecision", "PolicyConfig", "Telemetry", "signature"]

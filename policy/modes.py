@@ -13,10 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from .precisions import QUANTIZED_PRECISIONS
+
 Strategy = Literal["off", "static", "dynamic"]
 
-KNOWN_PRECISIONS: tuple[str, ...] = ("fp8", "int8", "int4")
-"""Quantized variants the builder can produce."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ class PolicyConfig:
         elif self.strategy != "off":
             if not self.ladder:
                 errors.append("ladder must name at least one precision")
-            unknown = [p for p in self.ladder if p not in KNOWN_PRECISIONS]
+            unknown = [p for p in self.ladder if p not in QUANTIZED_PRECISIONS]
             if unknown:
-                errors.append(f"unknown precision(s) {unknown} in ladder; known: {list(KNOWN_PRECISIONS)}")
+                errors.append(f"unknown precision(s) {unknown} in ladder; known: {list(QUANTIZED_PRECISIONS)}")
             if len(set(self.ladder)) != len(self.ladder):
                 errors.append(f"ladder repeats a precision: {self.ladder}")
             if self.strategy == "static" and len(self.ladder) != 1:

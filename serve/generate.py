@@ -11,7 +11,7 @@ import sys
 import time
 
 from serve.config import EngineConfig
-from serve.sampling_params import SamplingParams
+from serve.engine.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from serve.engine import LLMEngine  # after argparse so --help is instant
+    from serve.engine.engine import LLMEngine  # after argparse so --help is instant
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

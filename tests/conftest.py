@@ -17,15 +17,15 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2-135M-Instruct, loaded once (HF-named fp32 weights + tokenizer)."""
-    from serve.model_loader import load_model
+    from serve.model.loader import load_model
 
     return load_model("smollm2-135m")
 
 
 def make_tiny_model(seed: int = 0, tokenizer=None, **overrides):
     """A random 2-layer Llama with the SmolLM tokenizer: fast enough for randomized engine tests."""
-    from serve.model_config import ModelConfig
-    from serve.model_loader import LoadedModel
+    from serve.model.loader import LoadedModel
+    from serve.model.model_config import ModelConfig
 
     cfg = dict(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=512,
@@ -63,19 +63,9 @@ def tiny(smollm):
 
 def hf_reference_model(loaded):
     """transformers' LlamaForCausalLM holding exactly the same fp32 weights (the reference implementation)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from serve.model.hf_reference import hf_llama
 
-    cfg = LlamaConfig(**loaded.config.to_hf_dict())
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).eval()
-    missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
-    assert not unexpected, unexpected
-    assert set(missing) <= {"lm_head.weight"}, missing
-    if loaded.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return hf_llama(loaded, attn_implementation="eager", for_generation=True)
 
 
 @pytest.fixture(scope="session")

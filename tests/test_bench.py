@@ -1,4 +1,4 @@
-"""serve.bench / serve.quality / serve.plots: the benchmark's own aggregation code against hand-computed
+"""bench.triton.run / bench.quality / bench.plots: the benchmark's own aggregation code against hand-computed
 examples, the server-log parser, and end-to-end smoke runs against a real tritonserver."""
 
 from __future__ import annotations
@@ -10,24 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from serve.bench import (
-    PreparedRequest,
-    RequestRecord,
-    assemble_result,
-    check_targets,
+from bench.latency import summarize
+from bench.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
+from bench.summary import (
     config_changes,
     morph_summary,
     parse_morph_events,
+    time_weighted_quantized_share,
+    tokens_by_config,
+)
+from bench.triton.report import check_targets
+from bench.triton.requests import (
+    PreparedRequest,
+    RequestRecord,
     probe_schedule,
     prompt_text,
     retokenization_stats,
     run_request,
-    time_weighted_quantized_share,
     timing_from_chunks,
-    tokens_by_config,
 )
-from serve.latency_metrics import summarize
-from serve.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
+from bench.triton.run import assemble_result
 
 # --------------------------------------------------------------------------------------------------
 # Metric aggregation
@@ -180,8 +182,9 @@ def test_morph_summary_from_events_and_timeline():
 
 
 def test_prompt_text_matches_requested_length(smollm):
-    from serve.workload import PromptBuilder, default_text_path
     import random
+
+    from bench.workload import PromptBuilder, default_text_path
 
     b = PromptBuilder(smollm.tokenizer, default_text_path().read_text(encoding="utf-8"))
     rng = random.Random(0)
@@ -202,7 +205,7 @@ def _args(**kw):
 
 
 def test_run_request_against_nothing_fails_fast_without_raising():
-    from serve.triton_launcher import free_port
+    from serve.triton.server import free_port
 
     rec = RequestRecord(PreparedRequest(0, "request", 0.0, "hello", 4, 1, 1))
     import time
@@ -218,7 +221,7 @@ def test_run_request_against_nothing_fails_fast_without_raising():
 
 
 def test_plots_from_synthetic_results(tmp_path):
-    from serve.plots import make_plots
+    from bench.plots import make_plots
 
     tl = [{"t": t, "waiting": t % 3, "running": 2, "quantized_layers": t, "kv_capacity_tokens": 100 + 10 * t,
            "kv_used_tokens": 50} for t in range(5)]
@@ -247,7 +250,7 @@ def _triton_available() -> bool:
     try:
         import tritonclient.grpc  # noqa: F401
 
-        from serve.triton_launcher import find_triton_install
+        from serve.triton.install import find_triton_install
 
         find_triton_install()
     except Exception:  # noqa: BLE001
@@ -258,7 +261,7 @@ def _triton_available() -> bool:
 @pytest.mark.e2e
 @pytest.mark.skipif(not _triton_available(), reason="tritonserver / tritonclient unavailable")
 def test_bench_smoke_off_mode(tmp_path):
-    from serve.bench import main
+    from bench.triton.__main__ import main
 
     out = tmp_path / "bench"
     rc = main(["--modes", "off", "--num-requests", "4", "--request-rate", "8", "--input-len", "32",
@@ -284,7 +287,7 @@ def test_bench_smoke_off_mode(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.skipif(not _triton_available(), reason="tritonserver / tritonclient unavailable")
 def test_bench_writes_json_when_the_server_fails(tmp_path):
-    from serve.bench import main
+    from bench.triton.__main__ import main
 
     out = tmp_path / "bench"
     # 100 MiB cannot hold the model's weights: the server exits during model load.

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve.block_pool import BlockPool, BlockPoolError
+from serve.memory.block_pool import BlockPool, BlockPoolError
 
 
 def test_allocates_lowest_ids_first_and_accounts_exactly():

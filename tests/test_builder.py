@@ -1,4 +1,4 @@
-"""python -m builder / serve.engine_dir on a tiny random Llama (3 layers, hidden 64) saved as an HF directory.
+"""python -m builder / serve.model.engine_dir on a tiny random Llama (3 layers, hidden 64) saved as an HF directory.
 
 Round-trip tolerances (relative Frobenius error of a runtime linear loaded from the engine directory
 against the builder's modelopt fake-quant QuantLinear on the same fp32 input), as in
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT, hf_reference_model, make_tiny_model
 
 from builder.build import BuildOptions, build_engine
 from builder.calibration import load_calibration
-from builder.forward import PROJ_NAMES, DenseLlama, proj_key
+from builder.forward import DenseLlama
 from builder.importance import (
     LIS_WEIGHTS,
     SuffixMds,
@@ -31,11 +32,14 @@ from builder.importance import (
     lis_score,
     token_cosine,
 )
-from builder.quantize import PRECISIONS, decoder_linears, quantize_int4_rtn
-from builder.variants import build_variants, hf_llama
-from conftest import REPO_ROOT, hf_reference_model, make_tiny_model
-from serve import engine_dir as ed
-from serve.model_loader import load_model, save_hf_directory
+from builder.quantize import decoder_linears
+from builder.variants import build_variants
+from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS
+from serve.model import engine_dir as ed
+from serve.model.hf_reference import hf_llama
+from serve.model.layers import PROJECTIONS, projection_key
+from serve.model.loader import load_model, save_hf_directory
+from serve.model.rtn import quantize_int4_rtn
 
 OUTPUT_RTOL = {"int8": 6e-3, "int4": 6e-3, "fp8": 1e-6}
 FAST = {"calib_tokens": 64, "profile_tokens": 32, "progress": False}
@@ -151,8 +155,8 @@ def test_variants_match_modelopt_fake_quant(built, tiny_dir, precision: str) -> 
     gen = torch.Generator().manual_seed(7)
     for i in range(NUM_LAYERS):
         variant = engine.layer_variant(i, precision)
-        for proj in PROJ_NAMES:
-            module, runtime = modules[proj_key(i, proj)], variant[proj]
+        for proj in PROJECTIONS:
+            module, runtime = modules[projection_key(i, proj)], variant[proj]
             assert torch.equal(runtime.dequantize(), reference.layers[i][proj].dequantize()), (i, proj)
             x = torch.randn(5, module.in_features, generator=gen)
             with torch.no_grad():
@@ -214,8 +218,8 @@ def test_greedy_picks_highest_lis_and_recomputes_mds_each_round() -> None:
 
 def test_suffix_mds_equals_brute_force(tiny_model) -> None:
     model = DenseLlama(tiny_model.config, tiny_model.weights)
-    quant = [model.quantized_layer(i, {p: quantize_int4_rtn(tiny_model.weights[proj_key(i, p) + ".weight"], 32)
-                                       for p in PROJ_NAMES}) for i in range(NUM_LAYERS)]
+    quant = [model.quantized_layer(i, {p: quantize_int4_rtn(tiny_model.weights[projection_key(i, p) + ".weight"], 32)
+                                       for p in PROJECTIONS}) for i in range(NUM_LAYERS)]
     ids = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(5))
     mds = SuffixMds(model, quant, ids)
 

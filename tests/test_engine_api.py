@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from serve.config import EngineConfig, parse_size
-from serve.engine import LLMEngine
-from serve.outputs import FinishReason
-from serve.sampling_params import SamplingParams
+from serve.engine.engine import LLMEngine
+from serve.engine.outputs import FinishReason
+from serve.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

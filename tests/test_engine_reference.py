@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from serve.config import EngineConfig
-from serve.engine import LLMEngine
-from serve.sampling_params import SamplingParams
-from serve.scheduler import ScheduledChunk
-from serve.sequence import Sequence
-from serve.tokenizer import IncrementalDetokenizer
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+from serve.engine.scheduler import ScheduledChunk
+from serve.engine.sequence import Sequence
+from serve.model.tokenizer import IncrementalDetokenizer
 
 NEW_TOKENS = 32
 _STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps aloud while the "

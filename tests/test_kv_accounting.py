@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from serve.config import EngineConfig
-from serve.engine import LLMEngine
-from serve.sampling_params import SamplingParams
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
 
 
 def assert_exact_accounting(engine: LLMEngine) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from policy import MorphDecision
-from serve.config import EngineConfig
-from serve.engine import LLMEngine
-from serve.layer_bank import FULL
-from serve.sampling_params import SamplingParams
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_kv_accounting import assert_exact_accounting
+
+from policy import FULL, MorphDecision
+from serve.config import EngineConfig
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
 
 
 class FakeClock:

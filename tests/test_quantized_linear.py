@@ -1,4 +1,4 @@
-"""Runtime quantized linears (serve.quantized_linear) vs modelopt's fake quantization (builder.quantize).
+"""Runtime quantized linears (serve.model.quantized_linear) vs modelopt's fake quantization (builder.quantize).
 
 Tolerances (relative Frobenius error of a linear's output against the modelopt QuantLinear output on
 the same fp32 input; measured on this machine in brackets):
@@ -20,19 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from builder.quantize import (
-    check_precision,
-    choose_int4_block_size,
-    decoder_linears,
-    quantize_fp8_rtn,
-    quantize_int4_rtn,
-    quantize_int8_rtn,
-    quantize_linear_rtn,
-    quantize_model_rtn,
-    quantize_with_modelopt,
-    token_batches_loop,
-)
-from serve.quantized_linear import (
+from builder.quantize import decoder_linears, quantize_model_rtn, quantize_with_modelopt, token_batches_loop
+from policy.precisions import check_quantized_precision
+from serve.model.quantized_linear import (
     Fp8WeightOnly,
     Int4WeightOnly,
     Int8WeightOnly,
@@ -40,6 +30,13 @@ from serve.quantized_linear import (
     load_quantized_linear,
     pack_int4_nibbles,
     unpack_int4_nibbles,
+)
+from serve.model.rtn import (
+    choose_int4_block_size,
+    quantize_fp8_rtn,
+    quantize_int4_rtn,
+    quantize_int8_rtn,
+    quantize_linear_rtn,
 )
 
 torch.set_num_threads(1)
@@ -285,7 +282,7 @@ def test_group_size_not_dividing_k_is_rejected(tiny_llama: LlamaForCausalLM) -> 
 
 def test_unknown_precision_is_rejected(tiny_llama: LlamaForCausalLM) -> None:
     for call in (
-        lambda: check_precision("int3"),
+        lambda: check_quantized_precision("int3"),
         lambda: quantize_with_modelopt(tiny_llama, "int3", lambda m: None),
         lambda: quantize_linear_rtn(torch.randn(16, 32), "nf4"),
         lambda: quantize_model_rtn(tiny_llama, "bf16"),

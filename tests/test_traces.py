@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.traces import (
+from bench.traces import (
     TraceRequest,
     detect_format,
     find_burst_window,

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.e2e
 
 pytest.importorskip("tritonclient.grpc")
 
-from serve.client import (  # noqa: E402
+from serve.triton.__main__ import build_parser, params_from_args  # noqa: E402
+from serve.triton.client import (  # noqa: E402
     GenerationError,
     GrpcStream,
     generate_http,
@@ -34,18 +35,13 @@ from serve.client import (  # noqa: E402
     request_inputs,
     scrape_metrics,
 )
-from serve.triton_launcher import (  # noqa: E402
+from serve.triton.install import TritonLaunchError, find_triton_install, server_env  # noqa: E402
+from serve.triton.repository import (  # noqa: E402
     DEFAULT_MODEL_REPOSITORY,
-    TritonLaunchError,
-    TritonServer,
-    build_parser,
     fill_config_parameters,
-    find_triton_install,
-    free_port,
-    params_from_args,
     read_config_parameters,
-    server_env,
 )
+from serve.triton.server import TritonServer, free_port  # noqa: E402
 
 try:
     find_triton_install()
@@ -91,8 +87,8 @@ GREEDY_TOKENS = 16
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """A tritonserver on free 127.0.0.1 ports serving the morphserve model; log kept under tmp."""
-    if importlib.util.find_spec("serve.engine") is None:  # pragma: no cover - engine not written yet
-        pytest.skip("serve.engine is not available")
+    if importlib.util.find_spec("serve.engine.engine") is None:  # pragma: no cover - engine not written yet
+        pytest.skip("serve.engine.engine is not available")
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     srv = TritonServer(params=SERVER_PARAMS, log_path=log_path)
     srv.start()
@@ -110,8 +106,8 @@ def reference_greedy() -> dict[str, str]:
     import torch
 
     from serve.config import EngineConfig
-    from serve.engine import LLMEngine
-    from serve.sampling_params import SamplingParams
+    from serve.engine.engine import LLMEngine
+    from serve.engine.sampling_params import SamplingParams
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     kwargs = {("model" if k == "engine_dir" else k): v for k, v in SERVER_PARAMS.items()}

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import queue
 import sys
 import threading
 import time
-import types
-import typing
 import uuid
 from pathlib import Path
 from typing import Any
@@ -38,289 +35,21 @@ if str(REPO_ROOT) not in sys.path:  # a plain checkout without `pip install -e .
     sys.path.append(str(REPO_ROOT))
 
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
+from serve.triton.metrics import Metrics  # noqa: E402
+from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
+from serve.triton.request_inputs import InputError, parse_request  # noqa: E402
 
 log = get_logger("triton_model")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
-# Parameters consumed here rather than passed to EngineConfig.
-_MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level"}
-# config.pbtxt parameter -> EngineConfig field, where the names differ.
-_PARAM_ALIASES = {"engine_dir": "model"}
-
-# Histogram buckets (seconds): vLLM's, with finer low buckets for small models on CPU.
-_TTFT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0]
-_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0]
-_E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 
 
-try:
-    from policy import KNOWN_PRECISIONS as _KNOWN_PRECISIONS
-except ImportError:  # pragma: no cover - policy package absent
-    _KNOWN_PRECISIONS = ("fp8", "int8", "int4")
-
-
-class InputError(ValueError):
-    """A request the model refuses; the message goes back to the client verbatim."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Parameters -> EngineConfig
-# --------------------------------------------------------------------------------------------------
-
-
-def _coerce(raw: str, hint: Any, name: str) -> Any:
-    """Convert a config.pbtxt string to the type of an EngineConfig field (``int | None`` etc.)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else str
-    try:
-        if hint is bool:
-            low = raw.strip().lower()
-            if low not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(raw)
-            return low in ("true", "1", "yes")
-        if hint is int:
-            return int(raw)
-        if hint is float:
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"model parameter {name}={raw!r} is not a valid {getattr(hint, '__name__', hint)}") from None
-    return raw
-
-
-def engine_config_kwargs(params: dict[str, str], config_cls: type, repo_root: Path) -> tuple[dict[str, Any], list[str]]:
-    """Map config.pbtxt parameters onto ``config_cls`` fields; empty strings mean "engine default".
-
-    Returns (kwargs, ignored parameter names). Relative paths in engine_dir are resolved against the
-    repository root so the server does not depend on its working directory.
-    """
-    hints = typing.get_type_hints(config_cls)
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    kwargs: dict[str, Any] = {}
-    ignored: list[str] = []
-    for key, raw in params.items():
-        field = _PARAM_ALIASES.get(key, key)
-        if raw == "" or (key in _MODEL_ONLY_PARAMS and key not in _PARAM_ALIASES):
-            continue
-        if field not in fields:
-            ignored.append(key)
-            continue
-        value = _coerce(raw, hints.get(field, str), key)
-        if field == "model" and isinstance(value, str):
-            p = Path(value).expanduser()
-            if not p.is_absolute() and (repo_root / p).exists():
-                value = str(repo_root / p)
-        kwargs[field] = value
-    return kwargs, ignored
 
 
 # --------------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------------
-
-
-class _Histogram:
-    """A Prometheus histogram; falls back to ``<name>_sum``/``<name>_count`` counters when the Python
-    backend has no HISTOGRAM kind (it has one in Triton 2.51)."""
-
-    def __init__(self, families: list[Any], name: str, description: str, labels: dict[str, str],
-                 buckets: list[float]) -> None:
-        if hasattr(pb_utils.MetricFamily, "HISTOGRAM"):
-            fam = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.HISTOGRAM)
-            families.append(fam)
-            self._hist = fam.Metric(labels=labels, buckets=buckets)
-            self._sum = self._count = None
-        else:  # pragma: no cover - older Triton
-            self._hist = None
-            fs = pb_utils.MetricFamily(name=f"{name}_sum", description=description, kind=pb_utils.MetricFamily.COUNTER)
-            fc = pb_utils.MetricFamily(name=f"{name}_count", description=description, kind=pb_utils.MetricFamily.COUNTER)
-            families += [fs, fc]
-            self._sum, self._count = fs.Metric(labels=labels), fc.Metric(labels=labels)
-
-    def observe(self, value: float) -> None:
-        if self._hist is not None:
-            self._hist.observe(value)
-        else:  # pragma: no cover
-            self._sum.increment(value)
-            self._count.increment(1)
-
-
-class Metrics:
-    """The model's Prometheus families (project prefix ``morphserve_``), fed from engine.stats() and
-    from the responder thread's per-request timings."""
-
-    def __init__(self, model_name: str, version: str) -> None:
-        # MetricFamily objects must stay referenced: a collected family disappears from /metrics.
-        self._families: list[Any] = []
-        self._labels = {"model": model_name, "version": version}
-        self._lock = threading.Lock()
-        g = self._family_metric
-        self.kv_usage = g("morphserve_kv_cache_usage_perc", "KV-cache usage: used / total blocks (0-1).", "GAUGE")
-        self.kv_used = g("morphserve_kv_blocks_used", "KV-cache blocks in use.", "GAUGE")
-        self.kv_total = g("morphserve_kv_blocks_total", "KV-cache blocks in the pool (grows when layers are quantized).", "GAUGE")
-        self.running = g("morphserve_num_requests_running", "Requests in the running batch.", "GAUGE")
-        self.waiting = g("morphserve_num_requests_waiting", "Requests waiting to be scheduled.", "GAUGE")
-        self.swaps = g("morphserve_swaps_total", "Layers swapped to a quantized variant.", "COUNTER")
-        self.restores = g("morphserve_restores_total", "Layers restored to full precision.", "COUNTER")
-        self.prompt_tokens = g("morphserve_prompt_tokens_total", "Prompt tokens of finished requests.", "COUNTER")
-        self.generation_tokens = g("morphserve_generation_tokens_total", "Generated tokens.", "COUNTER")
-        self.ttft = _Histogram(self._families, "morphserve_time_to_first_token_seconds",
-                               "Time from request arrival at the model to its first token.", self._labels, _TTFT_BUCKETS)
-        self.itl = _Histogram(self._families, "morphserve_inter_token_latency_seconds",
-                              "Gap between consecutive tokens of a request.", self._labels, _ITL_BUCKETS)
-        self.e2e = _Histogram(self._families, "morphserve_e2e_request_latency_seconds",
-                              "Time from request arrival at the model to its final response.", self._labels, _E2E_BUCKETS)
-        self._layers_family = self._new_family("morphserve_layers_quantized",
-                                               "Decoder layers currently held in each quantized precision.", "GAUGE")
-        self._layers: dict[str, Any] = {}
-        for precision in _KNOWN_PRECISIONS:  # present (at 0) from the start, for dashboards
-            self._layers[precision] = self._layers_family.Metric(labels={**self._labels, "precision": precision})
-            self._layers[precision].set(0.0)
-        self._finished_family = self._new_family("morphserve_requests_finished_total",
-                                                 "Finished requests by finish reason.", "COUNTER")
-        self._finished: dict[str, Any] = {}
-        self._last_swaps = 0.0
-        self._last_restores = 0.0
-
-    def _new_family(self, name: str, description: str, kind: str) -> Any:
-        fam = pb_utils.MetricFamily(name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
-        self._families.append(fam)
-        return fam
-
-    def _family_metric(self, name: str, description: str, kind: str) -> Any:
-        return self._new_family(name, description, kind).Metric(labels=self._labels)
-
-    def update_from_stats(self, stats: dict[str, Any]) -> None:
-        """Copy engine.stats() into the gauges; totals become counter increments."""
-        with self._lock:
-            self.kv_usage.set(float(stats.get("kv_cache_usage_perc", 0.0)))
-            self.kv_used.set(float(stats.get("kv_blocks_used", 0)))
-            self.kv_total.set(float(stats.get("kv_blocks_total", 0)))
-            self.running.set(float(stats.get("num_running", 0)))
-            self.waiting.set(float(stats.get("num_waiting", 0)))
-            layers = dict(stats.get("layers_quantized") or {})
-            for precision in set(layers) | set(self._layers):
-                m = self._layers.get(precision)
-                if m is None:
-                    m = self._layers[precision] = self._layers_family.Metric(
-                        labels={**self._labels, "precision": str(precision)})
-                m.set(float(layers.get(precision, 0)))
-            swaps = float(stats.get("swaps_total", 0))
-            if swaps > self._last_swaps:
-                self.swaps.increment(swaps - self._last_swaps)
-                self._last_swaps = swaps
-            restores = float(stats.get("restores_total", 0))
-            if restores > self._last_restores:
-                self.restores.increment(restores - self._last_restores)
-                self._last_restores = restores
-
-    def request_finished(self, reason: str, prompt_tokens: int) -> None:
-        with self._lock:
-            m = self._finished.get(reason)
-            if m is None:
-                m = self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
-            m.increment(1)
-            if prompt_tokens > 0:
-                self.prompt_tokens.increment(prompt_tokens)
-
-
-# --------------------------------------------------------------------------------------------------
-# Request parsing
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ParsedRequest:
-    prompt: str
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    ignore_eos: bool = False
-
-
-def _scalar(request: Any, name: str, kind: str) -> Any:
-    """The single element of an optional input, or None when absent. ``kind`` names the expected type
-    for error messages; Triton has already checked the data type against config.pbtxt."""
-    t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return None
-    arr = t.as_numpy()
-    if arr.size != 1:
-        raise InputError(f"{name} must hold exactly one {kind}, got a tensor of shape {list(arr.shape)}")
-    return arr.reshape(-1)[0]
-
-
-def _utf8(value: Any, name: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (bytes, bytearray, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(
-                f"{name} is not valid UTF-8: byte 0x{bytes(value)[e.start]:02x} at position {e.start} "
-                f"({e.reason}); send the text UTF-8 encoded"
-            ) from None
-    raise InputError(f"{name} must be a string, got {type(value).__name__}")
-
-
-def parse_request(request: Any, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
-    """Validate a Triton request's inputs; raise InputError with a message meant for the client."""
-    t = pb_utils.get_input_tensor_by_name(request, "text_input")
-    if t is None:
-        raise InputError("missing required input 'text_input' (TYPE_STRING, shape [1]): the prompt text")
-    arr = t.as_numpy()
-    if arr.size != 1:
-        raise InputError(f"text_input must hold exactly one string, got a tensor of shape {list(arr.shape)}")
-    prompt = _utf8(arr.reshape(-1)[0], "text_input")
-    if not prompt:
-        raise InputError("text_input is empty")
-
-    mt = _scalar(request, "max_tokens", "INT32")
-    max_tokens = default_max_tokens if mt is None else int(mt)
-    if max_tokens <= 0:
-        raise InputError(f"max_tokens must be a positive integer, got {max_tokens}")
-    if max_tokens > max_tokens_limit:
-        raise InputError(f"max_tokens={max_tokens} exceeds this server's limit (max_tokens_limit={max_tokens_limit})")
-
-    temp = _scalar(request, "temperature", "FP32")
-    temperature = 0.0 if temp is None else float(temp)
-    if not math.isfinite(temperature) or temperature < 0.0:
-        raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-
-    tp = _scalar(request, "top_p", "FP32")
-    top_p = 1.0 if tp is None else float(tp)
-    if not (0.0 < top_p <= 1.0):
-        raise InputError(f"top_p must be in (0, 1], got {top_p}")
-
-    tk = _scalar(request, "top_k", "INT32")
-    top_k = 0 if tk is None else int(tk)
-    if top_k < 0:
-        raise InputError(f"top_k must be >= 0 (0 disables top-k), got {top_k}")
-
-    sd = _scalar(request, "seed", "UINT64")
-    seed = None if sd is None else int(sd)
-
-    stop: tuple[str, ...] = ()
-    st = pb_utils.get_input_tensor_by_name(request, "stop")
-    if st is not None:
-        stop = tuple(_utf8(v, "stop") for v in st.as_numpy().reshape(-1))
-        if any(s == "" for s in stop):
-            raise InputError("stop strings must be non-empty")
-
-    sm = _scalar(request, "stream", "BOOL")
-    stream = bool(sm) if sm is not None else False
-    ie = _scalar(request, "ignore_eos", "BOOL")
-    ignore_eos = bool(ie) if ie is not None else False
-    return ParsedRequest(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream, ignore_eos)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,6 +70,11 @@ class _InFlight:
     first_token_time: float | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+
+
+def _input_array(request: Any, name: str) -> np.ndarray | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
 
 
 def _response(text: str, num_input: int, num_output: int, finish_reason: str) -> Any:
@@ -367,24 +101,21 @@ class TritonPythonModel:
         self.model_name = args.get("model_name", self.model_config.get("name", "morphserve"))
         self.model_version = str(args.get("model_version", "1"))
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
-        configure_logging(params.get("log_level") or "info")
+        from serve.engine import SamplingParams  # noqa: PLC0415 - cheap (no torch)
+
+        try:
+            server = ServerParams.from_params(params, default_max_tokens=SamplingParams.max_tokens)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
+        configure_logging(server.log_level)
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException("morphserve needs model_transaction_policy { decoupled: true }")
-
-        def int_param(key: str, default: int) -> int:
-            raw = params.get(key, "")
-            try:
-                return int(raw) if raw else default
-            except ValueError:
-                raise pb_utils.TritonModelException(f"model parameter {key}={raw!r} is not an integer") from None
-
-        self.max_tokens_limit = int_param("max_tokens_limit", 4096)
-        self.default_max_tokens = int_param("default_max_tokens", 16)
-        self.poll_interval_s = float(params.get("poll_interval_s") or 0.02)
+        self.max_tokens_limit = server.max_tokens_limit
+        self.default_max_tokens = server.default_max_tokens
+        self.poll_interval_s = server.poll_interval_s
 
         from serve.config import EngineConfig  # noqa: PLC0415 - heavy imports after logging is set up
         from serve.engine import LLMEngine  # noqa: PLC0415
-        from serve.sampling_params import SamplingParams  # noqa: PLC0415
 
         self._SamplingParams = SamplingParams
         kwargs, ignored = engine_config_kwargs(params, EngineConfig, REPO_ROOT)
@@ -396,7 +127,7 @@ class TritonPythonModel:
         log.info("engine_loaded", model=self.model_name, config=kwargs, load_s=round(time.perf_counter() - t0, 3),
                  max_model_len=self.engine.max_model_len)
 
-        self.metrics = Metrics(self.model_name, self.model_version)
+        self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
         self._inflight: dict[str, _InFlight] = {}
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
@@ -430,7 +161,7 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex
         client_id = request.request_id() or ""
         try:
-            parsed = parse_request(request, self.max_tokens_limit, self.default_max_tokens)
+            parsed = parse_request(lambda name: _input_array(request, name), self.max_tokens_limit, self.default_max_tokens)
             params = self._SamplingParams(
                 max_tokens=parsed.max_tokens, temperature=parsed.temperature, top_p=parsed.top_p,
                 top_k=parsed.top_k, seed=parsed.seed, stop=parsed.stop,

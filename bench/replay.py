@@ -1,0 +1,197 @@
+"""Offline trace replay through the engine (no server): latency, SLO and morphing behaviour in one JSON.
+
+  .venv/bin/python -m bench.replay --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \\
+      --window burst:72 --time-scale 4 --length-scale 0.25 --mode default --device-memory 600MiB --json out.json
+
+Requests arrive in real time on the trace's (scaled) schedule; the engine runs in this thread; TTFT is
+measured from each request's scheduled arrival, so it includes queueing. Output lengths are forced
+(ignore_eos) so modes do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench import defaults
+from bench.latency import RequestTiming, markdown_table, summarize
+from bench.summary import MorphSummary, time_weighted_quantized_share
+from bench.workload import WorkItem, add_trace_arguments, build_workload
+from policy.precisions import full_signature
+from serve.config import EngineConfig
+from serve.engine.sampling_params import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="default",
+                   help="morph mode: off, static-int8, static-int4, accuracy, default, performance (default: %(default)s)")
+    p.add_argument("--model", default=defaults.MODEL, help="engine directory, embedded model name, .gguf or HF dir")
+    p.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=defaults.ENGINE_DEFAULTS.slo_ttft_s, help="TTFT SLO in seconds (default: %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=None, help="optional TPOT SLO in seconds")
+    p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a policy threshold, e.g. --policy kv_high=0.8 (repeatable)")
+    p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
+    p.add_argument("--quality", action="store_true",
+                   help="also measure perplexity (held-out text) of every configuration the engine ran, "
+                        "weighted by the tokens it generated in each (bench/quality.py)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    add_trace_arguments(p)
+    return p
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--policy expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float | None = None,
+           progress: bool = False) -> dict:
+    clock = engine.clock
+    queue = collections.deque(sorted(items, key=lambda w: w.arrival_s))
+    timings: dict[str, RequestTiming] = {}
+    done: set[str] = set()
+    timeline: list[dict] = []
+    tokens_by_config: collections.Counter = collections.Counter()
+    num_layers = engine.model_config.num_layers
+    kv_block_tokens = engine.config.block_size
+    t0 = clock()
+    last_sample = -1.0
+
+    def on_output(out) -> None:
+        t = timings[out.request_id]
+        now = clock()
+        if out.new_token_ids:
+            t.token_times_s.extend([now] * len(out.new_token_ids))
+            t.num_output_tokens += len(out.new_token_ids)
+        if out.finished:
+            done.add(out.request_id)
+            if out.error:
+                t.ok, t.error = False, out.error
+
+    while queue or engine.has_unfinished_requests():
+        now = clock() - t0
+        while queue and queue[0].arrival_s <= now:
+            w = queue.popleft()
+            rid = f"r{len(timings)}"
+            timings[rid] = RequestTiming(send_s=t0 + w.arrival_s)
+            try:
+                engine.add_request(w.prompt_ids, SamplingParams(max_tokens=w.output_tokens, ignore_eos=True),
+                                   request_id=rid, callback=on_output, arrival_time=t0 + w.arrival_s)
+            except ValueError as exc:
+                timings[rid].ok, timings[rid].error = False, str(exc)
+                done.add(rid)
+        before = engine.num_generated_tokens
+        idle = not engine.has_unfinished_requests()
+        engine.step()  # when idle this still lets the controller tick (restore when calm) between arrivals
+        if idle and queue:
+            time.sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
+        config = engine.morph.config_signature() if engine.morph else full_signature(num_layers)
+        tokens_by_config[config] += engine.num_generated_tokens - before
+        now = clock() - t0
+        if now - last_sample >= 0.1:
+            last_sample = now
+            s = engine.stats()
+            timeline.append({"t": round(now, 3), "quantized_layers": sum(s["layers_quantized"].values()),
+                             "kv_capacity_tokens": s["kv_blocks_total"] * kv_block_tokens,
+                             "kv_used_tokens": s["kv_blocks_used"] * kv_block_tokens,
+                             "waiting": s["num_waiting"], "running": s["num_running"]})
+            if progress:
+                print(f"\r t={now:7.1f}s  done {len(done)}/{len(items)}  waiting {s['num_waiting']:3d}  running "
+                      f"{s['num_running']:3d}  quantized {timeline[-1]['quantized_layers']:2d}/{num_layers}  "
+                      f"kv {s['kv_blocks_used']}/{s['kv_blocks_total']}", end="", file=sys.stderr, flush=True)
+    duration = clock() - t0
+    if progress:
+        print(file=sys.stderr)
+    result = summarize(list(timings.values()), duration, slo_ttft_s, slo_tpot_s)
+    result["morph"] = morph_summary(engine, timeline, duration, kv_block_tokens)
+    result["tokens_by_config"] = dict(tokens_by_config)
+    result["timeline"] = timeline
+    return result
+
+
+def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: int) -> dict:
+    """The "morph" block of the result, from the in-process engine (same schema as the Triton benchmark's)."""
+    m = engine.morph
+    return MorphSummary(
+        swaps=m.stats.swaps if m else 0,
+        restores=m.stats.restores if m else 0,
+        max_quantized_layers=max((p["quantized_layers"] for p in timeline), default=0),
+        final_quantized_layers=m.num_quantized if m else 0,
+        time_weighted_quantized_share=time_weighted_quantized_share(timeline, engine.model_config.num_layers, duration),
+        kv_capacity_base_tokens=engine.pool.base_blocks * block_tokens,
+        kv_capacity_max_tokens=max((p["kv_capacity_tokens"] for p in timeline), default=0),
+        mean_swap_ms={k: round(sum(v) / len(v), 3) for k, v in m.stats.swap_ms.items()} if m else {},
+        preemptions=engine.scheduler.num_preemptions,
+    ).as_dict()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from serve.engine.engine import LLMEngine
+
+    try:
+        config = EngineConfig(model=args.model, morph_mode=args.mode, device_memory=args.device_memory,
+                              slo_ttft_s=args.slo_ttft, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                              seed=args.seed, policy_overrides=parse_overrides(args.policy))
+        engine = LLMEngine(config)
+        items, desc = build_workload(args, engine.tokenizer)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = {"mode": args.mode, "trace": desc, "device_memory": args.device_memory, "model": args.model,
+              **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=not args.quiet)}
+    engine.shutdown()
+    if args.quality:
+        result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.threads)
+    print(markdown_table({args.mode: result}))
+    m = result["morph"]
+    print(f"\nswaps {m['swaps']}, restores {m['restores']}, max quantized layers {m['max_quantized_layers']}, "
+          f"KV capacity {m['kv_capacity_tokens']['base']} -> {m['kv_capacity_tokens']['max']} tokens, "
+          f"time-weighted quantized share {m['time_weighted_quantized_share']:.1%}, preemptions {m['preemptions']}")
+    if "quality" in result:
+        q = result["quality"]
+        print(f"perplexity: full {q['perplexity_full']:.2f}, served (token-weighted) {q['perplexity']:.2f} "
+              f"({q['loss_pct']:+.2f} %)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def configuration_quality(model: str, tokens_by_config: dict[str, int], threads: int) -> dict:
+    from bench.quality import QualityEvaluator, quality_loss_pct, weighted_perplexity
+
+    evaluator = QualityEvaluator(model, num_threads=threads)
+    try:
+        configs = {c: n for c, n in tokens_by_config.items() if n > 0}
+        full = full_signature(len(next(iter(tokens_by_config))))
+        nll = {c: evaluator.nll(c) for c in set(configs) | {full}}
+        ppl = weighted_perplexity(configs, nll)
+        ppl_full = evaluator.perplexity(full)
+        return {"perplexity": ppl, "perplexity_full": ppl_full, "loss_pct": quality_loss_pct(ppl, ppl_full),
+                "perplexity_by_config": {c: evaluator.perplexity(c) for c in configs}}
+    finally:
+        evaluator.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Workloads for trace replay and benchmarks: trace options, arrivals, and real prompts of exact lengths.
+
+Prompts are windows of real text tokenized by the model's tokenizer, so every request carries natural
+text of exactly the requested number of tokens. Output lengths are forced (ignore_eos) so that runs in
+different modes do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.traces import TraceRequest, find_burst_window, load_trace, synthetic_gamma, transform
+from serve.model.tokenizer import Tokenizer
+
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "botchan.txt"
+BUNDLED_TEXT = Path(__file__).with_name("data") / "default_prompt_text.txt"
+
+
+def default_text_path() -> Path:
+    """The shared Botchan corpus when it is beside the project, else a small public-domain text we ship."""
+    return SHARED_TEXT if SHARED_TEXT.is_file() else BUNDLED_TEXT
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    arrival_s: float
+    prompt_ids: list[int]
+    output_tokens: int
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Tokenizer, text: str) -> None:
+        self.ids = tokenizer.encode(text)
+        if len(self.ids) < 16:
+            raise ValueError("prompt text is too short (need at least 16 tokens)")
+
+    def prompt(self, n: int, rng: random.Random) -> list[int]:
+        """n tokens of contiguous text (wrapping around the corpus when n exceeds it)."""
+        start = rng.randrange(len(self.ids))
+        reps = (start + n) // len(self.ids) + 1
+        return (self.ids * reps)[start:start + n]
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="Azure LLM inference CSV, Mooncake JSONL or BurstGPT CSV; omit for synthetic gamma arrivals")
+    g.add_argument("--trace-format", default="auto", choices=["auto", "azure", "mooncake", "burstgpt"])
+    g.add_argument("--window", default=None, metavar="START:END",
+                   help="seconds of the trace to replay, e.g. 600:672; 'burst:72' picks the busiest 72 s")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply inter-arrival times (2 = half the request rate)")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply input and output lengths")
+    g.add_argument("--max-input-tokens", type=int, default=None, help="cap on prompt tokens after scaling")
+    g.add_argument("--max-output-tokens", type=int, default=None, help="cap on output tokens after scaling")
+    g.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests")
+    g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: {SHARED_TEXT.name} if present, else a bundled text)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-requests", type=int, default=64, help="synthetic workload: number of requests")
+    g.add_argument("--request-rate", type=float, default=2.0, help="synthetic workload: mean requests/s")
+    g.add_argument("--burstiness", type=float, default=0.5, help="synthetic workload: gamma shape (<1 burstier)")
+    g.add_argument("--input-len", type=int, default=256, help="synthetic workload: prompt tokens")
+    g.add_argument("--output-len", type=int, default=32, help="synthetic workload: output tokens")
+
+
+def trace_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    """The (transformed) arrivals and a description of how they were made."""
+    if args.trace is None:
+        reqs = synthetic_gamma(args.num_requests, args.request_rate, args.burstiness, args.input_len, args.output_len, args.seed)
+        desc = f"synthetic gamma: {args.num_requests} requests, {args.request_rate} req/s, burstiness {args.burstiness}"
+    else:
+        reqs = load_trace(args.trace, args.trace_format)
+        desc = f"{args.trace.name}"
+    window = None
+    if args.window:
+        if args.window.startswith("burst:"):
+            window = find_burst_window(reqs, float(args.window.split(":", 1)[1]))
+        else:
+            try:
+                a, b = (float(x) for x in args.window.split(":"))
+            except ValueError:
+                raise ValueError(f"--window must be START:END or burst:SECONDS, got {args.window!r}") from None
+            window = (a, b)
+        desc += f", window {window[0]:.1f}-{window[1]:.1f} s"
+    reqs = transform(reqs, window=window, time_scale=args.time_scale, length_scale=args.length_scale,
+                     max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens)
+    if args.max_requests is not None:
+        reqs = reqs[: args.max_requests]
+    desc += (f", time x{args.time_scale}, lengths x{args.length_scale}, caps in/out "
+             f"{args.max_input_tokens}/{args.max_output_tokens}, {len(reqs)} requests")
+    if not reqs:
+        raise ValueError("the workload is empty (check --window and the trace)")
+    return reqs, desc
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list[WorkItem], str]:
+    reqs, desc = trace_requests(args)
+    text_path = args.text or default_text_path()
+    builder = PromptBuilder(tokenizer, Path(text_path).read_text(encoding="utf-8"))
+    rng = random.Random(args.seed)
+    items = [WorkItem(r.arrival_s, builder.prompt(r.input_tokens, rng), r.output_tokens) for r in reqs]
+    return items, f"{desc}, prompts from {Path(text_path).name}"

@@ -1,0 +1,322 @@
+"""The engine loop: admission, schedule -> execute -> sample -> stream, in one thread.
+
+Callers add requests from any thread; `step()` runs one iteration; `start_background()` runs steps in a
+loop thread while there is work. Callbacks are called from the stepping thread after the iteration's
+state is updated, so a callback may abort requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from policy import PolicyConfig
+from serve.config import EngineConfig
+from serve.engine.executor import TorchExecutor
+from serve.engine.outputs import FinishReason, RequestOutput
+from serve.engine.sampler import sample
+from serve.engine.sampling_params import SamplingParams
+from serve.engine.scheduler import Scheduler
+from serve.engine.sequence import Sequence
+from serve.logging_setup import ensure_logging
+from serve.model.engine_dir import open_model
+from serve.model.kv_cache import PagedKVCache, kv_bytes_per_block
+from serve.model.llama import LlamaModel
+from serve.model.loader import LoadedModel
+from serve.model.tokenizer import IncrementalDetokenizer
+from serve.morph.runtime import MorphRuntime
+from serve.morph.setup import MorphPlan, build_memory, build_runtime, rtn_plan
+
+Callback = Callable[[RequestOutput], None]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        ensure_logging()
+        self.clock = clock or time.perf_counter  # one clock for arrivals, token times and the controller
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
+        self.dtype = _DTYPES[dtype_name]
+        plan: MorphPlan | None = None
+        if loaded is None:
+            loaded, plan = load_model_and_plan(config)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
+        self.bytes_per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
+        policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+        if policy.strategy != "off" and plan is None:
+            plan = rtn_plan(loaded.weights, loaded.config.num_layers, _precisions(config, policy), config.int4_group_size)
+        elif plan is not None:  # an engine dir may hold more variants (fp8) than this mode uses
+            wanted = _precisions(config, policy)
+            missing = [p for p in policy.ladder if p not in plan.precisions]
+            if missing:
+                raise ValueError(f"engine {config.model} lacks the {missing} variants that morph mode "
+                                 f"{config.morph_mode!r} needs (built: {plan.precisions})")
+            plan.precisions = [p for p in plan.precisions if p in wanted]
+        self.pool, self.ledger, bank = build_memory(config, self.model, self.bytes_per_block, plan, policy)
+        self.kv = PagedKVCache(loaded.config, self.pool.max_blocks, config.block_size, self.device, self.dtype)
+        self.morph: MorphRuntime | None = None
+        if bank is not None and plan is not None:
+            self.morph = build_runtime(policy, plan, bank, self.pool, self.ledger, config.block_size, clock=self.clock)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.executor = TorchExecutor(self.model, self.kv)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.last_step_error: str | None = None
+
+    # ---- admission -------------------------------------------------------------------------------
+    def validate_and_tokenize(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                             f"(prompt + at least one generated token must fit)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
+        if blocks > self.pool.max_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens}) "
+                             f"but the KV pool can never hold more than {self.pool.max_blocks}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, callback: Callback | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate, then queue. Raises ValueError/TypeError for bad input; the engine is unaffected.
+
+        arrival_time (on the engine's clock) lets a replay count queueing from the request's scheduled
+        arrival rather than from when its loop got round to adding it.
+        """
+        params = params or SamplingParams()
+        ids = self.validate_and_tokenize(prompt, params)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop),
+                           callback, gen)
+            self._requests[rid] = seq
+            self.scheduler.add(seq)
+            self._wake.notify_all()
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its KV blocks are freed before this returns. False if it is unknown/finished."""
+        with self._lock:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                return False
+            out = self._finish(seq, FinishReason.ABORT)
+        self._deliver([(seq, out)])
+        return True
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            if self.morph is not None:
+                self.morph.on_iteration_boundary(self.scheduler)
+            sched = self.scheduler.schedule()
+            if not sched.chunks:
+                return []
+            logits, sampled = self.executor.execute(sched.chunks)
+            self.scheduler.on_executed(sched)
+            produced = self._append_tokens(sampled, logits)
+            self.num_steps += 1
+        self._deliver(produced)
+        return [out for _, out in produced]
+
+    def _append_tokens(self, sampled, logits: torch.Tensor) -> list[tuple[Sequence, RequestOutput]]:
+        if not sampled:
+            return []
+        seqs = [c.seq for c in sampled]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        now = self.clock()
+        produced = []
+        for seq, tok in zip(seqs, tokens):
+            seq.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if self.morph is not None:
+                    self.morph.record_first_token(now, now - seq.arrival_time)
+            elif self.morph is not None and seq.last_token_time is not None:
+                self.morph.record_token_gap(now, now - seq.last_token_time)
+            seq.last_token_time = now
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                produced.append((seq, self._finish(seq, reason, last_token=tok)))
+            else:
+                produced.append((seq, self._output(seq, [tok], final=False)))
+        return produced
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
+        p = seq.params
+        if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        seq.detokenizer.add(tok)
+        if seq.detokenizer.stopped_by is not None:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, last_token: int | None = None) -> RequestOutput:
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        seq.finish_reason = reason
+        new = [last_token] if last_token is not None else []
+        return self._output(seq, new, final=True)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], final: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_tokens, new_text=seq.detokenizer.delta(final),
+            finished=final, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+        )
+
+    def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
+        for seq, out in produced:
+            if seq.callback is not None:
+                seq.callback(out)
+
+    # ---- background mode -------------------------------------------------------------------------
+    def start_background(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="morphserve-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.scheduler.has_work():
+                    if self.morph is not None and not self.morph.is_settled():
+                        self._wake.wait(0.05)  # keep ticking so the controller can restore layers when calm
+                        break
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        self.last_step_error = message
+        with self._lock:
+            seqs = list(self._requests.values())
+            produced = []
+            for seq in seqs:
+                out = self._finish(seq, FinishReason.ERROR)
+                out.error = message
+                produced.append((seq, out))
+        self._deliver(produced)
+
+    def stop(self) -> None:
+        """Stop the loop thread and abort whatever is still queued or running."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for rid in list(self._requests):
+            self.abort_request(rid)
+
+    # ---- convenience -----------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
+        """Run prompts to completion in this thread; returns {"text", "token_ids", "finish_reason"} per prompt."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, dict] = {}
+
+        def collect(out: RequestOutput) -> None:
+            r = results.setdefault(out.request_id, {"text": "", "token_ids": []})
+            r["text"] += out.new_text
+            r["token_ids"] += out.new_token_ids
+            if out.finished:
+                r["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+                r["num_prompt_tokens"] = out.num_prompt_tokens
+                r["ttft_s"] = (out.first_token_time - out.arrival_time) if out.first_token_time else None
+                r["error"] = out.error
+        rids = [self.add_request(p, sp, callback=collect) for p, sp in zip(prompts, params_list)]
+        while any("finish_reason" not in results.get(r, {}) for r in rids):
+            if not self.step() and not self.has_unfinished_requests():
+                break
+        return [results[r] for r in rids]
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "kv_blocks_total": self.pool.num_blocks,
+                "kv_blocks_used": self.pool.num_used,
+                "kv_cache_usage_perc": self.pool.usage,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_steps": self.num_steps,
+                "num_generated_tokens": self.num_generated_tokens,
+                "layers_quantized": self.morph.quantized_by_precision() if self.morph else {},
+                "swaps_total": self.morph.stats.swaps if self.morph else 0,
+                "restores_total": self.morph.stats.restores if self.morph else 0,
+                "kv_blocks_base": self.pool.base_blocks,
+                "memory": self.ledger.as_dict(),
+            }
+
+    def shutdown(self) -> None:
+        self.stop()
+        if self.morph is not None:
+            self.morph.bank.shutdown()
+
+
+def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
+    """The variants the layer bank holds: the mode's ladder plus any extra asked for. Holding only what the
+    mode can use keeps host memory down and the staging headroom (sized for the largest variant) small."""
+    names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
+    return sorted(set(names) | set(policy.ladder))
+
+
+def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:
+    """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain."""
+    loaded, ed = open_model(config.model)
+    if ed is None:
+        return loaded, None
+    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant)

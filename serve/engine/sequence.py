@@ -1,0 +1,59 @@
+"""A request's state inside the engine: tokens, KV blocks, progress, and its output channel."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from serve.engine.outputs import FinishReason, RequestOutput
+from serve.engine.sampling_params import SamplingParams
+from serve.model.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    callback: Callable[[RequestOutput], None] | None = None
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)   # prompt + output
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def blocks_needed(self, num_new_tokens: int, block_size: int) -> int:
+        """Extra blocks required to hold num_computed_tokens + num_new_tokens tokens."""
+        return max(0, math.ceil((self.num_computed_tokens + num_new_tokens) / block_size) - len(self.block_ids))

@@ -1,0 +1,152 @@
+"""Llama-family decoder forward in plain torch over a paged KV cache.
+
+One forward serves a mixed batch: decode tokens (one per sequence, attended together as a padded batch)
+followed by prefill chunks (each attended with a causal mask offset by the tokens already cached).
+GQA is computed without repeating K/V: the query heads of a group become extra query rows against
+their shared KV head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from serve.model.kv_cache import PagedKVCache
+from serve.model.linear import DenseLinear, LinearOp
+from serve.model.model_config import ModelConfig
+from serve.model.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, computed in fp32 and cast back to the input dtype before the weight (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: LinearOp
+    o: LinearOp
+    gate_up: LinearOp
+    down: LinearOp
+    precision: str = "full"
+
+    @property
+    def nbytes(self) -> int:
+        return (self.input_norm.nbytes + self.post_attention_norm.nbytes + self.qkv.nbytes + self.o.nbytes
+                + self.gate_up.nbytes + self.down.nbytes)
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int            # index into the flat token batch
+    num_tokens: int
+    context_slots: torch.Tensor  # [ctx] slots of every token this chunk attends to (cached + new)
+    mask: torch.Tensor | None    # [num_tokens, ctx] bool, None when the chunk is a whole prompt (plain causal)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    slot_mapping: torch.Tensor    # [T] where each token's K/V is written
+    num_decodes: int              # the first num_decodes tokens are single-token decodes
+    decode_slots: torch.Tensor | None = None   # [B, Lmax] context slots (padded)
+    decode_mask: torch.Tensor | None = None    # [B, 1, 1, Lmax] bool, None when no padding
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    sample_indices: torch.Tensor | None = None  # [S] flat token indices whose logits are wanted
+
+
+def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
+    p = f"model.layers.{i}."
+    w = lambda name: weights[p + name].to(device=device, dtype=dtype)  # noqa: E731
+    b = lambda name: weights[p + name].to(device=device, dtype=dtype) if p + name in weights else None  # noqa: E731
+    return DecoderLayer(
+        input_norm=w("input_layernorm.weight"),
+        post_attention_norm=w("post_attention_layernorm.weight"),
+        qkv=DenseLinear.fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")],
+                              [b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")]),
+        o=DenseLinear(w("self_attn.o_proj.weight")),
+        gate_up=DenseLinear.fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+        down=DenseLinear(w("mlp.down_proj.weight")),
+    )
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype, max_positions: int) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.embed = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype)
+        self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
+        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"].to(device=device, dtype=dtype)
+        self.layers = [build_decoder_layer(weights, i, device, dtype) for i in range(config.num_layers)]
+        self.rope = RotaryEmbedding(config, max_positions, device, dtype)
+        self.scale = config.head_dim ** -0.5
+
+    @property
+    def non_layer_nbytes(self) -> int:
+        tied = self.lm_head is self.embed
+        return self.embed.nbytes + self.norm.nbytes + (0 if tied else self.lm_head.nbytes) + self.rope.cos.nbytes * 2
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
+        h = F.embedding(batch.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = self._layer(i, layer, h, batch, kv)
+        if batch.sample_indices is not None:
+            h = h.index_select(0, batch.sample_indices)
+        h = self.rms_norm(h, self.norm)
+        return F.linear(h, self.lm_head).float()
+
+    def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        cfg = self.config
+        x = self.rms_norm(h, layer.input_norm)
+        qkv = layer.qkv(x)
+        T = x.shape[0]
+        q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        q = self.rope.apply(q, batch.positions)
+        k = self.rope.apply(k, batch.positions)
+        kv.write(i, batch.slot_mapping, k, v.contiguous())
+        attn = self._attention(i, q, batch, kv)
+        h = h + layer.o(attn)
+        x = self.rms_norm(h, layer.post_attention_norm)
+        gu = layer.gate_up(x)
+        inter = gu.shape[-1] // 2
+        return h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+
+    def _attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        cfg = self.config
+        kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
+        B = batch.num_decodes
+        if B:
+            qd = q[:B].view(B, kvh, group, hd)
+            kd = kv.k[i][batch.decode_slots].transpose(1, 2)  # [B, kvh, L, hd]
+            vd = kv.v[i][batch.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=self.scale)
+            out[:B] = o.reshape(B, cfg.q_size)
+        for pc in batch.prefills:
+            n = pc.num_tokens
+            qp = q[pc.token_start: pc.token_start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
+            kp = kv.k[i][pc.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
+            vp = kv.v[i][pc.context_slots].transpose(0, 1).unsqueeze(0)
+            if pc.mask is None and group == 1:
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale)
+            else:
+                mask = pc.mask if pc.mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.repeat(group, 1), scale=self.scale)
+            out[pc.token_start: pc.token_start + n] = o.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, cfg.q_size)
+        return out

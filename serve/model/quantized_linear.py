@@ -1,0 +1,506 @@
+"""Runtime weight-only quantized linear layers that feed aten kernels directly.
+
+(Over ~450 lines on purpose: the three formats share the input, alignment and packing helpers and the
+loader; side by side, the byte accounting and the per-device kernel choice are read in one place.)
+
+Three formats, each a small dataclass with ``forward`` (fp32 ``[..., K]`` in, fp32 ``[..., N]`` out),
+``dequantize`` (fp32 ``[N, K]``), ``nbytes`` (exact bytes of the stored tensors), ``to(device)``,
+and ``tensors()`` / ``metadata()`` / ``from_tensors()`` for safetensors round trips:
+
+- :class:`Int8WeightOnly`: int8 ``[N, K]`` + bf16 per-output-channel scales,
+  ``aten._weight_int8pack_mm`` on CPU.
+- :class:`Int4WeightOnly`: 4-bit codes (0..15) packed by ``aten._convert_weight_to_int4pack_for_cpu``
+  + bf16 ``scale_and_zero [K/group, N, 2]`` with ``w = (code - 8) * scale + zero``, optional AWQ
+  ``pre_quant_scale`` applied to activations; ``aten._weight_int4pack_mm_for_cpu`` on CPU.
+- :class:`Fp8WeightOnly`: e4m3fn ``[N, K]`` + fp32 per-tensor or per-channel scale; correctness only on
+  CPU (dequantize then fp32 matmul).
+
+On CPU the int kernels get bf16 activations (they are 30-70x slower with fp32 activations) and
+return bf16, so their outputs carry bf16 rounding (~3e-3 relative); the result is cast back to fp32.
+
+CUDA paths are written against documented torch APIs but have NOT been run (no GPU here); they are
+marked ``UNVERIFIED`` and are only reached when the tensors live on a CUDA device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+"""Group sizes accepted by ``aten._weight_int4pack_mm_for_cpu``."""
+
+_INT8_K_MULTIPLE = 16
+"""``aten._weight_int8pack_mm`` reads out of bounds (segfault / garbage) unless K % 16 == 0."""
+
+_INT8_ALIGN = 64
+"""``aten._weight_int8pack_mm`` segfaults when x or the weight are not 32/16-byte aligned (seen with
+tensors from ``safetensors.load_file`` and sliced bf16 activations); fresh torch CPU allocations are
+64-byte aligned, so misaligned operands are copied."""
+
+_INT4_N_MULTIPLE = 16
+"""``aten._convert_weight_to_int4pack_for_cpu`` requires N % 16 == 0."""
+
+_UNPACK_CHUNK = 1024
+
+
+@runtime_checkable
+class QuantizedLinear(Protocol):
+    """What every runtime quantized linear provides."""
+
+    format: ClassVar[str]
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def dequantize(self) -> torch.Tensor: ...
+
+    def to(self, device: torch.device | str) -> QuantizedLinear: ...
+
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def metadata(self) -> dict[str, str]: ...
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _flatten_input(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    _check(
+        x.shape[-1] == in_features,
+        f"input has {x.shape[-1]} features, layer expects {in_features}",
+    )
+    return x.reshape(-1, in_features), tuple(x.shape[:-1])
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % _INT8_ALIGN == 0 else t.clone()
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+# --------------------------------------------------------------------------------------------- int8
+
+
+@dataclass(eq=False)
+class Int8WeightOnly:
+    """int8 ``weight [N, K]`` (symmetric, per output channel) with bf16 ``scales [N]``."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    format: ClassVar[str] = "int8_wo"
+
+    def __post_init__(self) -> None:
+        _check(self.weight.dim() == 2, f"int8 weight must be 2-D, got shape {tuple(self.weight.shape)}")
+        _check(self.weight.dtype == torch.int8, f"int8 weight must be torch.int8, got {self.weight.dtype}")
+        n, k = self.weight.shape
+        _check(
+            k % _INT8_K_MULTIPLE == 0,
+            f"int8 weight-only kernel needs in_features divisible by {_INT8_K_MULTIPLE}, got {k}",
+        )
+        _check(
+            tuple(self.scales.shape) == (n,),
+            f"int8 scales must have shape ({n},), got {tuple(self.scales.shape)}",
+        )
+        self.weight = _aligned(self.weight)
+        self.scales = _aligned(self.scales.to(torch.bfloat16))
+
+    @classmethod
+    def from_int(cls, q: torch.Tensor, scale: torch.Tensor) -> Int8WeightOnly:
+        """From integer codes in [-128, 127] and per-channel scales (w = q * scale)."""
+        _check(
+            int(q.min()) >= -128 and int(q.max()) <= 127,
+            "int8 codes must lie in [-128, 127]",
+        )
+        return cls(q.to(torch.int8), scale.reshape(-1))
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.weight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _flatten_input(x, self.in_features)
+        xb = x2.to(device=self.weight.device, dtype=torch.bfloat16)
+        if _is_cuda(self.weight):
+            y = self._forward_cuda(xb)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(_aligned(xb), self.weight, self.scales)
+        return y.float().reshape(*lead, self.out_features)
+
+    def _forward_cuda(self, xb: torch.Tensor) -> torch.Tensor:
+        # UNVERIFIED (no GPU here): aten._weight_int8pack_mm has no CUDA kernel, so upcast the int8
+        # weight to bf16 and scale the output columns.
+        return torch.mm(xb, self.weight.to(torch.bfloat16).t()) * self.scales
+
+    __call__ = forward
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def to(self, device: torch.device | str) -> Int8WeightOnly:
+        return Int8WeightOnly(self.weight.to(device), self.scales.to(device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scales": self.scales}
+
+    def metadata(self) -> dict[str, str]:
+        return {"format": self.format}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> Int8WeightOnly:
+        _check_format(meta, cls.format)
+        return cls(tensors["weight"], tensors["scales"])
+
+
+# --------------------------------------------------------------------------------------------- int4
+
+
+def _validate_int4_shape(n: int, k: int, group_size: int) -> None:
+    _check(
+        group_size in INT4_GROUP_SIZES,
+        f"int4 group size must be one of {INT4_GROUP_SIZES} (CPU kernel limit), got {group_size}",
+    )
+    _check(
+        k % group_size == 0,
+        f"int4 group size {group_size} does not divide in_features {k}; "
+        f"use a group size that divides it (e.g. 64 or 32 for a hidden size of 576)",
+    )
+    _check(
+        n % _INT4_N_MULTIPLE == 0,
+        f"int4 CPU kernel needs out_features divisible by {_INT4_N_MULTIPLE}, got {n}",
+    )
+
+
+def pack_int4_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Portable storage packing: codes ``[N, K]`` in 0..15 -> uint8 ``[N, K/2]``,
+    low nibble = even k, high nibble = odd k."""
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_nibbles`: uint8 ``[N, K/2]`` -> int32 codes ``[N, K]``."""
+    low = (packed & 0x0F).to(torch.int32)
+    high = (packed >> 4).to(torch.int32)
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _pack_int4_for_kernel(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    codes = codes.to(torch.int32)
+    if device.type == "cuda":
+        return _pack_int4_cuda(codes.to(device))
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu().contiguous(), 1)
+
+
+def _pack_int4_cuda(codes: torch.Tensor) -> torch.Tensor:
+    # UNVERIFIED (no GPU here): the CUDA tinygemm packer takes uint8 [N, K/2] with the *even* k in the
+    # high nibble (as torchao does) and returns an int32 tiled layout.
+    k = codes.shape[1]
+    inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+    nibbles = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack(nibbles, inner_k_tiles)
+
+
+@dataclass(eq=False)
+class Int4WeightOnly:
+    """Group-wise 4-bit weight in the aten int4pack layout.
+
+    ``packed`` is whatever ``_convert_weight_to_int4pack_for_cpu`` produced on this machine (its
+    layout depends on the CPU's vector width, AVX2 vs AVX-512), so it is never serialised as is:
+    :meth:`tensors` stores the portable nibble layout of :func:`pack_int4_nibbles` instead, and
+    :meth:`from_tensors` repacks. Codes are recovered by running the kernel itself on an identity
+    matrix with scale 1 / zero 8 (exact: integers 0..15 survive bf16), so no layout is assumed.
+    """
+
+    packed: torch.Tensor
+    scale_and_zero: torch.Tensor
+    group_size: int
+    in_features: int
+    pre_quant_scale: torch.Tensor | None = None
+    format: ClassVar[str] = "int4_wo"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.scale_and_zero.dim() == 3 and self.scale_and_zero.shape[2] == 2,
+            f"scale_and_zero must be [K/group, N, 2], got {tuple(self.scale_and_zero.shape)}",
+        )
+        n = self.scale_and_zero.shape[1]
+        _validate_int4_shape(n, self.in_features, self.group_size)
+        _check(
+            self.scale_and_zero.shape[0] == self.in_features // self.group_size,
+            f"scale_and_zero has {self.scale_and_zero.shape[0]} groups, expected "
+            f"{self.in_features // self.group_size}",
+        )
+        self.scale_and_zero = self.scale_and_zero.to(torch.bfloat16).contiguous()
+        if self.pre_quant_scale is not None:
+            _check(
+                tuple(self.pre_quant_scale.shape) == (self.in_features,),
+                f"pre_quant_scale must have shape ({self.in_features},), "
+                f"got {tuple(self.pre_quant_scale.shape)}",
+            )
+            self.pre_quant_scale = self.pre_quant_scale.float().contiguous()
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        group_size: int,
+        zeros: torch.Tensor | None = None,
+        pre_quant_scale: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Int4WeightOnly:
+        """From unsigned codes ``[N, K]`` in 0..15 and per-group ``scales``/``zeros`` ``[N, K/group]``;
+        ``w = (code - 8) * scale + zero`` (``zeros`` default to 0, i.e. symmetric int4)."""
+        _check(codes.dim() == 2, f"int4 codes must be 2-D, got shape {tuple(codes.shape)}")
+        n, k = codes.shape
+        _validate_int4_shape(n, k, group_size)
+        _check(
+            int(codes.min()) >= 0 and int(codes.max()) <= 15,
+            "int4 codes must lie in [0, 15] (signed value + 8)",
+        )
+        _check(
+            tuple(scales.shape) == (n, k // group_size),
+            f"int4 scales must have shape ({n}, {k // group_size}), got {tuple(scales.shape)}",
+        )
+        if zeros is None:
+            zeros = torch.zeros_like(scales)
+        scale_and_zero = torch.stack([scales.float().t(), zeros.float().t()], dim=-1)
+        device = torch.device(device)
+        pqs = None if pre_quant_scale is None else pre_quant_scale.to(device)
+        return cls(
+            _pack_int4_for_kernel(codes, device),
+            scale_and_zero.to(device),
+            group_size,
+            k,
+            pqs,
+        )
+
+    @property
+    def out_features(self) -> int:
+        return self.scale_and_zero.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.packed, self.scale_and_zero, self.pre_quant_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _flatten_input(x, self.in_features)
+        x2 = x2.to(self.packed.device)
+        if self.pre_quant_scale is not None:
+            x2 = x2.float() * self.pre_quant_scale
+        y = self._mm(x2.to(torch.bfloat16).contiguous(), self.scale_and_zero)
+        return y.float().reshape(*lead, self.out_features)
+
+    def _mm(self, xb: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
+        if _is_cuda(self.packed):
+            # UNVERIFIED (no GPU here): CUDA tinygemm kernel, same (code - 8) * scale + zero semantics.
+            return torch.ops.aten._weight_int4pack_mm(xb, self.packed, self.group_size, scale_and_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, scale_and_zero)
+
+    __call__ = forward
+
+    def codes(self) -> torch.Tensor:
+        """Unsigned codes ``[N, K]`` (int32, 0..15), recovered through the kernel itself."""
+        k, n = self.in_features, self.out_features
+        unit = torch.zeros(k // self.group_size, n, 2, dtype=torch.bfloat16, device=self.packed.device)
+        unit[..., 0] = 1.0
+        unit[..., 1] = 8.0  # (code - 8) * 1 + 8 == code
+        out = torch.empty(k, n, dtype=torch.int32, device=self.packed.device)
+        for start in range(0, k, _UNPACK_CHUNK):
+            stop = min(start + _UNPACK_CHUNK, k)
+            eye = torch.zeros(stop - start, k, dtype=torch.bfloat16, device=self.packed.device)
+            eye[:, start:stop] = torch.eye(stop - start, dtype=torch.bfloat16, device=self.packed.device)
+            out[start:stop] = self._mm(eye, unit).round().to(torch.int32)
+        return out.t().contiguous()
+
+    def scales_and_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``scales``, ``zeros``, both ``[N, K/group]``."""
+        sz = self.scale_and_zero.float()
+        return sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[N, K]`` exactly as the kernel sees it (bf16 scale/zero, fp32 arithmetic); AWQ's
+        ``pre_quant_scale`` is *not* folded in (it scales activations, see :meth:`forward`)."""
+        scales, zeros = (t.repeat_interleave(self.group_size, dim=1) for t in self.scales_and_zeros())
+        return (self.codes().float() - 8.0) * scales + zeros
+
+    def dequantize_folded(self) -> torch.Tensor:
+        """fp32 ``[N, K]`` with ``pre_quant_scale`` folded in: ``x @ W.T`` equals :meth:`forward`
+        up to kernel rounding. Use this for full-precision reference forwards."""
+        w = self.dequantize()
+        return w if self.pre_quant_scale is None else w * self.pre_quant_scale.float()[None, :]
+
+    def to(self, device: torch.device | str) -> Int4WeightOnly:
+        device = torch.device(device)
+        pqs = None if self.pre_quant_scale is None else self.pre_quant_scale.to(device)
+        if device.type == self.packed.device.type:
+            packed = self.packed.to(device)
+        else:
+            packed = _pack_int4_for_kernel(self.codes().cpu(), device)
+        return Int4WeightOnly(packed, self.scale_and_zero.to(device), self.group_size, self.in_features, pqs)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {
+            "qweight": pack_int4_nibbles(self.codes().cpu()),
+            "scale_and_zero": self.scale_and_zero.cpu(),
+        }
+        if self.pre_quant_scale is not None:
+            out["pre_quant_scale"] = self.pre_quant_scale.cpu()
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        return {"format": self.format, "group_size": str(self.group_size)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> Int4WeightOnly:
+        _check_format(meta, cls.format)
+        _check(meta is not None and "group_size" in meta, "int4 metadata needs 'group_size'")
+        group_size = int(meta["group_size"])
+        codes = unpack_int4_nibbles(tensors["qweight"])
+        sz = tensors["scale_and_zero"]
+        _check(
+            sz.dim() == 3 and sz.shape[1] == codes.shape[0],
+            f"scale_and_zero shape {tuple(sz.shape)} does not match qweight rows {codes.shape[0]}",
+        )
+        _validate_int4_shape(codes.shape[0], codes.shape[1], group_size)
+        pqs = tensors.get("pre_quant_scale")
+        return cls(_pack_int4_for_kernel(codes, torch.device("cpu")), sz, group_size, codes.shape[1], pqs)
+
+
+# ---------------------------------------------------------------------------------------------- fp8
+
+
+@dataclass(eq=False)
+class Fp8WeightOnly:
+    """e4m3fn ``weight [N, K]`` with fp32 ``scale`` (shape ``[]``/``[1]`` per-tensor or ``[N]``
+    per-channel); ``w = weight * scale``.
+
+    Not a fast path on CPU: fp8 is a GPU (Hopper+) format, so on CPU the weight is dequantized and
+    multiplied in fp32 (slower than plain fp32, but bit-faithful to modelopt's fake quantization).
+    On CUDA (UNVERIFIED) activations are quantized dynamically to e4m3 and ``torch._scaled_mm`` is
+    used, i.e. W8A8 numerics rather than the exact weight-only result.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    format: ClassVar[str] = "fp8_wo"
+
+    def __post_init__(self) -> None:
+        _check(self.weight.dim() == 2, f"fp8 weight must be 2-D, got shape {tuple(self.weight.shape)}")
+        _check(
+            self.weight.dtype == torch.float8_e4m3fn,
+            f"fp8 weight must be torch.float8_e4m3fn, got {self.weight.dtype}",
+        )
+        _check(
+            self.scale.numel() in (1, self.weight.shape[0]),
+            f"fp8 scale must be per-tensor (1 element) or per-channel ({self.weight.shape[0]}), "
+            f"got shape {tuple(self.scale.shape)}",
+        )
+        self.scale = self.scale.float().reshape(-1).contiguous()
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.numel() > 1
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.weight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = _flatten_input(x, self.in_features)
+        x2 = x2.to(self.weight.device)
+        if _is_cuda(self.weight):
+            y = self._forward_cuda(x2)
+        else:
+            y = x2.float() @ self.dequantize().t()
+        return y.float().reshape(*lead, self.out_features)
+
+    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        # UNVERIFIED (no GPU here): dynamic e4m3 activation scales (per row when the weight scale is
+        # per channel -> rowwise scaling, else per tensor); _scaled_mm wants mat2 column-major, which
+        # weight.t() of a row-major [N, K] is. Dimensions must be multiples of 16.
+        fmax = torch.finfo(torch.float8_e4m3fn).max
+        if self.per_channel:
+            amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+            scale_b = self.scale.reshape(1, -1)
+        else:
+            amax = x.abs().amax().float().clamp(min=1e-12)
+            scale_b = self.scale.reshape(())
+        scale_a = amax / fmax
+        xq = (x.float() / scale_a).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(xq, self.weight.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
+
+    __call__ = forward
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.scale[:, None] if self.scale.numel() > 1 else self.scale.reshape(())
+        return self.weight.float() * scale
+
+    def to(self, device: torch.device | str) -> Fp8WeightOnly:
+        return Fp8WeightOnly(self.weight.to(device), self.scale.to(device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scale": self.scale}
+
+    def metadata(self) -> dict[str, str]:
+        return {"format": self.format}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> Fp8WeightOnly:
+        _check_format(meta, cls.format)
+        return cls(tensors["weight"], tensors["scale"])
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+FORMATS: dict[str, type] = {cls.format: cls for cls in (Int8WeightOnly, Int4WeightOnly, Fp8WeightOnly)}
+
+
+def _check_format(meta: dict[str, str] | None, expected: str) -> None:
+    if meta is not None and "format" in meta:
+        _check(meta["format"] == expected, f"metadata format {meta['format']!r} is not {expected!r}")
+
+
+def load_quantized_linear(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> QuantizedLinear:
+    """Rebuild any runtime format from ``tensors()`` + ``metadata()`` (dispatching on ``meta['format']``)."""
+    fmt = meta.get("format")
+    _check(fmt in FORMATS, f"unknown quantized linear format {fmt!r}; known: {sorted(FORMATS)}")
+    return FORMATS[fmt].from_tensors(tensors, meta)

@@ -1,0 +1,245 @@
+"""Executes the MorphServe controller's decisions: layer swaps and KV pool resizing, with exact accounting.
+
+At every iteration boundary: finish swaps whose copies are ready (install the layer, resize the pool),
+build a Telemetry snapshot, ask the controller, start the copies it asks for. Quantizing layer p adds a
+KV chunk of floor(freed_bytes / bytes_per_block) blocks owned by that transition; undoing a transition
+first removes its chunk (only when entirely free, LIFO) and then copies the milder variant in. In-flight
+requests keep their KV cache: weight-only quantization does not change the KV layout.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from policy import FULL, MorphController, MorphDecision, PolicyConfig, Telemetry, signature
+from serve.logging_setup import get_logger
+from serve.memory.block_pool import BlockPool
+from serve.memory.budget import MemoryLedger, query_device_memory
+from serve.morph.layer_bank import LayerBank
+from serve.morph.scheduler_view import SchedulerView
+
+log = get_logger("morphserve.morph")
+
+
+@dataclass
+class Transition:
+    layer: int
+    from_precision: str
+    to_precision: str
+    owner: str          # the KV chunk's owner id in the pool ("" when the swap freed less than a block)
+    blocks: int
+
+
+@dataclass
+class PendingSwap:
+    kind: str           # "quantize" | "restore"
+    layer: int
+    target: str
+    future: Future
+    staged_bytes: int
+    reason: str
+    started: float
+
+
+@dataclass
+class MorphStats:
+    swaps: int = 0
+    restores: int = 0
+    swap_ms: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+
+
+class MorphRuntime:
+    def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
+                 ledger: MemoryLedger, block_size: int, window_s: float = 10.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.controller = MorphController(config, swap_order)
+        self.bank = bank
+        self.pool = pool
+        self.ledger = ledger
+        self.block_size = block_size
+        self.clock = clock
+        self.window_s = window_s
+        self.stack: list[Transition] = []
+        self.pending: list[PendingSwap] = []
+        # Layers of an accepted quantize decision not yet copying: one copy is in flight at a time, so the
+        # staging headroom is one layer's variant whatever the mode's layers per step.
+        self.queued: collections.deque[tuple[int, str, str]] = collections.deque()
+        self.stats = MorphStats()
+        self.events: collections.deque[dict] = collections.deque(maxlen=10_000)
+        self.tokens_served = 0  # tokens generated so far; events carry it so logs give tokens per configuration
+        self._ttfts: collections.deque[tuple[float, float]] = collections.deque()
+        self._gaps: collections.deque[tuple[float, float]] = collections.deque()
+        missing = [p for p in config.ladder if p not in bank.precisions]
+        if missing:
+            raise ValueError(f"morph mode {config.mode!r} needs precisions {missing} that the engine lacks "
+                             f"(have {sorted(bank.precisions)}); rebuild the engine with them")
+        full = bank.nbytes(0, FULL)
+        self.blocks_per_layer_chunk = {p: (full - bank.nbytes(0, p)) // ledger.bytes_per_block for p in bank.precisions}
+
+    # ---- signals -----------------------------------------------------------------------------------
+    def record_first_token(self, now: float, ttft_s: float) -> None:
+        self._ttfts.append((now, ttft_s))
+        self.tokens_served += 1
+
+    def record_token_gap(self, now: float, gap_s: float) -> None:
+        self._gaps.append((now, gap_s))
+        self.tokens_served += 1
+
+    def _window(self, q: collections.deque, now: float, pct: float) -> float | None:
+        while q and q[0][0] < now - self.window_s:
+            q.popleft()
+        return float(np.percentile([v for _, v in q], pct)) if q else None
+
+    def quantized_layers(self) -> tuple[tuple[int, str], ...]:
+        """The swap stack as the controller sees it: layers by their newest transition, in-flight included."""
+        latest: dict[int, tuple[int, str]] = {}
+        for i, tr in enumerate(self.stack):
+            latest[tr.layer] = (i, tr.to_precision)
+        accepted = [(p.layer, p.target) for p in self.pending if p.kind == "quantize"]  # restores left the stack
+        for j, (layer, target) in enumerate(accepted + [(layer, target) for layer, target, _ in self.queued]):
+            latest[layer] = (len(self.stack) + j, target)
+        return tuple((layer, prec) for layer, (_, prec) in sorted(latest.items(), key=lambda kv: kv[1][0]))
+
+    def telemetry(self, now: float, scheduler: SchedulerView) -> Telemetry:
+        oldest = scheduler.oldest_waiting_arrival()
+        top = self.stack[-1] if self.stack else None
+        top_free = top is not None and (not top.owner or self.pool.chunk_is_free(top.owner))
+        mem = query_device_memory(self.bank.device)
+        return Telemetry(
+            now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+            num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(), num_waiting=scheduler.num_waiting(),
+            oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
+            blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
+            ttft_p95_s=self._window(self._ttfts, now, 95), tbt_p99_s=self._window(self._gaps, now, 99),
+            device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
+            quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
+            blocks_per_layer_chunk=self.blocks_per_layer_chunk,
+        )
+
+    # ---- the iteration boundary ----------------------------------------------------------------------
+    def on_iteration_boundary(self, scheduler: SchedulerView) -> MorphDecision | None:
+        now = self.clock()
+        self.complete_ready(wait=False)
+        if self.pending or self.queued:
+            return None  # one decision at a time keeps the stack order simple
+        decision = self.controller.decide(self.telemetry(now, scheduler))
+        if decision.action != "none":
+            self.start(decision)
+        return decision
+
+    def start(self, decision: MorphDecision) -> None:
+        for layer in decision.layers:
+            if decision.action == "quantize":
+                self.queued.append((layer, decision.precision, decision.reason))  # type: ignore[arg-type]
+            else:
+                self._start_restore(layer, decision.precision or FULL, decision.reason)
+        self._start_next()
+
+    def _start_next(self) -> None:
+        if self.pending or not self.queued:
+            return
+        layer, target, reason = self.queued.popleft()
+        if not self._start_quantize(layer, target, reason):
+            self.queued.clear()  # no headroom now means none for the rest of the decision either
+
+    def _start_quantize(self, layer: int, target: str, reason: str) -> bool:
+        staged = self.bank.nbytes(layer, target)
+        if staged > self.ledger.available:
+            self._event("swap_deferred", layer=layer, to_precision=target, needed_bytes=staged,
+                        available_bytes=self.ledger.available, reason="no headroom for the staging copy")
+            return False
+        self.ledger.staging_bytes += staged
+        self.pending.append(PendingSwap("quantize", layer, target, self.bank.prepare(layer, target), staged, reason, self.clock()))
+        return True
+
+    def _start_restore(self, layer: int, target: str, reason: str) -> None:
+        top = self.stack[-1] if self.stack else None
+        if top is None or top.layer != layer or top.from_precision != target:
+            self._event("restore_skipped", layer=layer, to_precision=target, reason="not the newest transition")
+            return
+        if top.owner and not self.pool.chunk_is_free(top.owner):
+            self._event("restore_skipped", layer=layer, to_precision=target, reason="its KV chunk is in use")
+            return
+        staged = self.bank.nbytes(layer, target)
+        freed_kv = top.blocks * self.ledger.bytes_per_block
+        if staged > self.ledger.available + freed_kv:
+            self._event("restore_deferred", layer=layer, to_precision=target, needed_bytes=staged,
+                        available_bytes=self.ledger.available + freed_kv)
+            return
+        if top.owner:
+            self.pool.remove_chunk(top.owner)
+            self.ledger.kv_blocks -= top.blocks
+            self._event("kv_shrink", layer=layer, blocks_removed=top.blocks, kv_blocks_total=self.pool.num_blocks)
+        self.stack.pop()
+        self.ledger.staging_bytes += staged
+        self.pending.append(PendingSwap("restore", layer, target, self.bank.prepare(layer, target), staged, reason,
+                                        self.clock()))
+
+    def complete_ready(self, wait: bool) -> None:
+        """Install finished copies in order; each install starts the next queued copy. wait=True drains all."""
+        while self.pending and (wait or self.pending[0].future.done()):
+            p = self.pending.pop(0)
+            layer_obj = p.future.result()
+            before = self.bank.precision_of(p.layer)
+            old_bytes = self.bank.resident_nbytes(p.layer)
+            self.bank.install(p.layer, layer_obj)
+            self.ledger.staging_bytes -= p.staged_bytes
+            self.ledger.layer_bytes[p.layer] = layer_obj.nbytes
+            elapsed_ms = (self.clock() - p.started) * 1e3
+            self.stats.swap_ms[f"{before}->{p.target}"].append(elapsed_ms)
+            if p.kind == "quantize":
+                self._finish_quantize(p, before, old_bytes - layer_obj.nbytes, elapsed_ms)
+            else:
+                self.stats.restores += 1
+                self._event("restore", layer=p.layer, from_precision=before, to_precision=p.target,
+                            time_ms=round(elapsed_ms, 3), reason=p.reason)
+            self.ledger.check()
+            self._start_next()
+
+    def _finish_quantize(self, p: PendingSwap, before: str, freed: int, elapsed_ms: float) -> None:
+        blocks = max(0, freed) // self.ledger.bytes_per_block
+        blocks = min(blocks, self.pool.max_blocks - self.pool.num_blocks)
+        owner = f"layer{p.layer}:{before}->{p.target}" if blocks else ""
+        if blocks:
+            self.pool.add_chunk(owner, blocks)
+            self.ledger.kv_blocks += blocks
+        self.stack.append(Transition(p.layer, before, p.target, owner, blocks))
+        self.stats.swaps += 1
+        self._event("swap", layer=p.layer, from_precision=before, to_precision=p.target, bytes_freed=freed,
+                    blocks_added=blocks, kv_blocks_total=self.pool.num_blocks, time_ms=round(elapsed_ms, 3),
+                    reason=p.reason)
+
+    def apply_now(self, decision: MorphDecision) -> None:
+        """Apply a decision synchronously, one layer at a time (static modes, before serving starts)."""
+        for layer in decision.layers:
+            self.start(MorphDecision(decision.action, (layer,), decision.precision, decision.reason))
+            self.complete_ready(wait=True)
+
+    @property
+    def num_quantized(self) -> int:
+        return sum(1 for layer in self.bank.model.layers if layer.precision != FULL)
+
+    def quantized_by_precision(self) -> dict[str, int]:
+        counts: dict[str, int] = collections.Counter(layer.precision for layer in self.bank.model.layers)
+        counts.pop(FULL, None)
+        return dict(counts)
+
+    def config_signature(self) -> str:
+        """The model's current shape, one character per layer: f(ull), 8 (int8), 4 (int4), e (fp8)."""
+        return signature(layer.precision for layer in self.bank.model.layers)
+
+    def is_settled(self) -> bool:
+        """Nothing in flight and every layer at full precision (the state an idle engine returns to)."""
+        return not self.pending and not self.queued and not self.stack
+
+    def _event(self, event: str, **fields) -> None:
+        record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}
+        self.events.append(record)
+        log.info(event, **{k: v for k, v in record.items() if k != "event"})

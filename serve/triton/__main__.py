@@ -1,0 +1,193 @@
+"""``python -m serve.triton``: start tritonserver on 127.0.0.1 with the MorphServe model (``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from serve.logging_setup import configure_logging, get_logger
+from serve.triton.install import TritonLaunchError
+from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY
+from serve.triton.server import TritonServer
+
+log = get_logger("triton_launcher")
+
+_PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
+    "morph_mode": ("--morph-mode", str, "layer-morphing mode of the engine"),
+    "device_memory": ("--device-memory", str, "device memory budget, e.g. 600MiB or 2GiB"),
+    "max_num_seqs": ("--max-num-seqs", int, "most sequences in one batch"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", int, "token budget of one engine step"),
+    "max_tokens_limit": ("--max-tokens-limit", int, "largest max_tokens a request may ask for"),
+    "slo_ttft_s": ("--slo-ttft-s", float, "TTFT service-level objective in seconds"),
+}
+
+
+
+def _env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a port number") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    p = argparse.ArgumentParser(
+        prog="python -m serve.triton",
+        description=(
+            "Serve the MorphServe model with the tritonserver bundled in nvidia-pytriton, on 127.0.0.1 "
+            "only. Prints one line when the model is ready (with a curl example) and shuts the server "
+            "down cleanly on Ctrl-C or SIGTERM. Triton's log and the model's JSON log lines go to "
+            "--server-log."
+        ),
+        epilog=(
+            "Endpoints: HTTP POST /v2/models/morphserve/generate and /generate_stream (JSON keys: "
+            "text_input, max_tokens, temperature, top_p, top_k, seed, stop, stream); gRPC streaming "
+            "(python -m serve.triton.client); Prometheus text on the metrics port (/metrics, morphserve_* "
+            "and nv_* families). Ports default to $HTTP_PORT, $GRPC_PORT, $METRICS_PORT, then "
+            "8000/8001/8002; 0 picks a free port."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY, help="Triton model repository")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="model to load from the repository")
+    p.add_argument(
+        "--engine-dir",
+        default=None,
+        help="engine directory, GGUF file, HF directory, or 'smollm2-135m' (embedded default); "
+        "overrides the engine_dir parameter of config.pbtxt",
+    )
+    p.add_argument("--http-port", type=int, default=_env_port("HTTP_PORT", 8000), help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=_env_port("GRPC_PORT", 8001), help="gRPC port")
+    p.add_argument("--metrics-port", type=int, default=_env_port("METRICS_PORT", 8002), help="metrics port")
+    for key, (flag, typ, help_) in _PARAM_FLAGS.items():
+        p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_} (parameter {key})")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set any other config.pbtxt parameter (repeatable), e.g. --param max_model_len=2048",
+    )
+    p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--log-level", default="warning", help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the model to load")
+    p.add_argument(
+        "--gpu",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="'no' hides GPUs (CUDA_VISIBLE_DEVICES=) and disables GPU metrics and CUDA pools",
+    )
+    p.add_argument(
+        "extra",
+        nargs=argparse.REMAINDER,
+        help="after `--`: extra tritonserver flags passed through verbatim",
+    )
+    return p
+
+
+def params_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """config.pbtxt overrides gathered from the CLI flags."""
+    params: dict[str, object] = {}
+    if args.engine_dir is not None:
+        params["engine_dir"] = args.engine_dir
+    for key in _PARAM_FLAGS:
+        v = getattr(args, key)
+        if v is not None:
+            params[key] = v
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--param expects KEY=VALUE, got {item!r}")
+        params[key.strip()] = value
+    return params
+
+
+def curl_example(srv: TritonServer) -> str:
+    """A one-line curl command that exercises the generate endpoint."""
+    body = json.dumps({"text_input": "The capital of France is", "max_tokens": 16})
+    return f"curl -s -X POST http://{srv.http_url}/v2/models/{srv.model_name}/generate -d '{body}'"
+
+
+class _Terminate(Exception):
+    """Raised from the SIGTERM handler to unwind the CLI's wait loop."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    extra = [a for a in args.extra if a != "--"]
+    params = params_from_args(args)
+    srv = TritonServer(
+        args.model_repository,
+        args.model_name,
+        params=params,
+        http_port=args.http_port or None,
+        grpc_port=args.grpc_port or None,
+        metrics_port=args.metrics_port or None,
+        log_path=args.server_log,
+        log_verbose=args.log_verbose,
+        use_gpu={"auto": None, "yes": True, "no": False}[args.gpu],
+        extra_args=extra,
+        keep_log=True,
+    )
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise _Terminate
+
+    def on_second_signal(signum: int, frame: FrameType | None) -> None:
+        # A second Ctrl-C / SIGTERM while shutting down: do not wait for Triton's exit timeout.
+        if srv.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+        os._exit(130)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        srv.start()
+        ready_s = srv.wait_ready(timeout=args.ready_timeout)
+        sys.stdout.write(
+            f"morphserve ready in {ready_s:.1f}s: http={srv.http_url} grpc={srv.grpc_url} "
+            f"metrics={srv.metrics_url} log={srv.log_path} | try: {curl_example(srv)}\n"
+        )
+        sys.stdout.flush()
+        assert srv.proc is not None
+        while True:
+            rc = srv.proc.poll()
+            if rc is not None:
+                log.error("tritonserver_exited", returncode=rc, log_tail=srv.log_tail(20))
+                return rc or 1
+            time.sleep(0.5)
+    except TritonLaunchError as e:
+        log.error("tritonserver_failed", error=str(e).splitlines()[0], log_path=str(srv.log_path))
+        sys.stderr.write(f"morphserve failed to start: {e}\n")
+        return 1
+    except (KeyboardInterrupt, _Terminate):
+        log.info("shutdown_requested")
+        return 0
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, on_second_signal)
+            signal.signal(signal.SIGINT, on_second_signal)
+        srv.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The Triton model's Prometheus families (prefix ``morphserve_``) through the Python backend's custom
+metrics API. ``pb_utils`` (triton_python_backend_utils, importable only inside the backend's stub) is
+passed in, so this module imports without Triton."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from policy import QUANTIZED_PRECISIONS
+
+# Histogram buckets (seconds): vLLM's, with finer low buckets for small models on CPU.
+_TTFT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0]
+_E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+
+
+class _Histogram:
+    """A Prometheus histogram; falls back to ``<name>_sum``/``<name>_count`` counters when the Python
+    backend has no HISTOGRAM kind (it has one in Triton 2.51)."""
+
+    def __init__(self, pb: Any, families: list[Any], name: str, description: str, labels: dict[str, str],
+                 buckets: list[float]) -> None:
+        self._pb = pb
+        if hasattr(self._pb.MetricFamily, "HISTOGRAM"):
+            fam = self._pb.MetricFamily(name=name, description=description, kind=self._pb.MetricFamily.HISTOGRAM)
+            families.append(fam)
+            self._hist = fam.Metric(labels=labels, buckets=buckets)
+            self._sum = self._count = None
+        else:  # pragma: no cover - older Triton
+            self._hist = None
+            fs = self._pb.MetricFamily(name=f"{name}_sum", description=description, kind=self._pb.MetricFamily.COUNTER)
+            fc = self._pb.MetricFamily(name=f"{name}_count", description=description, kind=self._pb.MetricFamily.COUNTER)
+            families += [fs, fc]
+            self._sum, self._count = fs.Metric(labels=labels), fc.Metric(labels=labels)
+
+    def observe(self, value: float) -> None:
+        if self._hist is not None:
+            self._hist.observe(value)
+        else:  # pragma: no cover
+            self._sum.increment(value)
+            self._count.increment(1)
+
+
+class Metrics:
+    """The model's Prometheus families (project prefix ``morphserve_``), fed from engine.stats() and
+    from the responder thread's per-request timings."""
+
+    def __init__(self, pb_utils: Any, model_name: str, version: str) -> None:
+        self._pb = pb_utils
+        # MetricFamily objects must stay referenced: a collected family disappears from /metrics.
+        self._families: list[Any] = []
+        self._labels = {"model": model_name, "version": version}
+        self._lock = threading.Lock()
+        g = self._family_metric
+        self.kv_usage = g("morphserve_kv_cache_usage_perc", "KV-cache usage: used / total blocks (0-1).", "GAUGE")
+        self.kv_used = g("morphserve_kv_blocks_used", "KV-cache blocks in use.", "GAUGE")
+        self.kv_total = g("morphserve_kv_blocks_total", "KV-cache blocks in the pool (grows when layers are quantized).", "GAUGE")
+        self.running = g("morphserve_num_requests_running", "Requests in the running batch.", "GAUGE")
+        self.waiting = g("morphserve_num_requests_waiting", "Requests waiting to be scheduled.", "GAUGE")
+        self.swaps = g("morphserve_swaps_total", "Layers swapped to a quantized variant.", "COUNTER")
+        self.restores = g("morphserve_restores_total", "Layers restored to full precision.", "COUNTER")
+        self.prompt_tokens = g("morphserve_prompt_tokens_total", "Prompt tokens of finished requests.", "COUNTER")
+        self.generation_tokens = g("morphserve_generation_tokens_total", "Generated tokens.", "COUNTER")
+        self.ttft = _Histogram(self._pb, self._families, "morphserve_time_to_first_token_seconds",
+                               "Time from request arrival at the model to its first token.", self._labels, _TTFT_BUCKETS)
+        self.itl = _Histogram(self._pb, self._families, "morphserve_inter_token_latency_seconds",
+                              "Gap between consecutive tokens of a request.", self._labels, _ITL_BUCKETS)
+        self.e2e = _Histogram(self._pb, self._families, "morphserve_e2e_request_latency_seconds",
+                              "Time from request arrival at the model to its final response.", self._labels, _E2E_BUCKETS)
+        self._layers_family = self._new_family("morphserve_layers_quantized",
+                                               "Decoder layers currently held in each quantized precision.", "GAUGE")
+        self._layers: dict[str, Any] = {}
+        for precision in QUANTIZED_PRECISIONS:  # present (at 0) from the start, for dashboards
+            self._layers[precision] = self._layers_family.Metric(labels={**self._labels, "precision": precision})
+            self._layers[precision].set(0.0)
+        self._finished_family = self._new_family("morphserve_requests_finished_total",
+                                                 "Finished requests by finish reason.", "COUNTER")
+        self._finished: dict[str, Any] = {}
+        self._last_swaps = 0.0
+        self._last_restores = 0.0
+
+    def _new_family(self, name: str, description: str, kind: str) -> Any:
+        fam = self._pb.MetricFamily(name=name, description=description, kind=getattr(self._pb.MetricFamily, kind))
+        self._families.append(fam)
+        return fam
+
+    def _family_metric(self, name: str, description: str, kind: str) -> Any:
+        return self._new_family(name, description, kind).Metric(labels=self._labels)
+
+    def update_from_stats(self, stats: dict[str, Any]) -> None:
+        """Copy engine.stats() into the gauges; totals become counter increments."""
+        with self._lock:
+            self.kv_usage.set(float(stats.get("kv_cache_usage_perc", 0.0)))
+            self.kv_used.set(float(stats.get("kv_blocks_used", 0)))
+            self.kv_total.set(float(stats.get("kv_blocks_total", 0)))
+            self.running.set(float(stats.get("num_running", 0)))
+            self.waiting.set(float(stats.get("num_waiting", 0)))
+            layers = dict(stats.get("layers_quantized") or {})
+            for precision in set(layers) | set(self._layers):
+                m = self._layers.get(precision)
+                if m is None:
+                    m = self._layers[precision] = self._layers_family.Metric(
+                        labels={**self._labels, "precision": str(precision)})
+                m.set(float(layers.get(precision, 0)))
+            swaps = float(stats.get("swaps_total", 0))
+            if swaps > self._last_swaps:
+                self.swaps.increment(swaps - self._last_swaps)
+                self._last_swaps = swaps
+            restores = float(stats.get("restores_total", 0))
+            if restores > self._last_restores:
+                self.restores.increment(restores - self._last_restores)
+                self._last_restores = restores
+
+    def request_finished(self, reason: str, prompt_tokens: int) -> None:
+        with self._lock:
+            m = self._finished.get(reason)
+            if m is None:
+                m = self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
+            m.increment(1)
+            if prompt_tokens > 0:
+                self.prompt_tokens.increment(prompt_tokens)

@@ -1,0 +1,86 @@
+"""config.pbtxt parameters -> EngineConfig keyword arguments (typed, validated, paths resolved)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerParams:
+    """The knobs the Triton model itself owns (everything else in config.pbtxt is an EngineConfig field)."""
+
+    max_tokens_limit: int = 4096   # requests asking for more tokens are rejected
+    default_max_tokens: int = 16   # when a request gives none (the model passes SamplingParams' default)
+    poll_interval_s: float = 0.02  # cancellation checks and gauge refreshes
+    log_level: str = "info"
+
+    @classmethod
+    def from_params(cls, params: dict[str, str], default_max_tokens: int) -> ServerParams:
+        """Typed values from config.pbtxt strings ("" = the default here); ValueError names a bad one."""
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {"default_max_tokens": default_max_tokens}
+        for f in dataclasses.fields(cls):
+            raw = params.get(f.name, "")
+            if raw != "":
+                kwargs[f.name] = _coerce(raw, hints[f.name], f.name)
+        out = cls(**kwargs)
+        if out.max_tokens_limit <= 0 or out.default_max_tokens <= 0 or out.poll_interval_s <= 0:
+            raise ValueError(f"max_tokens_limit, default_max_tokens and poll_interval_s must be positive, got {out}")
+        return out
+
+
+# Parameters the Triton model consumes itself rather than passing to EngineConfig.
+MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level"}
+# config.pbtxt parameter -> EngineConfig field, where the names differ.
+PARAM_ALIASES = {"engine_dir": "model"}
+
+
+def _coerce(raw: str, hint: Any, name: str) -> Any:
+    """Convert a config.pbtxt string to the type of an EngineConfig field (``int | None`` etc.)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else str
+    try:
+        if hint is bool:
+            low = raw.strip().lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return low in ("true", "1", "yes")
+        if hint is int:
+            return int(raw)
+        if hint is float:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"model parameter {name}={raw!r} is not a valid {getattr(hint, '__name__', hint)}") from None
+    return raw
+
+
+def engine_config_kwargs(params: dict[str, str], config_cls: type, repo_root: Path) -> tuple[dict[str, Any], list[str]]:
+    """Map config.pbtxt parameters onto ``config_cls`` fields; empty strings mean "engine default".
+
+    Returns (kwargs, ignored parameter names). Relative paths in engine_dir are resolved against the
+    repository root so the server does not depend on its working directory.
+    """
+    hints = typing.get_type_hints(config_cls)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    kwargs: dict[str, Any] = {}
+    ignored: list[str] = []
+    for key, raw in params.items():
+        field = PARAM_ALIASES.get(key, key)
+        if raw == "" or (key in MODEL_ONLY_PARAMS and key not in PARAM_ALIASES):
+            continue
+        if field not in fields:
+            ignored.append(key)
+            continue
+        value = _coerce(raw, hints.get(field, str), key)
+        if field == "model" and isinstance(value, str):
+            p = Path(value).expanduser()
+            if not p.is_absolute() and (repo_root / p).exists():
+                value = str(repo_root / p)
+        kwargs[field] = value
+    return kwargs, ignored

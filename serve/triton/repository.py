@@ -1,0 +1,94 @@
+"""The model repository: config.pbtxt parameters read and filled, and a private rendered copy per server.
+
+Overrides are applied by rendering a copy of the model's config.pbtxt into a private repository whose
+version folders are symlinks to the originals, so the source tree is never modified.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from serve.triton.install import TritonLaunchError
+
+DEFAULT_MODEL_NAME = "morphserve"
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "triton_models"
+
+
+_PARAM_RE = re.compile(
+    r'(key\s*:\s*"(?P<key>[^"]+)"\s*value\s*:\s*\{\s*string_value\s*:\s*")(?P<value>(?:[^"\\]|\\.)*)(")',
+    re.MULTILINE,
+)
+
+
+def read_config_parameters(config_text: str) -> dict[str, str]:
+    """The ``parameters { key: "..." value: { string_value: "..." } }`` entries of a config.pbtxt."""
+    return {m.group("key"): _unescape(m.group("value")) for m in _PARAM_RE.finditer(config_text)}
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _unescape(v: str) -> str:
+    return re.sub(r"\\(.)", r"\1", v)
+
+
+def fill_config_parameters(config_text: str, overrides: Mapping[str, object]) -> str:
+    """Return ``config_text`` with the string values of the named parameters replaced.
+
+    Only parameters already declared in the config can be overridden, so that a typo (``max_num_seq``)
+    fails loudly instead of being silently ignored by the model.
+    """
+    known = read_config_parameters(config_text)
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise TritonLaunchError(f"unknown model parameter(s) {unknown}; the model declares {sorted(known)}")
+    values = {k: _param_str(v) for k, v in overrides.items()}
+
+    def sub(m: re.Match[str]) -> str:
+        key = m.group("key")
+        if key not in values:
+            return m.group(0)
+        return m.group(1) + _escape(values[key]) + m.group(4)
+
+    return _PARAM_RE.sub(sub, config_text)
+
+
+def _param_str(v: object) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    return str(v)
+
+
+def render_model_repository(src: Path, dest: Path, model_name: str, overrides: Mapping[str, object]) -> Path:
+    """Make ``dest/<model_name>`` a copy of ``src/<model_name>`` with parameter overrides applied.
+
+    Only config.pbtxt is written; everything else (version folders, model.py) is symlinked so the
+    server runs the source tree's code.
+    """
+    src_model = src / model_name
+    cfg = src_model / "config.pbtxt"
+    if not cfg.is_file():
+        raise TritonLaunchError(f"{cfg} does not exist (model repository {src}, model {model_name!r})")
+    out = dest / model_name
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in src_model.iterdir():
+        if entry.name == "config.pbtxt" or entry.name.startswith(".") or entry.name == "__pycache__":
+            continue
+        link = out / entry.name
+        if not link.exists():
+            link.symlink_to(entry.resolve())
+    (out / "config.pbtxt").write_text(fill_config_parameters(cfg.read_text(), overrides))
+    return dest

@@ -1,0 +1,321 @@
+"""Start the tritonserver bundled in the nvidia-pytriton wheel on a model repository, on 127.0.0.1 only.
+
+Usable from Python::
+
+    with TritonServer(model_repository="triton_models", params={"engine_dir": "engines/x"}) as srv:
+        srv.wait_ready(timeout=120)
+        ...  # srv.http_url, srv.grpc_url, srv.metrics_url
+
+and from a shell: ``python -m serve.triton --help``.
+
+How the bundled binary is made to run in place: serve/triton/install.py; how parameters reach the
+model (a rendered private copy of config.pbtxt): serve/triton/repository.py.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from serve.logging_setup import get_logger
+from serve.triton.install import (
+    TritonInstall,
+    TritonLaunchError,
+    find_triton_install,
+    gpu_present,
+    make_backend_dir,
+    server_env,
+)
+from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, render_model_repository
+
+LOOPBACK = "127.0.0.1"
+
+
+log = get_logger("triton_launcher")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it; a race is possible but rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _set_parent_death_signal() -> None:
+    """preexec_fn: make the kernel SIGTERM tritonserver if the launching process dies (Linux only).
+
+    This keeps a killed test run or launcher from leaving a server bound to its ports.
+    """
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class TritonServer:
+    """A tritonserver process serving one model from a repository, bound to 127.0.0.1.
+
+    Ports default to free ones picked at construction. ``params`` override the model's config.pbtxt
+    parameters. The server's stdout/stderr (Triton's log and the model's JSON log lines) go to
+    ``log_path`` (a file in the private work directory unless given). stop() deletes the private
+    work directory, keeping its log only when ``keep_log`` is set or the server exited with an error.
+    ``die_with_parent`` asks the kernel to SIGTERM the server if the creating thread's process dies.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike[str] = DEFAULT_MODEL_REPOSITORY,
+        model_name: str = DEFAULT_MODEL_NAME,
+        *,
+        params: Mapping[str, object] | None = None,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        log_verbose: int = 0,
+        exit_timeout_s: int = 5,
+        python_bin_dir: str | os.PathLike[str] | None = None,
+        use_gpu: bool | None = None,
+        extra_args: Sequence[str] = (),
+        workdir: str | os.PathLike[str] | None = None,
+        die_with_parent: bool = True,
+        keep_log: bool = False,
+    ) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        self.model_name = model_name
+        self.params = dict(params or {})
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        if len({self.http_port, self.grpc_port, self.metrics_port}) != 3:
+            raise TritonLaunchError(
+                f"HTTP, gRPC and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}"
+            )
+        self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
+        self.python_bin_dir = Path(python_bin_dir) if python_bin_dir else None
+        self.use_gpu = gpu_present() if use_gpu is None else use_gpu
+        self.extra_args = list(extra_args)
+        self.die_with_parent = die_with_parent
+        self.keep_log = keep_log
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="morphserve-triton-"))
+        self.log_path = Path(log_path) if log_path else self.workdir / "tritonserver.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: object | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    # -- URLs ------------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        """host:port for tritonclient.http and curl."""
+        return f"{LOOPBACK}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port for tritonclient.grpc."""
+        return f"{LOOPBACK}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Full URL of the Prometheus text endpoint."""
+        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+
+    # -- command ---------------------------------------------------------------------------------
+    def command(self, inst: TritonInstall, backend_dir: Path, repository: Path) -> list[str]:
+        """The tritonserver command line (flags as verified in the triton-on-cpu note)."""
+        cmd = [
+            str(inst.binary),
+            f"--model-repository={repository}",
+            f"--backend-directory={backend_dir}",
+            "--model-control-mode=explicit",
+            f"--load-model={self.model_name}",
+            "--disable-auto-complete-config",
+            "--strict-readiness=true",
+            f"--http-address={LOOPBACK}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={LOOPBACK}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={LOOPBACK}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-cpu-metrics=true",
+            f"--allow-gpu-metrics={'true' if self.use_gpu else 'false'}",
+            "--metrics-interval-ms=1000",
+            "--backend-config=python,shm-default-byte-size=4194304",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--log-verbose={self.log_verbose}",
+        ]
+        if not self.use_gpu:
+            cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
+        return cmd + self.extra_args
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> TritonServer:
+        """Spawn tritonserver (does not wait for readiness; see wait_ready)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise TritonLaunchError("server already running")
+        inst = find_triton_install()
+        if not (self.model_repository / self.model_name / "config.pbtxt").is_file():
+            raise TritonLaunchError(
+                f"no {self.model_name}/config.pbtxt in model repository {self.model_repository}"
+            )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        backend_dir = make_backend_dir(self.workdir / "backends", inst)
+        repository = self.model_repository
+        if self.params:
+            repository = render_model_repository(
+                self.model_repository, self.workdir / "model_repository", self.model_name, self.params
+            )
+        env = server_env(self.python_bin_dir, self.use_gpu)
+        cmd = self.command(inst, backend_dir, repository)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
+        log.info(
+            "tritonserver_starting",
+            model=self.model_name,
+            repository=str(repository),
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+            metrics_port=self.metrics_port,
+            params=self.params,
+            log_path=str(self.log_path),
+        )
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(  # noqa: S603 - fixed binary, no shell
+            cmd,
+            cwd=str(REPO_ROOT),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C in a terminal reaches us, not the server; we stop it.
+            preexec_fn=_set_parent_death_signal if self.die_with_parent else None,  # noqa: PLW1509
+        )
+        return self
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        """The last lines of the server log (for error messages)."""
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "(no server log)"
+        lines = data.decode("utf-8", errors="replace").splitlines()
+        return "\n".join(lines[-n_lines:])
+
+    def error_summary(self, max_lines: int = 6) -> str:
+        """Triton's error lines from the log (``E....`` records and ``error: ...``), minus known CPU noise."""
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        noise = ("CudaDriverHelper", "pinned memory", "Pinned memory", "GPU metrics")
+        errors = [ln.strip() for ln in lines
+                  if (re.match(r"^E\d{4} ", ln) or ln.startswith("error:")) and not any(n in ln for n in noise)]
+        return "\n".join(errors[-max_lines:])
+
+    def _failure(self, what: str) -> TritonLaunchError:
+        summary = self.error_summary()
+        head = f"{what}: {summary}" if summary else what
+        return TritonLaunchError(f"{head}\n--- last lines of {self.log_path} ---\n{self.log_tail()}")
+
+    def _get(self, url: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback http only
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def is_ready(self) -> bool:
+        """Server ready and the model ready (one pair of HTTP probes)."""
+        base = f"http://{self.http_url}"
+        return (
+            self._get(f"{base}/v2/health/ready") == 200
+            and self._get(f"{base}/v2/models/{self.model_name}/ready") == 200
+        )
+
+    def wait_ready(self, timeout: float = 180.0, poll_s: float = 0.1) -> float:
+        """Block until the server and the model report ready; return seconds since start().
+
+        Raises TritonLaunchError with the tail of the server log when the process exits first or the
+        timeout passes (in the latter case the server is left running; call stop()).
+        """
+        if self.proc is None or self.started_at is None:
+            raise TritonLaunchError("wait_ready() before start()")
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise self._failure(f"tritonserver exited with code {rc} before becoming ready")
+            if self.is_ready():
+                self.ready_after_s = time.monotonic() - self.started_at
+                log.info("tritonserver_ready", model=self.model_name, ready_after_s=round(self.ready_after_s, 3))
+                return self.ready_after_s
+            if time.monotonic() > deadline:
+                raise self._failure(f"tritonserver not ready after {timeout:.0f} s")
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM, wait ``grace_s`` (default exit timeout + 10 s), then SIGKILL the whole process group
+        (the server and its Python-backend stubs). Returns the exit code; safe to call twice."""
+        proc = self.proc
+        rc: int | None = None
+        if proc is not None:
+            grace = self.exit_timeout_s + 10.0 if grace_s is None else grace_s
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    log.warning("tritonserver_kill", pid=proc.pid, grace_s=grace)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+            # Stubs normally exit with the server; make sure none outlives it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.returncode
+            log.info("tritonserver_stopped", model=self.model_name, returncode=rc)
+        if self._log_file is not None:
+            with contextlib.suppress(OSError):
+                self._log_file.close()  # type: ignore[attr-defined]
+            self._log_file = None
+        if self._own_workdir:
+            log_inside = self.workdir.resolve() in self.log_path.resolve().parents
+            if not log_inside or (rc in (0, None) and not self.keep_log):
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            else:
+                # Keep the log (asked for, or the server failed); drop the rest.
+                for sub in ("backends", "model_repository"):
+                    shutil.rmtree(self.workdir / sub, ignore_errors=True)
+        self.proc = None
+        return rc
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+# Convenience flags that map to config.pbtxt parameters (anything else: --param KEY=VALUE).

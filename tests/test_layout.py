@@ -1,0 +1,121 @@
+"""The house stays the way it is drawn: every import of every module follows the allowed arrows.
+
+Rooms and arrows (README "Layout"): policy is pure (stdlib only) and everyone may use it; serve.model is the
+bottom of the runtime; serve.memory and serve.morph sit above it; serve.engine above those; serve.triton
+starts a process and never imports the engine; builder works offline on serve.model; bench uses anything;
+nothing in the runtime imports bench or builder.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OURS = ("serve", "policy", "builder", "bench")
+
+# room -> rooms it may import (its own room is always allowed).
+ALLOWED: dict[str, set[str]] = {
+    "policy": set(),
+    "serve": set(),  # the package itself (its __init__ is empty)
+    "serve.logging_setup": set(),
+    "serve.config": {"policy"},
+    "serve.model": {"policy"},
+    "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
+    "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
+    "serve.engine": {"serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
+    "serve.triton": {"serve.config", "serve.logging_setup", "policy"},
+    "serve.generate": {"serve.engine", "serve.config", "serve.logging_setup", "policy"},
+    "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "policy"},
+    "builder": {"serve.model", "serve.logging_setup", "policy"},
+    "bench": {"serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.config",
+              "serve.logging_setup", "serve.generate", "policy", "builder"},
+}
+# Third-party packages a room may not import (policy: anything outside the standard library).
+FORBIDDEN_THIRD_PARTY = {"matplotlib": set(ALLOWED) - {"bench"}}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] in ("policy", "builder", "bench", "triton_models"):
+        return parts[0]
+    return ".".join(parts[:2])
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO_ROOT).with_suffix("")
+    if rel.parts[0] == "triton_models":
+        return "triton_models." + "_".join(rel.parts[1:])
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, package: str) -> list[tuple[int, str]]:
+    """Every module an ast.Import / ast.ImportFrom names, at any depth (lazy imports count too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+    return found
+
+
+def source_files() -> list[Path]:
+    files = [p for top in (*OURS, "triton_models") for p in (REPO_ROOT / top).rglob("*.py")]
+    return sorted(p for p in files if "__pycache__" not in p.parts)
+
+
+def violations_in(path: Path, room: str, package: str) -> list[str]:
+    """The imports of ``path`` (a module of ``package`` in ``room``) that the table does not allow."""
+    found = []
+    for line, target in imports_of(path, package):
+        top = target.split(".")[0]
+        if top in OURS:
+            other = room_of(target)
+            if other != room and other not in ALLOWED[room]:
+                found.append(f"{path.name}:{line}: {room} -> {other} ({target})")
+        elif room == "policy" and top not in sys.stdlib_module_names and top != "__future__":
+            found.append(f"{path.name}:{line}: policy imports {target} (stdlib only)")
+        elif room in FORBIDDEN_THIRD_PARTY.get(top, set()):
+            found.append(f"{path.name}:{line}: {room} imports {target}")
+    return found
+
+
+def test_every_import_follows_the_allowed_arrows() -> None:
+    violations = []
+    for path in source_files():
+        name = module_name(path)
+        room = room_of(name)
+        assert room in ALLOWED, f"{path}: module in no room ({room}); add the room to ALLOWED and the README"
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        violations += [f"{path.parent.relative_to(REPO_ROOT)}/{v}" for v in violations_in(path, room, package)]
+    assert not violations, "imports against the layout:\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize("snippet, room, package, bad", [
+    ("from serve.engine import LLMEngine\n", "serve.triton", "serve.triton", True),
+    ("def f():\n    from builder.quantize import decoder_linears\n", "serve.morph", "serve.morph", True),
+    ("import torch\n", "policy", "policy", True),
+    ("import matplotlib.pyplot\n", "serve.engine", "serve.engine", True),
+    ("from ..engine import scheduler\n", "serve.morph", "serve.morph", True),
+    ("from serve.model.layers import PROJECTIONS\n", "builder", "builder", False),
+    ("from .decision import MorphDecision\n", "policy", "policy", False),
+])
+def test_the_checker_catches_a_wrong_arrow(tmp_path: Path, snippet: str, room: str, package: str, bad: bool) -> None:
+    """The rule must be able to fail: a planted import (lazy and relative ones too) is judged as the table says."""
+    f = tmp_path / "planted.py"
+    f.write_text(snippet)
+    assert bool(violations_in(f, room, package)) is bad
