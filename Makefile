@@ -10,7 +10,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PIP := $(VENV)/bin/pip
 
-.PHONY: install test build-engines quality serve bench bench-engine clean help
+.PHONY: install test build-engines quality serve bench bench-engine gpu-check clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -19,6 +19,7 @@ help:
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
+	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 
 install: $(VENV)/.installed
 
@@ -49,6 +50,11 @@ bench: install
 
 bench-engine: install
 	$(PY) -m bench.engine_throughput
+
+# On a GPU host: `make install TORCH=<a CUDA build of torch>` first, or PY=python3 where torch and the
+# project's few pure-Python deps are already importable (the report lands in gpu-check/).
+gpu-check:
+	$(PY) -m bench.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) engines .pytest_cache

@@ -4,7 +4,7 @@
 its layer bank holds the int8 and int4 variants of every layer) evaluates held-out text through
 ``engine.model.forward`` for any configuration signature (one character per decoder layer, as
 ``MorphRuntime.config_signature()`` writes it: f = full, 8 = int8, 4 = int4, e = fp8). The requested
-variant of each layer is installed for the evaluation (``bank.prepare(i, p).result()`` +
+variant of each layer is installed for the evaluation (``bank.detached(i, p)`` +
 ``bank.install``) and full precision is put back afterwards; the KV pool is not touched. Text: the
 first ``num_tokens`` tokens (default 2048) of ../shared/data/text/botchan.txt when present, else the
 bundled text, cut into non-overlapping ``window``-token windows (default 512); neither is used for
@@ -130,7 +130,7 @@ class QualityEvaluator:
         from serve.model.kv_cache import PagedKVCache  # noqa: PLC0415
 
         m = self.engine.model
-        self._kv = PagedKVCache(m.config, math.ceil(window / 16), 16, m.device, m.dtype)
+        self._kv = PagedKVCache.standalone(m.config, math.ceil(window / 16), 16, m.device, m.dtype)
 
     @property
     def precisions(self) -> set[str]:
@@ -154,7 +154,7 @@ class QualityEvaluator:
         try:
             for i, code in enumerate(signature):
                 if code != PRECISION_CODE[FULL]:
-                    self.bank.install(i, self.bank.prepare(i, CODE_PRECISION[code]).result())
+                    self.bank.install(i, self.bank.detached(i, CODE_PRECISION[code]))
                     changed.append(i)
             total, count = 0.0, 0
             for w in self.windows:
@@ -162,7 +162,7 @@ class QualityEvaluator:
                 total, count = total + s, count + c
         finally:
             for i in changed:
-                self.bank.install(i, self.bank.host[i][FULL])
+                self.bank.install(i, self.bank.full_views[i])
         self._nll[signature] = total / count
         return self._nll[signature]
 

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot", type=float, default=None, help="optional TPOT SLO in seconds")
     p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available; default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     p.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy threshold, e.g. --policy kv_high=0.8 (repeatable)")
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = EngineConfig(model=args.model, morph_mode=args.mode, device_memory=args.device_memory,
+                              device=args.device, dtype=args.dtype,
                               slo_ttft_s=args.slo_ttft, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                               seed=args.seed, policy_overrides=parse_overrides(args.policy))

@@ -209,6 +209,16 @@ class MorphController:
             f"{projected:.1%} usage {describe(t)}",
         )
 
+    def cover_deficit(self, t: Telemetry, deficit: int) -> MorphDecision:
+        """Quantize before preempt: the running requests need ``deficit`` more KV blocks than are free this
+        iteration. Take the next quantize step at once (no persistence wait: the alternative is throwing
+        away a running request's KV cache), sized to the deficit; nothing when the mode has no room left,
+        and then the scheduler preempts as before."""
+        if self.config.strategy != "dynamic" or deficit <= 0:
+            return MorphDecision.nothing(f"no deficit to cover in mode {self.config.mode} {describe(t)}")
+        return self._quantize_step(t, [f"running requests short of {deficit} KV blocks (quantize before preempt)"],
+                                   deficit)
+
     def _milder_rung(self, precision: str) -> str | None:
         """The rung a restore returns to: one step back on the ladder, or full precision (None)."""
         ladder = self.config.ladder

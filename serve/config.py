@@ -22,7 +22,7 @@ def parse_size(text: str | int) -> int:
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"        # embedded name, .gguf file, or Hugging Face directory
-    device: str = "cpu"
+    device: str = "cpu"                # cpu | cuda[:N] | auto (CUDA when available)
     dtype: str | None = None           # default: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16
     num_kv_blocks: int | None = None   # overrides kv_cache_memory
@@ -50,8 +50,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.device not in ("cpu", "cuda", "auto") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         parse_size(self.kv_cache_memory)

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available; default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", timings} as JSON')
     return p
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads))
+        engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, device=args.device,
+                                        dtype=args.dtype))
         load_s = time.perf_counter() - t0
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         t1 = time.perf_counter()

@@ -21,27 +21,40 @@ class FakeClock:
         return self.t
 
 
-def morph_engine(tiny, mode="performance", blocks=20, clock=None, **overrides) -> LLMEngine:
+def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, **overrides) -> LLMEngine:
     policy = {"persist_iters": 1, "restore_persist_s": 5.0, **overrides}
     if mode.startswith("static") or mode == "off":
         policy = {}
     return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
-                                  morph_mode=mode, policy_overrides=policy, max_model_len=256), loaded=tiny,
-                     clock=clock or FakeClock())
+                                  morph_mode=mode, policy_overrides=policy, max_model_len=256, dtype=dtype),
+                     loaded=tiny, clock=clock or FakeClock())
 
 
 def assert_memory_exact(engine: LLMEngine) -> None:
-    """Resident weights + KV pool + reserve fit the budget, and the ledger equals the real objects."""
-    led, m = engine.ledger, engine.morph
+    """The arena is exactly partitioned (layer weights + staging + KV blocks), every installed layer's weights
+    lie where the layout says, and every KV chunk is the slots its transition freed, inside that layer's
+    region, right in front of the variant that replaced the milder one."""
+    led, m, kv, arena = engine.ledger, engine.morph, engine.kv, engine.memory.arena
     led.check()
-    assert led.layer_bytes == [layer.nbytes for layer in engine.model.layers]
+    assert led.used_slots == led.arena_slots
     assert led.kv_blocks == engine.pool.num_blocks
-    chunk_blocks = sum(c.num_blocks for c in engine.pool.chunks[1:])
-    assert chunk_blocks == sum(t.blocks for t in m.stack)
-    assert [c.owner for c in engine.pool.chunks[1:]] == [t.owner for t in m.stack if t.owner]
-    for t in m.stack:  # the KV chunk of a swap is exactly the bytes it freed, rounded down to blocks
-        freed = m.bank.nbytes(t.layer, t.from_precision) - m.bank.nbytes(t.layer, t.to_precision)
-        assert t.blocks == freed // led.bytes_per_block
+    bank = m.bank
+    restoring = {p.layer for p in m.pending if p.kind == "restore"}
+    for i, layer in enumerate(engine.model.layers):
+        where = bank.staging if i in restoring else bank.tail(i, layer.precision)
+        lo, hi = arena.data_ptr(where.start), arena.data_ptr(where.end)
+        assert all(lo <= a and b <= hi for a, b in bank.resident_ranges(i)), f"layer {i} outside {where}"
+        if i not in restoring:
+            assert led.layer_slots[i] == bank.slots(i, layer.precision)
+    chunks = engine.pool.chunks[1:]
+    with_chunks = [t for t in m.stack if t.owner]
+    assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack)
+    assert [c.owner for c in chunks] == [t.owner for t in with_chunks]
+    for c, t in zip(chunks, with_chunks):
+        assert kv.block_map[c.start:c.end].tolist() == list(range(t.slots.start, t.slots.end))
+        region = bank.regions[t.layer]
+        assert region.start <= t.slots.start and t.slots.end <= region.end
+        assert t.blocks == bank.slots(t.layer, t.from_precision) - bank.slots(t.layer, t.to_precision)
 
 
 def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
@@ -204,10 +217,11 @@ def test_a_multi_layer_decision_stages_one_copy_at_a_time(tiny):
     e = morph_engine(tiny, "performance", blocks=8)
     m = e.morph
     m.start(MorphDecision("quantize", (1, 0), "int4", "test"))
-    assert len(m.pending) == 1 and list(m.queued) == [(0, "int4", "test")]
-    assert e.ledger.staging_bytes == m.bank.nbytes(1, "int4")      # headroom for one variant is enough
+    assert len(m.pending) == 1 and list(m.queued) == [("quantize", 0, "int4", "test")]
+    assert e.ledger.staging_slots == max(m.bank.slots(i, p) for i in (0, 1) for p in m.bank.precisions)
+    assert m.bank.slots(1, "int4") <= e.ledger.staging_slots      # one variant fits the staging range
     assert m.quantized_layers() == ((1, "int4"), (0, "int4"))      # accepted swaps are visible to the policy
     m.complete_ready(wait=True)
-    assert not m.pending and not m.queued and e.ledger.staging_bytes == 0
+    assert not m.pending and not m.queued
     assert [t.layer for t in m.stack] == [1, 0]
     assert_memory_exact(e)

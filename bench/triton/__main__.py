@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine directory or embedded model name (default: engines/smollm2-135m if built, "
                         "else smollm2-135m)")
     g.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
+    g.add_argument("--device", default=None, help="server device: cpu, cuda, cuda:N or auto (default: the model "
+                   "config's, auto)")
     g.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -83,6 +83,8 @@ def server_params(args: argparse.Namespace, mode: str, max_tokens: int) -> dict[
     }
     if args.max_model_len:
         params["max_model_len"] = args.max_model_len
+    if getattr(args, "device", None):
+        params["device"] = args.device
     params.update(parse_params(args.param))
     return params
 

@@ -25,7 +25,6 @@ from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import Sequence
 from serve.logging_setup import ensure_logging
 from serve.model.engine_dir import open_model
-from serve.model.kv_cache import PagedKVCache, kv_bytes_per_block
 from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
 from serve.model.tokenizer import IncrementalDetokenizer
@@ -36,6 +35,24 @@ Callback = Callable[[RequestOutput], None]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+MAX_STEP_FAILURES = 3
+"""Consecutive failed iterations after which the engine reports itself unhealthy."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when a GPU is visible, else CPU; a CUDA device that is not there is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device "
+                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] | None = None) -> None:
@@ -44,7 +61,7 @@ class LLMEngine:
         self.clock = clock or time.perf_counter  # one clock for arrivals, token times and the controller
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         self.dtype = _DTYPES[dtype_name]
         plan: MorphPlan | None = None
@@ -55,7 +72,6 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
-        self.bytes_per_block = kv_bytes_per_block(loaded.config, config.block_size, self.dtype)
         policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
         if policy.strategy != "off" and plan is None:
             plan = rtn_plan(loaded.weights, loaded.config.num_layers, _precisions(config, policy), config.int4_group_size)
@@ -66,14 +82,16 @@ class LLMEngine:
                 raise ValueError(f"engine {config.model} lacks the {missing} variants that morph mode "
                                  f"{config.morph_mode!r} needs (built: {plan.precisions})")
             plan.precisions = [p for p in plan.precisions if p in wanted]
-        self.pool, self.ledger, bank = build_memory(config, self.model, self.bytes_per_block, plan, policy)
-        self.kv = PagedKVCache(loaded.config, self.pool.max_blocks, config.block_size, self.device, self.dtype)
+        self.memory = build_memory(config, self.model, plan, policy)
+        self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
+        self.bytes_per_block = self.ledger.slot_bytes
         self.morph: MorphRuntime | None = None
-        if bank is not None and plan is not None:
-            self.morph = build_runtime(policy, plan, bank, self.pool, self.ledger, config.block_size, clock=self.clock)
+        if self.memory.bank is not None and plan is not None:
+            self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock)
+        self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
         self.executor = TorchExecutor(self.model, self.kv)
-        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._requests: dict[str, Sequence] = {}
@@ -83,6 +101,21 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_step_error: str | None = None
+        self.consecutive_step_failures = 0
+
+    def _reachable_blocks(self, policy: PolicyConfig) -> int:
+        """The most KV blocks this engine's mode can ever have: what is there now plus what quantizing every
+        layer the mode may still quantize to its deepest rung would add. Admission is bounded by it, so
+        a request no configuration can hold is refused at once instead of preempting in a loop."""
+        if self.morph is None or policy.strategy != "dynamic":
+            self._reach_note = f"{self.pool.num_blocks} blocks, no morphing"
+            return self.pool.num_blocks
+        deepest = policy.ladder[-1]
+        layers = self.morph.controller.max_quantized_layers
+        gain = layers * self.morph.blocks_per_layer_chunk[deepest]
+        self._reach_note = f"{self.pool.base_blocks} base + {layers} layers at {deepest} x " \
+                           f"{self.morph.blocks_per_layer_chunk[deepest]} blocks"
+        return self.pool.base_blocks + gain
 
     # ---- admission -------------------------------------------------------------------------------
     def validate_and_tokenize(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -105,9 +138,11 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
         blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
-        if blocks > self.pool.max_blocks:
+        if blocks > self.reachable_blocks:
             raise ValueError(f"request needs {blocks} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens}) "
-                             f"but the KV pool can never hold more than {self.pool.max_blocks}")
+                             f"but the KV pool can never hold more than {self.reachable_blocks} in morph mode "
+                             f"{self.config.morph_mode!r} ({self._reach_note}); lower max_tokens, raise "
+                             "device_memory, or use a mode that quantizes more layers")
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -119,8 +154,12 @@ class LLMEngine:
         arrival rather than from when its loop got round to adding it.
         """
         params = params or SamplingParams()
+        if not self.healthy:
+            raise RuntimeError(f"the engine failed {self.consecutive_step_failures} iterations in a row (last: "
+                               f"{self.last_step_error}); it refuses new requests until restarted")
         ids = self.validate_and_tokenize(prompt, params)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
@@ -151,6 +190,7 @@ class LLMEngine:
         with self._lock:
             if self.morph is not None:
                 self.morph.on_iteration_boundary(self.scheduler)
+                self.morph.cover_deficit(self.scheduler)
             sched = self.scheduler.schedule()
             if not sched.chunks:
                 return []
@@ -237,11 +277,19 @@ class LLMEngine:
                     return
             try:
                 self.step()
+                self.consecutive_step_failures = 0
             except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
                 self._fail_all(f"{type(exc).__name__}: {exc}")
 
+    @property
+    def healthy(self) -> bool:
+        """False after MAX_STEP_FAILURES iterations in a row failed: the engine is broken (a device error, a
+        corrupt layer), new requests are refused with the reason and health endpoints should say so."""
+        return self.consecutive_step_failures < MAX_STEP_FAILURES
+
     def _fail_all(self, message: str) -> None:
         self.last_step_error = message
+        self.consecutive_step_failures += 1
         with self._lock:
             seqs = list(self._requests.values())
             produced = []
@@ -299,6 +347,8 @@ class LLMEngine:
                 "restores_total": self.morph.stats.restores if self.morph else 0,
                 "kv_blocks_base": self.pool.base_blocks,
                 "memory": self.ledger.as_dict(),
+                "healthy": self.healthy,
+                "last_step_error": self.last_step_error,
             }
 
     def shutdown(self) -> None:

@@ -137,3 +137,15 @@ class Scheduler:
 
     def oldest_waiting_arrival(self) -> float | None:
         return self.waiting[0].arrival_time if self.waiting else None
+
+    def blocks_short_for_running(self) -> int:
+        """Blocks the running sequences' next chunks (as schedule() would size them) need beyond the free
+        ones; positive means schedule() is about to preempt."""
+        budget, needed = self.max_num_batched_tokens, 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needed += seq.blocks_needed(n, self.block_size)
+            budget -= n
+        return needed - self.pool.num_free

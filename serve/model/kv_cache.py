@@ -1,11 +1,16 @@
-"""Paged KV storage: per layer, K and V tensors of [slots, kv_heads, head_dim], slot = block * block_size + offset.
+"""Paged KV storage. A block holds K and V of every layer for ``block_size`` tokens and lives in one slot
+of a storage tensor ``[slots, 2, layers, block_size, kv_heads, head_dim]`` (the engine's memory arena, so
+a block can sit where a quantized layer's full weights used to be).
 
-The tensors are sized for the pool's max_blocks (its largest possible capacity); which ids are usable is
-the BlockPool's business. On CPU, torch.empty maps pages lazily, so unused capacity costs no memory
-until a block is first written; the budget is enforced by accounting in the pool.
+The block pool hands out *logical* block ids (contiguous, chunked, LIFO; see serve/memory/block_pool.py);
+``block_map`` says which physical slot each one occupies. A token's slot index in the scheduler's terms is
+``logical_block * block_size + offset``; :meth:`locate` turns a tensor of those into (physical slot,
+offset) once per forward, and every layer reuses it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,17 +21,63 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * config.kv_size * torch.empty((), dtype=dtype).element_size()
 
 
-class PagedKVCache:
-    def __init__(self, config: ModelConfig, max_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self.block_size = block_size
-        self.max_blocks = max_blocks
-        slots = max_blocks * block_size
-        shape = (slots, config.num_kv_heads, config.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
+def block_shape(config: ModelConfig, block_size: int) -> tuple[int, ...]:
+    """The shape of one slot viewed as KV: ``[2 (K, V), layers, block_size, kv_heads, head_dim]``."""
+    return (2, config.num_layers, block_size, config.num_kv_heads, config.head_dim)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+
+@dataclass(frozen=True)
+class KVIndex:
+    """Where tokens' K/V live: physical slot and offset in the block, same shape as the slot indices."""
+
+    slot: torch.Tensor
+    offset: torch.Tensor
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, block_size: int, storage: torch.Tensor, max_logical_blocks: int) -> None:
+        expected = block_shape(config, block_size)
+        if tuple(storage.shape[1:]) != expected:
+            raise ValueError(f"KV storage slots must be {expected}, got {tuple(storage.shape[1:])}")
+        self.block_size = block_size
+        self.storage = storage
+        self.k = [storage[:, 0, layer] for layer in range(config.num_layers)]  # [slots, bs, kvh, hd] views
+        self.v = [storage[:, 1, layer] for layer in range(config.num_layers)]
+        self.bytes_per_block = kv_bytes_per_block(config, block_size, storage.dtype)
+        self.max_blocks = max_logical_blocks
+        self.block_map = torch.full((max_logical_blocks,), -1, dtype=torch.long, device=storage.device)
+
+    @classmethod
+    def standalone(cls, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                   dtype: torch.dtype) -> PagedKVCache:
+        """A cache with storage of its own and logical block b in slot b (tools that run a bare model)."""
+        storage = torch.zeros((num_blocks, *block_shape(config, block_size)), device=device, dtype=dtype)
+        kv = cls(config, block_size, storage, num_blocks)
+        kv.map_blocks(0, list(range(num_blocks)))
+        return kv
+
+    def map_blocks(self, logical_start: int, physical_slots: list[int]) -> None:
+        """Logical blocks ``logical_start ...`` now live in ``physical_slots`` (a new pool chunk)."""
+        if logical_start + len(physical_slots) > self.max_blocks:
+            raise ValueError(f"logical blocks up to {logical_start + len(physical_slots)} exceed {self.max_blocks}")
+        if any(not 0 <= s < self.storage.shape[0] for s in physical_slots):
+            raise ValueError(f"physical slot out of range 0..{self.storage.shape[0] - 1}")
+        ids = torch.tensor(physical_slots, dtype=torch.long)
+        self.block_map[logical_start: logical_start + len(physical_slots)] = ids.to(self.block_map.device)
+
+    def unmap_blocks(self, logical_start: int, count: int) -> None:
+        self.block_map[logical_start: logical_start + count] = -1
+
+    def physical_slot(self, logical_block: int) -> int:
+        return int(self.block_map[logical_block])
+
+    def locate(self, slots: torch.Tensor) -> KVIndex:
+        return KVIndex(self.block_map[slots // self.block_size], slots % self.block_size)
+
+    def write(self, layer: int, where: KVIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][where.slot, where.offset] = k
+        self.v[layer][where.slot, where.offset] = v
+
+    def read(self, layer: int, where: KVIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[*where.shape, kv_heads, head_dim]``."""
+        return self.k[layer][where.slot, where.offset], self.v[layer][where.slot, where.offset]

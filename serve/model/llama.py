@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from serve.model.kv_cache import PagedKVCache
+from serve.model.kv_cache import KVIndex, PagedKVCache
 from serve.model.linear import DenseLinear, LinearOp
 from serve.model.model_config import ModelConfig
 from serve.model.rope import RotaryEmbedding
@@ -62,6 +62,20 @@ class ForwardBatch:
     sample_indices: torch.Tensor | None = None  # [S] flat token indices whose logits are wanted
 
 
+@dataclass
+class _BatchKV:
+    """The batch's KV locations, computed once per forward and shared by every layer."""
+
+    new: KVIndex
+    decode: KVIndex | None
+    prefills: list[KVIndex]
+
+    @staticmethod
+    def locate(batch: ForwardBatch, kv: PagedKVCache) -> _BatchKV:
+        decode = kv.locate(batch.decode_slots) if batch.num_decodes else None
+        return _BatchKV(kv.locate(batch.slot_mapping), decode, [kv.locate(pc.context_slots) for pc in batch.prefills])
+
+
 def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
     p = f"model.layers.{i}."
     w = lambda name: weights[p + name].to(device=device, dtype=dtype)  # noqa: E731
@@ -102,14 +116,16 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = F.embedding(batch.input_ids, self.embed)
+        where = _BatchKV.locate(batch, kv)
         for i, layer in enumerate(self.layers):
-            h = self._layer(i, layer, h, batch, kv)
+            h = self._layer(i, layer, h, batch, kv, where)
         if batch.sample_indices is not None:
             h = h.index_select(0, batch.sample_indices)
         h = self.rms_norm(h, self.norm)
         return F.linear(h, self.lm_head).float()
 
-    def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+    def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
+               where: _BatchKV) -> torch.Tensor:
         cfg = self.config
         x = self.rms_norm(h, layer.input_norm)
         qkv = layer.qkv(x)
@@ -119,30 +135,30 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         q = self.rope.apply(q, batch.positions)
         k = self.rope.apply(k, batch.positions)
-        kv.write(i, batch.slot_mapping, k, v.contiguous())
-        attn = self._attention(i, q, batch, kv)
+        kv.write(i, where.new, k, v)
+        attn = self._attention(i, q, batch, kv, where)
         h = h + layer.o(attn)
         x = self.rms_norm(h, layer.post_attention_norm)
         gu = layer.gate_up(x)
         inter = gu.shape[-1] // 2
         return h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
 
-    def _attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+    def _attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, where: _BatchKV) -> torch.Tensor:
         cfg = self.config
         kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
         B = batch.num_decodes
         if B:
             qd = q[:B].view(B, kvh, group, hd)
-            kd = kv.k[i][batch.decode_slots].transpose(1, 2)  # [B, kvh, L, hd]
-            vd = kv.v[i][batch.decode_slots].transpose(1, 2)
+            kd, vd = kv.read(i, where.decode)
+            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, kvh, L, hd]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=self.scale)
             out[:B] = o.reshape(B, cfg.q_size)
-        for pc in batch.prefills:
+        for pc, ctx in zip(batch.prefills, where.prefills):
             n = pc.num_tokens
             qp = q[pc.token_start: pc.token_start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
-            kp = kv.k[i][pc.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
-            vp = kv.v[i][pc.context_slots].transpose(0, 1).unsqueeze(0)
+            kp, vp = kv.read(i, ctx)
+            kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
             if pc.mask is None and group == 1:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale)
             else:

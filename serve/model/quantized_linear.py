@@ -3,7 +3,7 @@
 (Over ~450 lines on purpose: the three formats share the input, alignment and packing helpers and the
 loader; side by side, the byte accounting and the per-device kernel choice are read in one place.)
 
-Three formats, each a small dataclass with ``forward`` (fp32 ``[..., K]`` in, fp32 ``[..., N]`` out),
+Three formats, each a small dataclass with ``forward`` (``[..., K]`` in, ``[..., N]`` out in the input's dtype),
 ``dequantize`` (fp32 ``[N, K]``), ``nbytes`` (exact bytes of the stored tensors), ``to(device)``,
 and ``tensors()`` / ``metadata()`` / ``from_tensors()`` for safetensors round trips:
 
@@ -100,6 +100,12 @@ def _is_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """Outputs come back in the activations' dtype (fp32 on CPU, the model's bf16/fp16 on CUDA), so a
+    quantized layer drops into any model dtype; non-float inputs get fp32."""
+    return x.dtype if x.dtype.is_floating_point else torch.float32
+
+
 # --------------------------------------------------------------------------------------------- int8
 
 
@@ -154,7 +160,7 @@ class Int8WeightOnly:
             y = self._forward_cuda(xb)
         else:
             y = torch.ops.aten._weight_int8pack_mm(_aligned(xb), self.weight, self.scales)
-        return y.float().reshape(*lead, self.out_features)
+        return y.to(_out_dtype(x)).reshape(*lead, self.out_features)
 
     def _forward_cuda(self, xb: torch.Tensor) -> torch.Tensor:
         # UNVERIFIED (no GPU here): aten._weight_int8pack_mm has no CUDA kernel, so upcast the int8
@@ -246,6 +252,7 @@ class Int4WeightOnly:
     group_size: int
     in_features: int
     pre_quant_scale: torch.Tensor | None = None
+    layout: str = ""  # the device type ``packed`` is laid out for ("cpu" | "cuda"); default: where it lives
     format: ClassVar[str] = "int4_wo"
 
     def __post_init__(self) -> None:
@@ -255,6 +262,8 @@ class Int4WeightOnly:
         )
         n = self.scale_and_zero.shape[1]
         _validate_int4_shape(n, self.in_features, self.group_size)
+        self.layout = self.layout or self.packed.device.type
+        _check(self.layout in ("cpu", "cuda"), f"int4 packed layout must be cpu or cuda, got {self.layout!r}")
         _check(
             self.scale_and_zero.shape[0] == self.in_features // self.group_size,
             f"scale_and_zero has {self.scale_and_zero.shape[0]} groups, expected "
@@ -303,6 +312,7 @@ class Int4WeightOnly:
             group_size,
             k,
             pqs,
+            device.type,
         )
 
     @property
@@ -319,9 +329,12 @@ class Int4WeightOnly:
         if self.pre_quant_scale is not None:
             x2 = x2.float() * self.pre_quant_scale
         y = self._mm(x2.to(torch.bfloat16).contiguous(), self.scale_and_zero)
-        return y.float().reshape(*lead, self.out_features)
+        return y.to(_out_dtype(x)).reshape(*lead, self.out_features)
 
     def _mm(self, xb: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
+        if self.layout != self.packed.device.type:
+            raise RuntimeError(f"int4 weight packed for {self.layout} lies on {self.packed.device.type}: it is a "
+                               "host staging copy; move it with .to(device) before running it")
         if _is_cuda(self.packed):
             # UNVERIFIED (no GPU here): CUDA tinygemm kernel, same (code - 8) * scale + zero semantics.
             return torch.ops.aten._weight_int4pack_mm(xb, self.packed, self.group_size, scale_and_zero)
@@ -331,6 +344,8 @@ class Int4WeightOnly:
 
     def codes(self) -> torch.Tensor:
         """Unsigned codes ``[N, K]`` (int32, 0..15), recovered through the kernel itself."""
+        if self.layout != self.packed.device.type:
+            return self.to(self.layout).codes()
         k, n = self.in_features, self.out_features
         unit = torch.zeros(k // self.group_size, n, 2, dtype=torch.bfloat16, device=self.packed.device)
         unit[..., 0] = 1.0
@@ -361,13 +376,25 @@ class Int4WeightOnly:
         return w if self.pre_quant_scale is None else w * self.pre_quant_scale.float()[None, :]
 
     def to(self, device: torch.device | str) -> Int4WeightOnly:
+        """A copy for ``device``, repacked when the kernel layout differs (CPU and CUDA int4 layouts do)."""
         device = torch.device(device)
         pqs = None if self.pre_quant_scale is None else self.pre_quant_scale.to(device)
-        if device.type == self.packed.device.type:
+        if device.type == self.layout:
             packed = self.packed.to(device)
         else:
             packed = _pack_int4_for_kernel(self.codes().cpu(), device)
-        return Int4WeightOnly(packed, self.scale_and_zero.to(device), self.group_size, self.in_features, pqs)
+        return Int4WeightOnly(packed, self.scale_and_zero.to(device), self.group_size, self.in_features, pqs,
+                              device.type)
+
+    def for_device_on_host(self, device: torch.device | str) -> Int4WeightOnly:
+        """A host (CPU) copy already packed for ``device``'s kernel: the layer bank's source for swap copies
+        (pinned by the bank on CUDA), so a swap is a plain memcpy whatever the device."""
+        on_device = self.to(device)
+        if on_device.packed.device.type == "cpu":
+            return on_device
+        pqs = None if on_device.pre_quant_scale is None else on_device.pre_quant_scale.cpu()
+        return Int4WeightOnly(on_device.packed.cpu(), on_device.scale_and_zero.cpu(), self.group_size,
+                              self.in_features, pqs, on_device.layout)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {
@@ -451,7 +478,7 @@ class Fp8WeightOnly:
             y = self._forward_cuda(x2)
         else:
             y = x2.float() @ self.dequantize().t()
-        return y.float().reshape(*lead, self.out_features)
+        return y.to(_out_dtype(x)).reshape(*lead, self.out_features)
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         # UNVERIFIED (no GPU here): dynamic e4m3 activation scales (per row when the weight scale is

@@ -1,24 +1,33 @@
-"""Every precision variant of every decoder layer, held in host memory, and the copy that is resident.
+"""Every precision of every decoder layer in host memory, and the copies that move them into the arena.
 
-A variant is a DecoderLayer whose linear ops run at one precision. Host variants never change; swapping a
-layer means materializing a resident copy of another variant (a real copy: memcpy on CPU, an async
-host-to-device copy from pinned memory on CUDA) and installing it in the model at an iteration boundary.
-The norms are shared between variants, so the bytes a swap frees are exactly the linears' difference.
+Host side: ``host[i][precision]`` holds layer i at every precision the mode can use, full precision
+included (the source of every restore). On CUDA the host copies are pinned, so copies are asynchronous,
+and int4 weights are already packed for the CUDA kernel, so a swap is a plain memcpy.
+
+Device side: layer i owns the arena slots ``regions[i]``. A variant of precision p sits at the *tail* of
+the region, from slot ``start + R - slots(p)`` on (full precision fills all R slots); the head slots in
+front of it are free for KV blocks. One staging range holds the single copy in flight.
+
+Copies run off the forward's critical path: a worker thread on CPU; on CUDA a dedicated stream that first
+waits for the compute stream (the forward still reading the old bytes) and records an event the compute
+stream waits on before the copied layer is used. Nothing calls a device-wide synchronize.
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from policy import FULL
+from serve.memory.arena import Arena, SlotRange
 from serve.model.layers import PROJECTIONS
 from serve.model.linear import ConcatLinear, LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
-from serve.model.quantized_linear import Int8WeightOnly
+from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly
+from serve.morph.placement import arena_nbytes, remap, weight_tensors
 
 
 def _fuse(ops: list, bias: torch.Tensor | None) -> LinearOp:
@@ -43,38 +52,67 @@ def quantized_layer(full: DecoderLayer, linears: Mapping[str, LinearOp], precisi
     )
 
 
-def materialize(obj, device: torch.device):
-    """A deep copy of a layer/op whose tensors live freshly on `device` (shared norms stay shared)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj.clone()
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, list):
-        return [materialize(x, device) for x in obj]
-    if hasattr(obj, "__dict__"):
-        new = copy.copy(obj)
-        for name, value in vars(obj).items():
-            if name in ("input_norm", "post_attention_norm"):
-                continue
-            if isinstance(value, (torch.Tensor, list)) or hasattr(value, "__dict__"):
-                setattr(new, name, materialize(value, device))
-        return new
-    return obj
+def host_copy(layer: DecoderLayer, device: torch.device) -> DecoderLayer:
+    """The host-memory source of a layer for ``device``: CPU tensors (pinned when the device is CUDA),
+    int4 packed in ``device``'s kernel layout."""
+    def pack(op):
+        return op.for_device_on_host(device) if isinstance(op, Int4WeightOnly) else op
+
+    layer = remap_ops(layer, pack)
+    if device.type == "cuda":
+        return remap(layer, lambda t: t.detach().to("cpu").pin_memory())
+    return remap(layer, lambda t: t.detach().to("cpu").clone())
+
+
+def remap_ops(layer: DecoderLayer, f) -> DecoderLayer:
+    """The layer with each linear op (and each op inside a ConcatLinear) replaced by ``f(op)``."""
+    def op(x):
+        if isinstance(x, ConcatLinear):
+            return ConcatLinear([f(o) for o in x.ops], x.bias)
+        return f(x)
+    return DecoderLayer(layer.input_norm, layer.post_attention_norm, op(layer.qkv), op(layer.o), op(layer.gate_up),
+                        op(layer.down), layer.precision)
+
+
+@dataclass
+class CopyJob:
+    """One copy in flight: the layer being built, and how to tell when its bytes have landed."""
+
+    layer: DecoderLayer | None
+    future: Future | None = None         # CPU: the worker's result
+    event: torch.cuda.Event | None = None  # CUDA: recorded on the copy stream after the last copy
+    device: torch.device | None = None
+
+    def done(self) -> bool:
+        if self.future is not None:
+            return self.future.done()
+        return self.event is None or self.event.query()
+
+    def result(self) -> DecoderLayer:
+        if self.future is not None:
+            self.layer = self.future.result()
+        elif self.event is not None:  # later work on the compute stream waits for the copy, the host does not
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+        assert self.layer is not None
+        return self.layer
 
 
 class LayerBank:
-    def __init__(self, model: LlamaModel, host_variants: dict[int, dict[str, DecoderLayer]]) -> None:
+    def __init__(self, model: LlamaModel, arena: Arena, regions: list[SlotRange], staging: SlotRange,
+                 host: dict[int, dict[str, DecoderLayer]]) -> None:
         self.model = model
         self.device = model.device
-        self.host: dict[int, dict[str, DecoderLayer]] = {}
-        for i, layer in enumerate(model.layers):
-            self.host[i] = {FULL: layer, **host_variants.get(i, {})}
-        if model.device.type == "cuda":  # pinned host copies make the H2D swap copies asynchronous
-            for i in self.host:
-                self.host[i] = {p: (v if p == FULL else materialize(v, torch.device("cpu")))
-                                for p, v in self.host[i].items()}
+        self.arena = arena
+        self.regions = regions
+        self.staging = staging
+        self.host = host
+        self.slot_bytes = arena.slot_bytes
+        # the full-precision layers as views into their regions (valid whenever the region holds full weights)
+        self.full_views = [model.layers[i] for i in range(len(model.layers))]
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morphserve-swap")
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
+    # ---- sizes ------------------------------------------------------------------------------------
     @property
     def precisions(self) -> set[str]:
         return set.intersection(*(set(v) for v in self.host.values())) - {FULL}
@@ -83,26 +121,50 @@ class LayerBank:
         return self.model.layers[i].precision
 
     def nbytes(self, i: int, precision: str) -> int:
-        return self.host[i][precision].nbytes
+        """Arena bytes of layer i at ``precision`` (tensors ALIGN-aligned)."""
+        return arena_nbytes(self.host[i][precision])
 
-    def resident_nbytes(self, i: int) -> int:
-        return self.model.layers[i].nbytes
+    def slots(self, i: int, precision: str) -> int:
+        """Slots layer i occupies at ``precision``: all of its region at full precision."""
+        if precision == FULL:
+            return self.regions[i].num_slots
+        return -(-self.nbytes(i, precision) // self.slot_bytes)
 
-    def prepare(self, i: int, precision: str) -> Future[DecoderLayer]:
-        """Start copying layer i's `precision` variant into a fresh resident copy (in a worker thread)."""
-        if precision not in self.host[i]:
-            raise KeyError(f"layer {i} has no {precision} variant (have {sorted(self.host[i])})")
-        return self._workers.submit(self._copy, i, precision)
+    def tail(self, i: int, precision: str) -> SlotRange:
+        r = self.regions[i]
+        n = self.slots(i, precision)
+        return SlotRange(r.end - n, n)
 
-    def _copy(self, i: int, precision: str) -> DecoderLayer:
-        layer = materialize(self.host[i][precision], self.device)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return layer
+    # ---- copies -----------------------------------------------------------------------------------
+    def copy_async(self, src: DecoderLayer, dest: SlotRange) -> CopyJob:
+        """Start copying ``src``'s weights into the arena slots ``dest`` (front to back)."""
+        alloc = self.arena.allocator(dest)
+        if self._copy_stream is None:
+            return CopyJob(None, future=self._workers.submit(remap, src, alloc.place))
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)  # the forward may still read these bytes
+        with torch.cuda.stream(self._copy_stream):
+            layer = remap(src, lambda t: alloc.place(t, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return CopyJob(layer, event=event, device=self.device)
+
+    def copy_now(self, src: DecoderLayer, dest: SlotRange) -> DecoderLayer:
+        """Copy ``src`` into ``dest`` on the compute stream (device-local, at an iteration boundary)."""
+        alloc = self.arena.allocator(dest)
+        return remap(src, alloc.place)
 
     def install(self, i: int, layer: DecoderLayer) -> None:
-        """Make `layer` the one the next forward uses (call only between iterations)."""
+        """Make ``layer`` the one the next forward uses (call only between iterations)."""
         self.model.layers[i] = layer
+
+    def detached(self, i: int, precision: str) -> DecoderLayer:
+        """Layer i at ``precision`` in fresh device tensors outside the arena (evaluation tools only)."""
+        return remap(self.host[i][precision], lambda t: t.to(self.device, copy=True))
+
+    def resident_ranges(self, i: int) -> list[tuple[int, int]]:
+        """(first byte, end) of each weight tensor of the installed layer i (tests check addresses)."""
+        return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in weight_tensors(self.model.layers[i])]
 
     def shutdown(self) -> None:
         self._workers.shutdown(wait=True)

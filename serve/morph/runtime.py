@@ -1,17 +1,18 @@
 """Executes the MorphServe controller's decisions: layer swaps and KV pool resizing, with exact accounting.
 
 At every iteration boundary: finish swaps whose copies are ready (install the layer, resize the pool),
-build a Telemetry snapshot, ask the controller, start the copies it asks for. Quantizing layer p adds a
-KV chunk of floor(freed_bytes / bytes_per_block) blocks owned by that transition; undoing a transition
-first removes its chunk (only when entirely free, LIFO) and then copies the milder variant in. In-flight
-requests keep their KV cache: weight-only quantization does not change the KV layout.
+build a Telemetry snapshot, ask the controller, start the copies it asks for. Quantizing layer p puts the
+variant at the tail of p's arena region and adds the slots in front of it (where the milder variant's bytes
+were) to the KV pool as a chunk owned by that transition; undoing a transition first removes its chunk
+(only when entirely free, LIFO), parks the variant in staging and copies the milder variant back into the
+region. One copy is in flight at a time. In-flight requests keep their KV cache: weight-only quantization
+does not change the KV layout.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,7 +22,9 @@ from policy import FULL, MorphController, MorphDecision, PolicyConfig, Telemetry
 from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
-from serve.morph.layer_bank import LayerBank
+from serve.memory.arena import SlotRange
+from serve.model.kv_cache import PagedKVCache
+from serve.morph.layer_bank import CopyJob, LayerBank
 from serve.morph.scheduler_view import SchedulerView
 
 log = get_logger("morphserve.morph")
@@ -32,8 +35,9 @@ class Transition:
     layer: int
     from_precision: str
     to_precision: str
-    owner: str          # the KV chunk's owner id in the pool ("" when the swap freed less than a block)
+    owner: str          # the KV chunk's owner id in the pool ("" when the swap freed no whole slot)
     blocks: int
+    slots: SlotRange    # the arena slots the chunk's blocks occupy (where the milder variant's bytes were)
 
 
 @dataclass
@@ -41,8 +45,7 @@ class PendingSwap:
     kind: str           # "quantize" | "restore"
     layer: int
     target: str
-    future: Future
-    staged_bytes: int
+    job: CopyJob
     reason: str
     started: float
 
@@ -56,21 +59,22 @@ class MorphStats:
 
 class MorphRuntime:
     def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
-                 ledger: MemoryLedger, block_size: int, window_s: float = 10.0,
+                 ledger: MemoryLedger, kv: PagedKVCache, block_size: int, window_s: float = 10.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.controller = MorphController(config, swap_order)
         self.bank = bank
         self.pool = pool
         self.ledger = ledger
+        self.kv = kv
         self.block_size = block_size
         self.clock = clock
         self.window_s = window_s
         self.stack: list[Transition] = []
         self.pending: list[PendingSwap] = []
-        # Layers of an accepted quantize decision not yet copying: one copy is in flight at a time, so the
-        # staging headroom is one layer's variant whatever the mode's layers per step.
-        self.queued: collections.deque[tuple[int, str, str]] = collections.deque()
+        # Transitions accepted but not started: one copy is in flight at a time (one staging range), so a
+        # multi-layer decision runs over consecutive iterations.
+        self.queued: collections.deque[tuple[str, int, str, str]] = collections.deque()
         self.stats = MorphStats()
         self.events: collections.deque[dict] = collections.deque(maxlen=10_000)
         self.tokens_served = 0  # tokens generated so far; events carry it so logs give tokens per configuration
@@ -80,8 +84,8 @@ class MorphRuntime:
         if missing:
             raise ValueError(f"morph mode {config.mode!r} needs precisions {missing} that the engine lacks "
                              f"(have {sorted(bank.precisions)}); rebuild the engine with them")
-        full = bank.nbytes(0, FULL)
-        self.blocks_per_layer_chunk = {p: (full - bank.nbytes(0, p)) // ledger.bytes_per_block for p in bank.precisions}
+        region = bank.regions[0].num_slots
+        self.blocks_per_layer_chunk = {p: region - bank.slots(0, p) for p in bank.precisions}
 
     # ---- signals -----------------------------------------------------------------------------------
     def record_first_token(self, now: float, ttft_s: float) -> None:
@@ -102,9 +106,14 @@ class MorphRuntime:
         latest: dict[int, tuple[int, str]] = {}
         for i, tr in enumerate(self.stack):
             latest[tr.layer] = (i, tr.to_precision)
-        accepted = [(p.layer, p.target) for p in self.pending if p.kind == "quantize"]  # restores left the stack
-        for j, (layer, target) in enumerate(accepted + [(layer, target) for layer, target, _ in self.queued]):
-            latest[layer] = (len(self.stack) + j, target)
+        accepted = [(p.kind, p.layer, p.target) for p in self.pending if p.kind == "quantize"]  # restores left the stack
+        for j, (kind, layer, target) in enumerate(accepted + [(k, layer, target) for k, layer, target, _ in self.queued]):
+            if kind == "quantize":
+                latest[layer] = (len(self.stack) + j, target)
+            elif target == FULL:
+                latest.pop(layer, None)
+            else:
+                latest[layer] = (latest.get(layer, (j, target))[0], target)
         return tuple((layer, prec) for layer, (_, prec) in sorted(latest.items(), key=lambda kv: kv[1][0]))
 
     def telemetry(self, now: float, scheduler: SchedulerView) -> Telemetry:
@@ -137,84 +146,108 @@ class MorphRuntime:
     def start(self, decision: MorphDecision) -> None:
         for layer in decision.layers:
             if decision.action == "quantize":
-                self.queued.append((layer, decision.precision, decision.reason))  # type: ignore[arg-type]
+                self.queued.append(("quantize", layer, decision.precision, decision.reason))  # type: ignore[arg-type]
             else:
-                self._start_restore(layer, decision.precision or FULL, decision.reason)
+                self.queued.append(("restore", layer, decision.precision or FULL, decision.reason))
         self._start_next()
 
     def _start_next(self) -> None:
-        if self.pending or not self.queued:
-            return
-        layer, target, reason = self.queued.popleft()
-        if not self._start_quantize(layer, target, reason):
-            self.queued.clear()  # no headroom now means none for the rest of the decision either
+        while not self.pending and self.queued:
+            kind, layer, target, reason = self.queued.popleft()
+            started = self._start_quantize(layer, target, reason) if kind == "quantize" else \
+                self._start_restore(layer, target, reason)
+            if not started:
+                self.queued.clear()  # the rest of the decision depended on this step
 
     def _start_quantize(self, layer: int, target: str, reason: str) -> bool:
-        staged = self.bank.nbytes(layer, target)
-        if staged > self.ledger.available:
-            self._event("swap_deferred", layer=layer, to_precision=target, needed_bytes=staged,
-                        available_bytes=self.ledger.available, reason="no headroom for the staging copy")
+        """Copy the variant from the host bank into staging (asynchronously); installed at a later boundary."""
+        before = self.bank.precision_of(layer)
+        if self.bank.slots(layer, target) > self.bank.slots(layer, before):
+            self._event("swap_skipped", layer=layer, to_precision=target, reason=f"{target} is not smaller than {before}")
             return False
-        self.ledger.staging_bytes += staged
-        self.pending.append(PendingSwap("quantize", layer, target, self.bank.prepare(layer, target), staged, reason, self.clock()))
+        job = self.bank.copy_async(self.bank.host[layer][target], self.bank.staging)
+        self.pending.append(PendingSwap("quantize", layer, target, job, reason, self.clock()))
         return True
 
-    def _start_restore(self, layer: int, target: str, reason: str) -> None:
+    def _start_restore(self, layer: int, target: str, reason: str) -> bool:
+        """Undo the newest transition: its KV chunk leaves the pool, the current variant moves to staging, and
+        the milder variant is copied from the host bank back into the region (asynchronously)."""
         top = self.stack[-1] if self.stack else None
         if top is None or top.layer != layer or top.from_precision != target:
             self._event("restore_skipped", layer=layer, to_precision=target, reason="not the newest transition")
-            return
+            return False
         if top.owner and not self.pool.chunk_is_free(top.owner):
             self._event("restore_skipped", layer=layer, to_precision=target, reason="its KV chunk is in use")
-            return
-        staged = self.bank.nbytes(layer, target)
-        freed_kv = top.blocks * self.ledger.bytes_per_block
-        if staged > self.ledger.available + freed_kv:
-            self._event("restore_deferred", layer=layer, to_precision=target, needed_bytes=staged,
-                        available_bytes=self.ledger.available + freed_kv)
-            return
+            return False
         if top.owner:
-            self.pool.remove_chunk(top.owner)
+            chunk = self.pool.remove_chunk(top.owner)
+            self.kv.unmap_blocks(chunk.start, chunk.num_blocks)
             self.ledger.kv_blocks -= top.blocks
             self._event("kv_shrink", layer=layer, blocks_removed=top.blocks, kv_blocks_total=self.pool.num_blocks)
         self.stack.pop()
-        self.ledger.staging_bytes += staged
-        self.pending.append(PendingSwap("restore", layer, target, self.bank.prepare(layer, target), staged, reason,
-                                        self.clock()))
+        staged = self.bank.copy_now(self.bank.model.layers[layer], self.bank.staging)
+        self.bank.install(layer, staged)  # serves from staging while the region is rewritten
+        self.ledger.layer_slots[layer] = self.bank.slots(layer, target)
+        job = self.bank.copy_async(self.bank.host[layer][target], self.bank.tail(layer, target))
+        self.pending.append(PendingSwap("restore", layer, target, job, reason, self.clock()))
+        return True
 
     def complete_ready(self, wait: bool) -> None:
         """Install finished copies in order; each install starts the next queued copy. wait=True drains all."""
-        while self.pending and (wait or self.pending[0].future.done()):
+        while self.pending and (wait or self.pending[0].job.done()):
             p = self.pending.pop(0)
-            layer_obj = p.future.result()
+            layer_obj = p.job.result()
             before = self.bank.precision_of(p.layer)
-            old_bytes = self.bank.resident_nbytes(p.layer)
-            self.bank.install(p.layer, layer_obj)
-            self.ledger.staging_bytes -= p.staged_bytes
-            self.ledger.layer_bytes[p.layer] = layer_obj.nbytes
             elapsed_ms = (self.clock() - p.started) * 1e3
             self.stats.swap_ms[f"{before}->{p.target}"].append(elapsed_ms)
             if p.kind == "quantize":
-                self._finish_quantize(p, before, old_bytes - layer_obj.nbytes, elapsed_ms)
+                self._finish_quantize(p, before, layer_obj, elapsed_ms)
             else:
+                self.bank.install(p.layer, layer_obj)
                 self.stats.restores += 1
                 self._event("restore", layer=p.layer, from_precision=before, to_precision=p.target,
                             time_ms=round(elapsed_ms, 3), reason=p.reason)
             self.ledger.check()
             self._start_next()
 
-    def _finish_quantize(self, p: PendingSwap, before: str, freed: int, elapsed_ms: float) -> None:
-        blocks = max(0, freed) // self.ledger.bytes_per_block
-        blocks = min(blocks, self.pool.max_blocks - self.pool.num_blocks)
-        owner = f"layer{p.layer}:{before}->{p.target}" if blocks else ""
-        if blocks:
-            self.pool.add_chunk(owner, blocks)
-            self.ledger.kv_blocks += blocks
-        self.stack.append(Transition(p.layer, before, p.target, owner, blocks))
+    def _finish_quantize(self, p: PendingSwap, before: str, staged, elapsed_ms: float) -> None:
+        """Move the staged variant to the region's tail, install it, and give the slots in front of it (where
+        the milder variant's bytes were) to the KV pool as this transition's chunk."""
+        old = self.bank.tail(p.layer, before)
+        new = self.bank.tail(p.layer, p.target)
+        self.bank.install(p.layer, self.bank.copy_now(staged, new))
+        freed = SlotRange(old.start, new.start - old.start)
+        self.ledger.layer_slots[p.layer] = new.num_slots
+        owner = f"layer{p.layer}:{before}->{p.target}" if freed.num_slots else ""
+        if freed.num_slots:
+            chunk = self.pool.add_chunk(owner, freed.num_slots)
+            self.kv.map_blocks(chunk.start, list(range(freed.start, freed.end)))
+            self.ledger.kv_blocks += freed.num_slots
+        self.stack.append(Transition(p.layer, before, p.target, owner, freed.num_slots, freed))
         self.stats.swaps += 1
-        self._event("swap", layer=p.layer, from_precision=before, to_precision=p.target, bytes_freed=freed,
-                    blocks_added=blocks, kv_blocks_total=self.pool.num_blocks, time_ms=round(elapsed_ms, 3),
-                    reason=p.reason)
+        self._event("swap", layer=p.layer, from_precision=before, to_precision=p.target,
+                    bytes_freed=freed.num_slots * self.ledger.slot_bytes, blocks_added=freed.num_slots,
+                    kv_blocks_total=self.pool.num_blocks, time_ms=round(elapsed_ms, 3), reason=p.reason)
+
+    def cover_deficit(self, scheduler: SchedulerView) -> int:
+        """Quantize before preempt (as the released MorphServe does): while the running requests need more
+        blocks than are free, finish what is in flight and take quantize steps at once. Returns the number
+        of layers quantized; 0 and the scheduler preempts as before when the mode has no room left."""
+        quantized = 0
+        if scheduler.blocks_short_for_running() <= 0:
+            return 0
+        self.queued = collections.deque(q for q in self.queued if q[0] == "quantize")  # no restore under pressure
+        self.complete_ready(wait=True)
+        while (deficit := scheduler.blocks_short_for_running()) > 0:
+            decision = self.controller.cover_deficit(self.telemetry(self.clock(), scheduler), deficit)
+            if decision.action != "quantize":
+                break
+            before = self.pool.num_blocks
+            self.apply_now(decision)
+            if self.pool.num_blocks == before:
+                break  # the step freed no whole block: preemption it is
+            quantized += len(decision.layers)
+        return quantized
 
     def apply_now(self, decision: MorphDecision) -> None:
         """Apply a decision synchronously, one layer at a time (static modes, before serving starts)."""

@@ -20,6 +20,10 @@ class SchedulerView(Protocol):
 
     def blocks_needed_by_waiting(self) -> int: ...
 
+    def blocks_short_for_running(self) -> int:
+        """KV blocks the running requests' next chunks need beyond the free ones (> 0: preemption ahead)."""
+        ...
+
 
 class IdleSchedulerView:
     """Telemetry before serving starts: nothing running or waiting."""
@@ -34,4 +38,7 @@ class IdleSchedulerView:
         return None
 
     def blocks_needed_by_waiting(self) -> int:
+        return 0
+
+    def blocks_short_for_running(self) -> int:
         return 0

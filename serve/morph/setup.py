@@ -1,4 +1,11 @@
-"""Sizing the KV pool from the memory budget and wiring the layer bank + morph runtime into an engine."""
+"""Sizing the arena from the memory budget and wiring weights, KV pool, layer bank and morph runtime.
+
+Arena layout (slots of one KV block each, see serve/memory/arena.py):
+``[layer 0 | layer 1 | ... | layer L-1 | staging | base KV]``. A layer region holds the layer's full
+weights (R slots); staging holds the largest variant (only when the mode morphs); every other slot is a
+KV block of the base pool. The pool's logical capacity bound is what the arena could ever give (base +
+every region's head at the smallest variant); nothing is allocated for it.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +14,25 @@ from typing import Callable, Mapping
 
 import torch
 
-from policy import PolicyConfig
+from policy import FULL, PolicyConfig
 from serve.config import EngineConfig, parse_size
+from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, resolve_budget
+from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import LinearOp
 from serve.model.llama import LlamaModel
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
-from serve.morph.layer_bank import LayerBank, quantized_layer
+from serve.morph.layer_bank import LayerBank, host_copy, quantized_layer
+from serve.morph.placement import arena_nbytes, remap
 from serve.morph.runtime import MorphRuntime
 from serve.morph.scheduler_view import IdleSchedulerView
 
 VariantSource = Callable[[int, str], Mapping[str, LinearOp]]
+
+# Compute capability each quantized CUDA kernel needs (tinygemm int4: Ampere; e4m3 _scaled_mm: Ada/Hopper).
+MIN_CUDA_CAPABILITY = {"int8": (7, 0), "int4": (8, 0), "fp8": (8, 9)}
 
 
 @dataclass
@@ -27,6 +40,16 @@ class MorphPlan:
     precisions: list[str]
     swap_order: list[int]
     variant_source: VariantSource
+
+
+@dataclass
+class EngineMemory:
+    arena: Arena
+    pool: BlockPool
+    ledger: MemoryLedger
+    kv: PagedKVCache
+    bank: LayerBank | None
+    base: SlotRange
 
 
 def rtn_plan(weights: Mapping[str, torch.Tensor], num_layers: int, precisions: list[str],
@@ -42,50 +65,94 @@ def rtn_plan(weights: Mapping[str, torch.Tensor], num_layers: int, precisions: l
     return MorphPlan(precisions, list(range(num_layers)), source)
 
 
-def build_memory(config: EngineConfig, model: LlamaModel, bytes_per_block: int, plan: MorphPlan | None,
-                 policy: PolicyConfig | None) -> tuple[BlockPool, MemoryLedger, LayerBank | None]:
-    layer_bytes = [layer.nbytes for layer in model.layers]
-    weights = model.non_layer_nbytes + sum(layer_bytes)
-    reserve = parse_size(config.memory_reserve)
-    bank = None
-    headroom = 0
-    max_extra = 0
-    if plan is not None and policy is not None and policy.strategy != "off":
-        variants = {i: {p: quantized_layer(model.layers[i], plan.variant_source(i, p), p) for p in plan.precisions}
-                    for i in range(len(model.layers))}
-        bank = LayerBank(model, variants)
-        smallest = min(bank.nbytes(0, p) for p in plan.precisions)
-        largest_q = max(bank.nbytes(0, p) for p in plan.precisions)
-        # one staging copy is in flight at a time (MorphRuntime queues the rest of a decision); the extra
-        # block covers a restore, whose removed chunk is up to one block smaller than the bytes it needs
-        headroom = largest_q + bytes_per_block
-        max_extra = len(model.layers) * ((layer_bytes[0] - smallest) // bytes_per_block)
+def check_device_supports(device: torch.device, precisions: list[str]) -> None:
+    """Clear error before any work when a precision's CUDA kernel cannot run on this GPU."""
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    bad = [p for p in precisions if cap < MIN_CUDA_CAPABILITY.get(p, (0, 0))]
+    if bad:
+        need = ", ".join(f"{p} needs sm{''.join(map(str, MIN_CUDA_CAPABILITY[p]))}+" for p in bad)
+        raise ValueError(f"{torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}: {need}; "
+                         "choose a mode whose ladder avoids them or another GPU")
+
+
+def _host_bank(model: LlamaModel, plan: MorphPlan) -> dict[int, dict[str, object]]:
+    """Every layer at every planned precision, full included, in host memory (pinned on CUDA)."""
+    host = {}
+    for i, layer in enumerate(model.layers):
+        full = layer if model.device.type == "cpu" else host_copy(layer, model.device)  # CPU: the loaded tensors
+        variants = {p: host_copy(quantized_layer(layer, plan.variant_source(i, p), p), model.device)
+                    for p in plan.precisions}
+        host[i] = {FULL: full, **variants}
+    return host
+
+
+def _budget_slots(config: EngineConfig, device: torch.device, fixed: int, non_arena: int, reserve: int,
+                  slot: int) -> tuple[int, int]:
+    """(budget bytes, base KV blocks) from --device-memory, else from num_kv_blocks / kv_cache_memory."""
     if config.device_memory is not None:
-        budget = resolve_budget(model.device, config.device_memory, 0)
-        kv_bytes = budget - reserve - weights - headroom
-        if kv_bytes < bytes_per_block:
+        budget = resolve_budget(device, config.device_memory, 0)
+        base = (budget - reserve - non_arena) // slot - fixed
+        if base < 1:
             raise ValueError(
-                f"device memory {config.device_memory} leaves no room for the KV cache: weights "
-                f"{weights / 2**20:.1f} MiB + reserve {reserve / 2**20:.1f} MiB + swap staging {headroom / 2**20:.1f} MiB "
-                f"need at least {(weights + reserve + headroom + bytes_per_block) / 2**20:.1f} MiB")
-        base_blocks = kv_bytes // bytes_per_block
+                f"device memory {config.device_memory} leaves no room for the KV cache: weights and staging "
+                f"{(fixed * slot + non_arena) / 2**20:.1f} MiB + reserve {reserve / 2**20:.1f} MiB need at least "
+                f"{((fixed + 1) * slot + non_arena + reserve) / 2**20:.1f} MiB")
         if config.num_kv_blocks is not None:
-            base_blocks = min(base_blocks, config.num_kv_blocks)
-    else:
-        base_blocks = config.num_kv_blocks or max(1, parse_size(config.kv_cache_memory) // bytes_per_block)
-        budget = weights + reserve + headroom + base_blocks * bytes_per_block
-    pool = BlockPool(base_blocks, max_blocks=base_blocks + max_extra)
-    # The staging headroom is not part of the reserve: it is what `ledger.available` hands to swap copies.
-    ledger = MemoryLedger(budget=budget, reserve=reserve, non_layer_bytes=model.non_layer_nbytes,
-                          layer_bytes=layer_bytes, kv_blocks=base_blocks, bytes_per_block=bytes_per_block)
+            base = min(base, config.num_kv_blocks)
+        return budget, base
+    base = config.num_kv_blocks or max(1, parse_size(config.kv_cache_memory) // slot)
+    return non_arena + reserve + (fixed + base) * slot, base
+
+
+def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None,
+                 policy: PolicyConfig | None) -> EngineMemory:
+    slot = kv_bytes_per_block(model.config, config.block_size, model.dtype)
+    if slot % ALIGN:
+        raise ValueError(f"a KV block of {slot} bytes is not a multiple of {ALIGN}; choose another block_size")
+    morphing = plan is not None and policy is not None and policy.strategy != "off"
+    if morphing:
+        check_device_supports(model.device, plan.precisions)
+    host = _host_bank(model, plan) if morphing else None
+    num_layers = len(model.layers)
+    region = max(-(-arena_nbytes(layer) // slot) for layer in model.layers)
+    staging = 0
+    if host is not None:
+        staging = max(-(-arena_nbytes(v) // slot) for per_layer in host.values()
+                      for p, v in per_layer.items() if p != FULL)
+    norms = sum(layer.input_norm.nbytes + layer.post_attention_norm.nbytes for layer in model.layers)
+    non_arena = model.non_layer_nbytes + norms
+    reserve = parse_size(config.memory_reserve)
+    fixed = num_layers * region + staging
+    budget, base = _budget_slots(config, model.device, fixed, non_arena, reserve, slot)
+    arena = Arena(fixed + base, slot, model.device)
+    regions = [SlotRange(i * region, region) for i in range(num_layers)]
+    for i, r in enumerate(regions):  # full weights move into their regions; the originals are dropped
+        model.layers[i] = remap(model.layers[i], arena.allocator(r).place)
+    staging_range = SlotRange(num_layers * region, staging)
+    base_range = SlotRange(fixed, base)
+    bank = LayerBank(model, arena, regions, staging_range, host) if host is not None else None
+    extra = 0  # the most KV blocks the regions could ever give: every layer at its smallest variant
+    if bank is not None:
+        extra = sum(region - min(bank.slots(i, p) for p in plan.precisions) for i in range(num_layers))
+    pool = BlockPool(base, max_blocks=base + extra)
+    kv = PagedKVCache(model.config, config.block_size, arena.slots_as(model.dtype, block_shape(model.config, config.block_size)),
+                      pool.max_blocks)
+    kv.map_blocks(0, list(range(base_range.start, base_range.end)))
+    ledger = MemoryLedger(budget=budget, reserve=reserve, non_arena_bytes=non_arena, slot_bytes=slot,
+                          arena_slots=arena.num_slots, layer_slots=[region] * num_layers, staging_slots=staging,
+                          kv_blocks=base)
     ledger.check()
-    return pool, ledger, bank
+    return EngineMemory(arena, pool, ledger, kv, bank, base_range)
 
 
-def build_runtime(policy: PolicyConfig, plan: MorphPlan, bank: LayerBank, pool: BlockPool, ledger: MemoryLedger,
-                  block_size: int, clock=None) -> MorphRuntime:
+def build_runtime(policy: PolicyConfig, plan: MorphPlan, memory: EngineMemory, block_size: int,
+                  clock=None) -> MorphRuntime:
     kwargs = {"clock": clock} if clock is not None else {}
-    runtime = MorphRuntime(policy, plan.swap_order, bank, pool, ledger, block_size, **kwargs)
+    assert memory.bank is not None
+    runtime = MorphRuntime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv, block_size,
+                           **kwargs)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)

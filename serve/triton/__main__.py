@@ -24,6 +24,8 @@ log = get_logger("triton_launcher")
 
 _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "morph_mode": ("--morph-mode", str, "layer-morphing mode of the engine"),
+    "device": ("--device", str, "cpu, cuda, cuda:N or auto (CUDA when available; the model config's default)"),
+    "dtype": ("--dtype", str, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
     "device_memory": ("--device-memory", str, "device memory budget, e.g. 600MiB or 2GiB"),
     "max_num_seqs": ("--max-num-seqs", int, "most sequences in one batch"),
     "max_num_batched_tokens": ("--max-num-batched-tokens", int, "token budget of one engine step"),

@@ -174,7 +174,7 @@ class TritonPythonModel:
             self._inflight[request_id] = inflight
         try:
             self.engine.add_request(parsed.prompt, params, request_id=request_id, callback=self._on_output)
-        except (ValueError, TypeError) as exc:  # e.g. prompt longer than the context
+        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. prompt longer than the context, unhealthy engine
             with self._lock:
                 self._inflight.pop(request_id, None)
             self._reject(sender, request_id, client_id, str(exc))

@@ -1,0 +1,261 @@
+"""``make gpu-check``: what the CUDA path does on a real GPU, as one report.
+
+    python -m bench.gpu_check [--out DIR] [--skip-tests] [--replay-seconds S]
+
+1. the device (torch, CUDA, name, compute capability, memory, driver);
+2. the CUDA-marked tests (tests/test_cuda.py: tokens vs transformers, quantized kernels, int4 layouts,
+   device generators, NVML, the bf16 morphing engine with flat device memory, state preservation);
+3. per-precision step cost on this GPU for a random Llama (decode at batch 1 / 8 / 32, prefill 512):
+   what a quantized layer costs here, the controller's missing input;
+4. swap cost on this GPU (variant copy on the copy stream + in-place install) and restore;
+5. a short bursty replay, morph mode off vs default at a budget where full precision runs out of KV.
+
+Random weights built in place (bench/tiny_model.py): the embedded GGUF need not be installed, and the
+numbers are about the machinery, not model quality. Writes gpu-check.md and gpu-check.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.tiny_model import make_tiny_model
+
+MODEL_SHAPE = dict(vocab_size=257, hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16,
+                   num_kv_heads=4, head_dim=64, max_position_embeddings=4096)
+
+
+def device_info() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, capability=f"sm{props.major}{props.minor}", total_gib=round(props.total_memory / 2**30, 1),
+                    multiprocessors=props.multi_processor_count)
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            info["driver"] = None
+    return info
+
+
+def run_cuda_tests(repo: Path, timeout_s: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-s", "-m", "cuda", "-p", "no:cacheprovider",
+           "tests/test_cuda.py"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout_s)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else str(exc.stdout or ""), 124
+    lines = [ln for ln in out.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED")) or " passed" in ln
+             or " failed" in ln or "CUDA allocated" in ln]
+    return {"command": " ".join(cmd[1:]), "exit_code": rc, "seconds": round(time.perf_counter() - t0, 1),
+            "summary": lines[-40:], "tail": out[-6000:]}
+
+
+DEVICE = "cuda"  # --dry-run-cpu switches it: the same sections on CPU with a small model, to catch errors
+                 # before spending GPU time
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability(0) if DEVICE == "cuda" else (9, 0)
+
+
+def _engine(model, mode: str, **kw):
+    from serve.config import EngineConfig  # noqa: PLC0415
+    from serve.engine.engine import LLMEngine  # noqa: PLC0415
+
+    return LLMEngine(EngineConfig(device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else None, morph_mode=mode, block_size=16,
+                                  max_num_batched_tokens=kw.pop("budget", 2048), max_num_seqs=kw.pop("seqs", 64),
+                                  **kw), loaded=model)
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def step_costs(model) -> list[dict]:
+    """Decode tok/s at batch 1/8/32 and prefill tok/s, the whole model at each precision (static modes)."""
+    from serve.engine.sampling_params import SamplingParams  # noqa: PLC0415
+
+    cap = _capability()
+    modes = [("full", "off"), ("int8", "static-int8")] + ([("int4", "static-int4")] if cap >= (8, 0) else [])
+    rows = []
+    for precision, mode in modes:
+        e = _engine(model, mode, num_kv_blocks=2048)
+        row: dict = {"precision": precision}
+        for batch in (1, 8, 32):
+            prompts = [[(b * 7 + j) % 250 + 1 for j in range(32)] for b in range(batch)]
+            p = SamplingParams(max_tokens=64, ignore_eos=True)
+            e.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+            sec = _timed(lambda: e.generate(prompts, p))
+            row[f"decode_b{batch}_tok_s"] = round(batch * 64 / sec, 1)
+        long = [[(j * 5) % 250 + 1 for j in range(512)]]
+        sec = _timed(lambda: e.generate(long, SamplingParams(max_tokens=1)))
+        row["prefill_512_tok_s"] = round(512 / sec, 1)
+        rows.append(row)
+        e.shutdown()
+        del e
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def swap_costs(model) -> list[dict]:
+    from policy import MorphDecision  # noqa: PLC0415
+
+    e = _engine(model, "default", num_kv_blocks=64, morph_precisions="int8,int4" if _capability() >= (8, 0) else "int8")
+    m = e.morph
+    rows = []
+    for precision in sorted(m.bank.precisions):
+        swap, restore = [], []
+        for layer in range(4):
+            _sync()
+            t0 = time.perf_counter()
+            m.apply_now(MorphDecision("quantize", (layer,), precision, "gpu-check"))
+            _sync()
+            swap.append((time.perf_counter() - t0) * 1e3)
+        blocks = m.stack[-1].blocks
+        for layer in reversed(range(4)):
+            _sync()
+            t0 = time.perf_counter()
+            m.apply_now(MorphDecision("restore", (layer,), None, "gpu-check"))
+            _sync()
+            restore.append((time.perf_counter() - t0) * 1e3)
+        rows.append({"precision": precision, "variant_mib": round(m.bank.nbytes(0, precision) / 2**20, 2),
+                     "full_mib": round(m.bank.nbytes(0, "full") / 2**20, 2), "kv_blocks_gained": blocks,
+                     "swap_ms_median": round(sorted(swap)[2], 3), "restore_ms_median": round(sorted(restore)[2], 3)})
+    e.shutdown()
+    return rows
+
+
+def replay_modes(model, seconds: float) -> dict:
+    """A bursty arrival pattern at a budget where full precision runs out of KV, off vs default."""
+    import random  # noqa: PLC0415
+
+    from bench.replay import replay  # noqa: PLC0415
+    from bench.workload import WorkItem  # noqa: PLC0415
+
+    rng = random.Random(0)
+    items, t = [], 0.0
+    while t < seconds:
+        burst = 0.5 < (t % 4.0) < 1.5
+        t += rng.expovariate(60.0 if burst else 6.0)
+        items.append(WorkItem(t, [rng.randrange(1, 250) for _ in range(rng.randint(200, 900))], rng.randint(32, 160)))
+    out = {}
+    for mode in ("off", "default"):
+        e = _engine(model, mode, num_kv_blocks=180, budget=2048, seqs=64)
+        r = replay(e, items, slo_ttft_s=0.5)
+        out[mode] = {"requests": len(items), "completed": r.get("completed"), "ttft_s": r.get("ttft_s"),
+                     "tpot_s": r.get("tpot_s"), "slo": r.get("slo"), "morph": r.get("morph")}
+        e.shutdown()
+        del e
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def to_markdown(report: dict) -> str:
+    d = report["device"]
+    lines = ["# make gpu-check", "", f"Device: {d.get('name')} ({d.get('capability')}, {d.get('total_gib')} GiB, "
+             f"driver {d.get('driver')}), torch {d['torch']} (CUDA {d['cuda_build']}), Python {d['python']}.", ""]
+    t = report.get("tests")
+    if t:
+        lines += [f"## CUDA tests: exit code {t['exit_code']} in {t['seconds']} s (`{t['command']}`)", "", "```",
+                  *t["summary"], "```", ""]
+    if report.get("step_costs"):
+        lines += ["## Step cost per precision (random 16-layer Llama, hidden 1024, bf16 activations)", "",
+                  "| precision | decode b1 tok/s | decode b8 | decode b32 | prefill 512 tok/s |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['precision']} | {r['decode_b1_tok_s']} | {r['decode_b8_tok_s']} | {r['decode_b32_tok_s']} | "
+                  f"{r['prefill_512_tok_s']} |" for r in report["step_costs"]]
+        lines.append("")
+    if report.get("swap_costs"):
+        lines += ["## Swap cost (copy stream + in-place install), medians of 4 layers", "",
+                  "| precision | variant MiB | full MiB | KV blocks gained | swap ms | restore ms |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['precision']} | {r['variant_mib']} | {r['full_mib']} | {r['kv_blocks_gained']} | "
+                  f"{r['swap_ms_median']} | {r['restore_ms_median']} |" for r in report["swap_costs"]]
+        lines.append("")
+    if report.get("replay"):
+        lines += ["## Bursty replay, off vs default (180-block base pool)", "",
+                  "| mode | completed | TTFT p50 s | TTFT p95 s | TPOT mean s | SLO violations | swaps | max quantized |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for mode, r in report["replay"].items():
+            ttft, tpot, slo, m = r["ttft_s"] or {}, r["tpot_s"] or {}, r["slo"] or {}, r["morph"] or {}
+            lines.append(f"| {mode} | {r['completed']}/{r['requests']} | {ttft.get('p50')} | {ttft.get('p95')} | "
+                         f"{tpot.get('mean')} | {slo.get('violation_rate')} | {m.get('swaps')} | {m.get('max_quantized_layers')} |")
+        lines.append("")
+    for name, err in report.get("errors", {}).items():
+        lines += [f"## {name}: FAILED", "", "```", err[-3000:], "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("gpu-check"), help="report folder (default: %(default)s)")
+    p.add_argument("--skip-tests", action="store_true", help="skip the CUDA-marked tests")
+    p.add_argument("--tests-timeout", type=float, default=300.0)
+    p.add_argument("--replay-seconds", type=float, default=12.0, help="arrival span of the replay (default: %(default)s)")
+    p.add_argument("--dry-run-cpu", action="store_true",
+                   help="run the sections on CPU with a small model (checks the script itself, no GPU numbers)")
+    args = p.parse_args(argv)
+    global DEVICE, MODEL_SHAPE  # noqa: PLW0603 - one switch for the whole script
+    if args.dry_run_cpu:
+        DEVICE = "cpu"
+        MODEL_SHAPE = dict(MODEL_SHAPE, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+                           num_kv_heads=2, head_dim=32)
+        args.skip_tests = True
+    repo = Path(__file__).resolve().parents[1]
+    report: dict = {"device": device_info(), "errors": {}}
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: torch sees no CUDA device; nothing to check here (--dry-run-cpu checks the script)",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.skip_tests:
+        report["tests"] = run_cuda_tests(repo, args.tests_timeout)
+        print(f"tests: exit {report['tests']['exit_code']}", file=sys.stderr, flush=True)
+        (args.out / "gpu-check-tests.log").write_text(report["tests"]["tail"])
+    model = make_tiny_model(seed=11, **MODEL_SHAPE)
+    for name, fn in (("step_costs", lambda: step_costs(model)), ("swap_costs", lambda: swap_costs(model)),
+                     ("replay", lambda: replay_modes(model, args.replay_seconds))):
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - report it and go on with the next section
+            import traceback  # noqa: PLC0415
+
+            report["errors"][name] = "".join(traceback.format_exception(exc))
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2, default=str))
+        (args.out / "gpu-check.md").write_text(to_markdown(report))  # a killed run still leaves its report
+    md = to_markdown(report)
+    (args.out / "gpu-check.md").write_text(md)
+    print(md)
+    failed = report["errors"] or (report.get("tests", {}).get("exit_code", 0) not in (0,))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The arena makes a swap's freed weight bytes physically become KV blocks (issue: elastic memory made physical).
+
+Addresses are checked with data_ptr, memory with the process's resident set, and behaviour with real engine
+runs: a request that fits only after quantizing is served without preemption, one no configuration of the
+mode can hold is refused at admission, and running requests short of blocks get a quantize step instead of
+being preempted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_model
+from test_kv_accounting import assert_exact_accounting
+from test_morph import FakeClock, assert_memory_exact, morph_engine
+
+from policy import FULL, MorphDecision
+from serve.config import EngineConfig
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+from serve.morph.placement import weight_tensors
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _ranges(layer) -> list[tuple[int, int]]:
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in weight_tensors(layer)]
+
+
+def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the_weights_back(tiny):
+    e = morph_engine(tiny, "performance", blocks=8)
+    arena, kv, bank = e.memory.arena, e.kv, e.morph.bank
+    full = _ranges(e.model.layers[0])
+    lo, hi = min(a for a, _ in full), max(b for _, b in full)
+    region = bank.regions[0]
+    assert arena.data_ptr(region.start) <= lo and hi <= arena.data_ptr(region.end)
+    before = [t.clone() for t in weight_tensors(e.model.layers[0])]
+
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    chunk = e.pool.chunks[-1]
+    assert chunk.num_blocks == region.num_slots - bank.slots(0, "int4") > 0
+    for logical in range(chunk.start, chunk.end):  # every new block sits where the full weights were
+        k = kv.k[0][kv.physical_slot(logical)]
+        v = kv.v[e.model_config.num_layers - 1][kv.physical_slot(logical)]
+        for t in (k, v):
+            assert lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+    quant = _ranges(e.model.layers[0])  # the variant lives in the region's tail
+    assert all(arena.data_ptr(bank.tail(0, "int4").start) <= a and b <= arena.data_ptr(region.end) for a, b in quant)
+
+    held = e.pool.allocate(e.pool.num_free)  # write KV into the chunk: real bytes over the old weights
+    for logical in held:
+        kv.k[0][kv.physical_slot(logical)].fill_(7.0)
+    e.pool.free(held)
+    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    assert e.model.layers[0].precision == FULL
+    assert _ranges(e.model.layers[0]) == full  # back at the very same addresses
+    for old, new in zip(before, weight_tensors(e.model.layers[0])):
+        assert old.equal(new)  # and the bytes are the full weights again, not the KV written meanwhile
+    assert_memory_exact(e)
+
+
+def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
+    """KV written into swap chunks costs no new memory: RSS after a burst of swaps, restores and requests
+    that fill the grown pool stays within a small constant of RSS before it (measured and printed)."""
+    big = make_tiny_model(seed=3, tokenizer=tiny.tokenizer, vocab_size=1024, hidden_size=512, intermediate_size=1024,
+                          num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64)
+    clock = FakeClock()
+    e = LLMEngine(EngineConfig(num_kv_blocks=16, block_size=16, max_num_batched_tokens=512, max_num_seqs=16,
+                               morph_mode="performance", max_model_len=1024,
+                               policy_overrides={"persist_iters": 1, "restore_persist_s": 1e9}),
+                  loaded=big, clock=clock)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = [(7 * j) % 1000 + 5 for j in range(250)]
+    capacity0 = e.pool.num_blocks
+    rss0 = 0
+    for rounds in range(2):  # round 0 warms up (activations, allocator pools, the swap thread's malloc arena)
+        if rounds == 1:
+            rss0 = _rss_bytes()
+        for layer in e.morph.controller.swap_order[:3]:
+            e.morph.apply_now(MorphDecision("quantize", (layer,), "int4", "burst"))
+        grown = e.pool.num_blocks
+        fill = (grown * 16) // 260  # requests that together write KV into (nearly) every block of the grown pool
+        outs = e.generate([prompt] * fill, params)
+        assert all(len(o["token_ids"]) == 4 for o in outs)
+        for layer in reversed(e.morph.controller.swap_order[:3]):
+            e.morph.apply_now(MorphDecision("restore", (layer,), None, "burst"))
+        assert e.pool.num_blocks == capacity0
+    growth = _rss_bytes() - rss0
+    kv_gained = (grown - capacity0) * e.bytes_per_block
+    print(f"\nRSS growth across the burst: {growth / 2**20:.1f} MiB while the KV cache grew by "
+          f"{kv_gained / 2**20:.1f} MiB (arena {e.memory.arena.nbytes / 2**20:.1f} MiB)")
+    assert kv_gained > 12 * 2**20
+    assert growth < 8 * 2**20, f"resident memory grew {growth / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("mode", ["performance", "accuracy"])
+def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, mode):
+    """The whole engine in the GPU's dtype, on CPU: swaps under load, restores when calm, exact accounting."""
+    clock = FakeClock()
+    e = morph_engine(tiny, mode, blocks=16, clock=clock, dtype="bfloat16", restore_persist_s=1.0)
+    assert e.model.embed.dtype.is_floating_point and str(e.model.embed.dtype) == "torch.bfloat16"
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(6):
+        e.add_request([(11 * i + j) % 4000 + 10 for j in range(24)], params)
+    produced = 0
+    while e.has_unfinished_requests():
+        produced += len(e.step())
+        clock.t += 0.05
+        assert_memory_exact(e)
+        assert_exact_accounting(e)
+    assert e.morph.stats.swaps >= 1
+    steps = 0
+    while not e.morph.is_settled():
+        e.step()
+        clock.t += 0.5
+        steps += 1
+        assert steps < 1000
+    assert all(layer.precision == FULL for layer in e.model.layers)
+    assert e.pool.num_blocks == e.pool.base_blocks
+    assert_memory_exact(e)
+
+
+def test_bfloat16_swap_mid_decode_keeps_state(tiny):
+    """State preservation in bf16: quantizing mid-decode = the same tokens as a replay, no recomputation."""
+    def run(swap_step):
+        e = morph_engine(tiny, "performance", blocks=64, dtype="bfloat16", kv_high=1.0, queue_delay_high_s=1e9,
+                         restore_persist_s=1e9)
+        tokens: list[int] = []
+        e.add_request(list(range(300, 340)), SamplingParams(max_tokens=16, ignore_eos=True),
+                      callback=lambda o: tokens.extend(o.new_token_ids))
+        step = 0
+        while e.has_unfinished_requests():
+            if step == swap_step:
+                e.morph.apply_now(MorphDecision("quantize", (1, 0), "int4", "test"))
+            e.step()
+            step += 1
+        return tokens, e
+    plain, _ = run(None)
+    swapped, engine = run(5)
+    again, _ = run(5)
+    assert swapped == again and swapped[:5] == plain[:5]
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(tiny):
+    clock = FakeClock()
+    e = morph_engine(tiny, "default", blocks=20, clock=clock)
+    gain = e.morph.blocks_per_layer_chunk["int4"]
+    assert e.reachable_blocks == 20 + e.morph.controller.max_quantized_layers * gain
+    small = [e.add_request([50 + j for j in range(6)], SamplingParams(max_tokens=30, ignore_eos=True))]
+    big_prompt = [(13 * j) % 4000 + 10 for j in range(4 * 20 + 40)]  # needs more blocks than the base pool
+    big = e.add_request(big_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    finished: dict[str, int] = {}
+    steps = 0
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                finished[out.request_id] = len(out.token_ids)
+        clock.t += 0.05
+        assert_memory_exact(e)
+        steps += 1
+        assert steps < 500
+    assert finished[big] == 8 and finished[small[0]] == 30
+    assert e.scheduler.num_preemptions == 0
+    assert e.morph.stats.swaps >= 1
+
+
+def test_a_request_no_configuration_of_the_mode_can_hold_is_refused_with_the_reason(tiny):
+    e = morph_engine(tiny, "default", blocks=20)
+    too_big = e.reachable_blocks * 4 + 4 - 8
+    with pytest.raises(ValueError, match=r"can never hold more than \d+ in morph mode 'default' \(20 base \+ 1 layers at int4"):
+        e.add_request(list(range(10, 10 + too_big)), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert not e.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode, expect_preemption", [("performance", False), ("off", True)])
+def test_running_requests_short_of_blocks_get_a_quantize_step_instead_of_preemption(tiny, mode, expect_preemption):
+    """Decodes outgrow the base pool. With morphing, the runtime quantizes before the scheduler would preempt
+    (the controller's own pressure rule is held back here, so only quantize-before-preempt acts)."""
+    clock = FakeClock()
+    e = morph_engine(tiny, mode, blocks=20, clock=clock, kv_high=1.0, queue_delay_high_s=1e9, persist_iters=10_000)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [e.add_request([(7 * i + j) % 4000 + 10 for j in range(8)], params) for i in range(4)]
+    done: dict[str, int] = {}
+    steps = 0
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = len(out.token_ids)
+        clock.t += 0.01
+        steps += 1
+        assert steps < 2000
+    assert all(done[i] == 40 for i in ids)
+    assert (e.scheduler.num_preemptions > 0) is expect_preemption
+    if not expect_preemption:
+        assert e.morph.stats.swaps >= 1
+        assert any("quantize before preempt" in ev.get("reason", "") for ev in e.morph.events)
+
+
+def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_work(tiny):
+    """A broken device or layer makes every step fail: after 3 in a row the engine says so and refuses new
+    requests with the reason, instead of accepting work it will fail."""
+    e = morph_engine(tiny, "off")
+    e.start_background()
+    try:
+        def broken(chunks):
+            raise RuntimeError("device fell off the bus")
+        e.executor.execute = broken
+        errors = []
+        for _ in range(3):
+            done = []
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=2), callback=lambda o: done.append(o) if o.finished else None)
+            for _ in range(500):
+                if done:
+                    break
+                import time
+                time.sleep(0.01)
+            errors.append(done[0].error)
+        assert all("device fell off the bus" in err for err in errors)
+        assert not e.healthy and e.stats()["healthy"] is False
+        with pytest.raises(RuntimeError, match="refuses new requests"):
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    finally:
+        e.shutdown()
