@@ -116,7 +116,6 @@ def step_costs(model) -> list[dict]:
         row["prefill_512_tok_s"] = round(512 / sec, 1)
         rows.append(row)
         e.shutdown()
-        del e
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -170,7 +169,6 @@ def replay_modes(model, seconds: float) -> dict:
         out[mode] = {"requests": len(items), "completed": r.get("completed"), "ttft_s": r.get("ttft_s"),
                      "tpot_s": r.get("tpot_s"), "slo": r.get("slo"), "morph": r.get("morph")}
         e.shutdown()
-        del e
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,8 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     kv_block_tokens = engine.config.block_size
     t0 = clock()
     last_sample = -1.0
+    rss_after_load = resident_bytes()
+    rss_max = rss_after_load
 
     def on_output(out) -> None:
         t = timings[out.request_id]
@@ -112,6 +115,7 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
         if now - last_sample >= 0.1:
             last_sample = now
             s = engine.stats()
+            rss_max = max(rss_max, resident_bytes())
             timeline.append({"t": round(now, 3), "quantized_layers": sum(s["layers_quantized"].values()),
                              "kv_capacity_tokens": s["kv_blocks_total"] * kv_block_tokens,
                              "kv_used_tokens": s["kv_blocks_used"] * kv_block_tokens,
@@ -127,7 +131,18 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     result["morph"] = morph_summary(engine, timeline, duration, kv_block_tokens)
     result["tokens_by_config"] = dict(tokens_by_config)
     result["timeline"] = timeline
+    result["resident_mib"] = {"after_load": round(rss_after_load / 2**20, 1), "max": round(rss_max / 2**20, 1),
+                              "growth": round((rss_max - rss_after_load) / 2**20, 1)}
     return result
+
+
+def resident_bytes() -> int:
+    """The process's resident set (Linux /proc; 0 elsewhere): what the arena makes flat after load."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: int) -> dict:
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nswaps {m['swaps']}, restores {m['restores']}, max quantized layers {m['max_quantized_layers']}, "
           f"KV capacity {m['kv_capacity_tokens']['base']} -> {m['kv_capacity_tokens']['max']} tokens, "
           f"time-weighted quantized share {m['time_weighted_quantized_share']:.1%}, preemptions {m['preemptions']}")
+    r = result["resident_mib"]
+    print(f"resident memory: {r['after_load']} MiB after load, max {r['max']} MiB (+{r['growth']} MiB during the replay)")
     if "quality" in result:
         q = result["quality"]
         print(f"perplexity: full {q['perplexity_full']:.2f}, served (token-weighted) {q['perplexity']:.2f} "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_model
 from test_kv_accounting import assert_exact_accounting
-from test_morph import FakeClock, assert_memory_exact, morph_engine
+from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at, morph_engine
 
 from policy import FULL, MorphDecision
 from serve.config import EngineConfig
@@ -125,18 +125,8 @@ def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, 
 def test_bfloat16_swap_mid_decode_keeps_state(tiny):
     """State preservation in bf16: quantizing mid-decode = the same tokens as a replay, no recomputation."""
     def run(swap_step):
-        e = morph_engine(tiny, "performance", blocks=64, dtype="bfloat16", kv_high=1.0, queue_delay_high_s=1e9,
-                         restore_persist_s=1e9)
-        tokens: list[int] = []
-        e.add_request(list(range(300, 340)), SamplingParams(max_tokens=16, ignore_eos=True),
-                      callback=lambda o: tokens.extend(o.new_token_ids))
-        step = 0
-        while e.has_unfinished_requests():
-            if step == swap_step:
-                e.morph.apply_now(MorphDecision("quantize", (1, 0), "int4", "test"))
-            e.step()
-            step += 1
-        return tokens, e
+        return decode_with_swap_at(lambda: morph_engine(tiny, "performance", blocks=64, dtype="bfloat16", kv_high=1.0,
+                                                        queue_delay_high_s=1e9, restore_persist_s=1e9), swap_step)
     plain, _ = run(None)
     swapped, engine = run(5)
     again, _ = run(5)

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from bench.tiny_model import make_tiny_model
-from policy import FULL, MorphDecision
+from policy import FULL
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.budget import query_device_memory
 from serve.model.rtn import quantize_linear_rtn
-from test_morph import FakeClock, assert_memory_exact
+from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")]
@@ -125,22 +125,14 @@ def test_morphing_engine_in_bfloat16_keeps_device_memory_flat(model):
 
 
 def test_swap_mid_decode_on_the_gpu_keeps_state(model):
+    def make():
+        return LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+                                      morph_mode="performance",
+                                      policy_overrides={"kv_high": 1.0, "queue_delay_high_s": 1e9,
+                                                        "restore_persist_s": 1e9}), loaded=model, clock=FakeClock())
+
     def run(swap_step):
-        e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
-                                   morph_mode="performance",
-                                   policy_overrides={"kv_high": 1.0, "queue_delay_high_s": 1e9,
-                                                     "restore_persist_s": 1e9}), loaded=model, clock=FakeClock())
-        tokens: list[int] = []
-        e.add_request(list(range(30, 70)), SamplingParams(max_tokens=16, ignore_eos=True),
-                      callback=lambda o: tokens.extend(o.new_token_ids))
-        step = 0
-        while e.has_unfinished_requests():
-            if step == swap_step:
-                e.morph.apply_now(MorphDecision("quantize", (1, 0), "int4" if _capability() >= (8, 0) else "int8",
-                                                "test"))
-            e.step()
-            step += 1
-        return tokens, e
+        return decode_with_swap_at(make, swap_step, "int4" if _capability() >= (8, 0) else "int8", list(range(30, 70)))
     plain, _ = run(None)
     swapped, engine = run(5)
     again, _ = run(5)

@@ -57,6 +57,23 @@ def assert_memory_exact(engine: LLMEngine) -> None:
         assert t.blocks == bank.slots(t.layer, t.from_precision) - bank.slots(t.layer, t.to_precision)
 
 
+def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "int4",
+                        prompt: list[int] | None = None, max_tokens: int = 16) -> tuple[list[int], LLMEngine]:
+    """One request on a fresh engine; quantize layers (1, 0) to ``precision`` at iteration ``swap_step``
+    (mid-decode), or never. Returns the streamed tokens and the engine."""
+    e = make_engine()
+    tokens: list[int] = []
+    e.add_request(prompt or list(range(300, 340)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  callback=lambda o: tokens.extend(o.new_token_ids))
+    step = 0
+    while e.has_unfinished_requests():
+        if step == swap_step:
+            e.morph.apply_now(MorphDecision("quantize", (1, 0), precision, "test"))
+        e.step()
+        step += 1
+    return tokens, e
+
+
 def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
     steps = 0
     while engine.has_unfinished_requests() or not engine.morph.is_settled():

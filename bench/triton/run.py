@@ -1,27 +1,5 @@
-"""Benchmark the Triton endpoint: replay a trace per morph mode over gRPC streaming; latency, SLO, quality, plots.
-
-  .venv/bin/python -m bench.triton --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \\
-      --window burst:72 --time-scale 4 --length-scale 0.25 --device-memory 600MiB --output-dir bench-results
-
-For each mode (--modes, default off,static-int4,accuracy,default,performance) a fresh tritonserver is
-started with morph_mode set (plus the shared --device-memory, --slo-ttft, ... parameters), warmed up with
-one short request, and the workload is replayed on its (scaled) arrival schedule: one thread and one gRPC
-stream per in-flight request, greedy, output length forced (ignore_eos) so modes do the same work. A
-fixed set of probe prompts is sent at fixed times during the run. Every request has a deadline
-(--request-timeout); a server error or timeout counts the request as failed. The server's Prometheus
-metrics are sampled for the timeline; its log (server-<mode>.log in the output directory) gives the
-swap/restore events, hence the layer configurations it ran and the tokens it generated in each.
-
-Metrics follow vLLM's `vllm bench serve` (bench/latency.py): TTFT is measured from the request's
-scheduled send time (the client's lag behind the schedule is reported as send_lag_s), TPOT = (E2EL - TTFT)
-/ (output tokens - 1), ITL = every gap between streamed chunks, goodput = requests/s meeting every SLO.
-
-Afterwards (unless --no-quality) the quality of each mode is measured offline (bench/quality.py):
-perplexity of the configurations the server ran on held-out text, weighted by the tokens generated in
-each, and the agreement of the served probe outputs with a full-precision engine's greedy outputs.
-
-Output directory: <mode>.json per mode (written even when the mode fails, and rewritten with the quality
-section), results.md (tables, target checks, command), results.json (all modes), and PNG plots.
+"""One benchmark run per mode: a fresh tritonserver, the workload replayed over gRPC streams on its schedule,
+metrics sampled, the per-mode result assembled (the CLI and the whole picture: bench/triton/__main__.py).
 """
 
 
