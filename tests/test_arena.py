@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_model
 from test_kv_accounting import assert_exact_accounting
-from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at, morph_engine
+from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at, drain_and_settle, morph_engine
 
 from policy import FULL, MorphDecision
 from serve.config import EngineConfig
@@ -99,7 +99,9 @@ def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
 def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, mode):
     """The whole engine in the GPU's dtype, on CPU: swaps under load, restores when calm, exact accounting."""
     clock = FakeClock()
-    e = morph_engine(tiny, mode, blocks=16, clock=clock, dtype="bfloat16", restore_persist_s=1.0)
+    # the tiny model has 2 layers: let accuracy (25 % of layers by default) quantize one of them
+    e = morph_engine(tiny, mode, blocks=16, clock=clock, dtype="bfloat16", restore_persist_s=1.0,
+                     max_quantized_fraction=0.5)
     assert e.model.embed.dtype.is_floating_point and str(e.model.embed.dtype) == "torch.bfloat16"
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for i in range(6):
@@ -111,12 +113,7 @@ def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, 
         assert_memory_exact(e)
         assert_exact_accounting(e)
     assert e.morph.stats.swaps >= 1
-    steps = 0
-    while not e.morph.is_settled():
-        e.step()
-        clock.t += 0.5
-        steps += 1
-        assert steps < 1000
+    drain_and_settle(e, clock, max_steps=1000)
     assert all(layer.precision == FULL for layer in e.model.layers)
     assert e.pool.num_blocks == e.pool.base_blocks
     assert_memory_exact(e)
@@ -147,7 +144,7 @@ def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(
     while e.has_unfinished_requests():
         for out in e.step():
             if out.finished:
-                finished[out.request_id] = len(out.token_ids)
+                finished[out.request_id] = out.num_output_tokens
         clock.t += 0.05
         assert_memory_exact(e)
         steps += 1
@@ -158,8 +155,10 @@ def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(
 
 
 def test_a_request_no_configuration_of_the_mode_can_hold_is_refused_with_the_reason(tiny):
-    e = morph_engine(tiny, "default", blocks=20)
-    too_big = e.reachable_blocks * 4 + 4 - 8
+    long_ctx = make_tiny_model(tokenizer=tiny.tokenizer, max_position_embeddings=2048)
+    e = LLMEngine(EngineConfig(num_kv_blocks=20, block_size=4, morph_mode="default", max_model_len=2048),
+                  loaded=long_ctx, clock=FakeClock())
+    too_big = e.reachable_blocks * 4 + 4 - 8  # prompt + 8 new tokens = one block more than the mode can reach
     with pytest.raises(ValueError, match=r"can never hold more than \d+ in morph mode 'default' \(20 base \+ 1 layers at int4"):
         e.add_request(list(range(10, 10 + too_big)), SamplingParams(max_tokens=8, ignore_eos=True))
     assert not e.has_unfinished_requests()
@@ -178,7 +177,7 @@ def test_running_requests_short_of_blocks_get_a_quantize_step_instead_of_preempt
     while e.has_unfinished_requests():
         for out in e.step():
             if out.finished:
-                done[out.request_id] = len(out.token_ids)
+                done[out.request_id] = out.num_output_tokens
         clock.t += 0.01
         steps += 1
         assert steps < 2000

@@ -18,7 +18,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.budget import query_device_memory
 from serve.model.rtn import quantize_linear_rtn
-from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at
+from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at, drain_and_settle
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")]
@@ -113,9 +113,7 @@ def test_morphing_engine_in_bfloat16_keeps_device_memory_flat(model):
         peak_blocks = max(peak_blocks, engine.pool.num_blocks)
         assert_memory_exact(engine)
     assert engine.morph.stats.swaps >= 1 and peak_blocks > engine.pool.base_blocks
-    while not engine.morph.is_settled():
-        engine.step()
-        clock.t += 0.5
+    drain_and_settle(engine, clock, max_steps=1000)
     assert all(layer.precision == FULL for layer in engine.model.layers)
     torch.cuda.synchronize()
     growth = torch.cuda.memory_allocated(CUDA) - allocated0

@@ -75,8 +75,13 @@ def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "in
 
 
 def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
+    """Step until no request is left and every layer is back at full precision. Swap copies are
+    asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
+    land (as a real iteration's forward time would)."""
     steps = 0
     while engine.has_unfinished_requests() or not engine.morph.is_settled():
+        if engine.morph.pending:
+            engine.morph.pending[0].job.result()
         engine.step()
         clock.t += 0.5
         assert_memory_exact(engine)
