@@ -84,3 +84,11 @@ class EngineConfig:
         if isinstance(self.default_priority, bool) or not isinstance(self.default_priority, int) \
                 or not 0 <= self.default_priority <= 9:
             raise ValueError(f"default_priority must be an integer tier in [0, 9], got {self.default_priority!r}")
+        for name in ("slai_theta", "slai_theta_low", "slai_theta_high"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not 0 < self.slai_theta_kv_threshold <= 1:
+            raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
+        if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
+            raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")

@@ -59,6 +59,8 @@ def test_strict_tier_is_admitted_first(tiny):
 @pytest.mark.parametrize("kwargs, match", [
     ({"scheduler": "edf"}, "unknown scheduler"), ({"slo_tbt_s": 0.0}, "slo_tbt_s"),
     ({"default_priority": 10}, "default_priority"), ({"default_priority": -1}, "default_priority"),
+    ({"slai_theta": -1.0}, "slai_theta"), ({"slai_theta_high": float("nan")}, "slai_theta_high"),
+    ({"slai_theta_kv_threshold": 1.5}, "slai_theta_kv_threshold"), ({"slai_max_decodes": 0}, "slai_max_decodes"),
 ])
 def test_engine_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -90,3 +90,12 @@ def test_triton_slo_inputs_parse_and_check_shapes() -> None:
     assert parse_slo_inputs({}.get) == SloInputs()
     with pytest.raises(InputError, match="priority must hold exactly one INT32"):
         parse_slo_inputs({"priority": np.array([0, 1], dtype=np.int32)}.get)
+
+
+def test_capacity_plot_draws_every_config(tmp_path) -> None:
+    from bench.plots import capacity_plot
+
+    s = {name: summarize_config({1.0: [point(0.3)], 2.0: [point(t)]}, 2.0) for name, t in (("fcfs:off", 2.5), ("slai:off", 0.8))}
+    assert s["fcfs:off"]["capacity_rps"] == 1.0 and s["slai:off"]["capacity_rps"] == 2.0
+    path = capacity_plot(s, 2.0, tmp_path / "capacity.png")
+    assert path.stat().st_size > 1000
