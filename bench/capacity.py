@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--slai-theta", type=float, default=None,
+                   help="fixed theta for slai (default: dynamic, EngineConfig.slai_theta_low / _high)")
     p.add_argument("--json", type=Path, default=None, help="write every run and the capacities here")
     p.add_argument("--plot", type=Path, default=None, help="median TTFT vs rate (PNG)")
     add_trace_arguments(p)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = EngineConfig(model=args.model, morph_mode=mode, scheduler=sched, device_memory=args.device_memory,
                                    slo_ttft_s=args.ttft_target, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                                   seed=args.seed)
+                                   seed=args.seed, slai_theta=args.slai_theta)
                 engine = LLMEngine(cfg, loaded=loaded)
                 try:
                     point = run_point(replay(engine, work, args.ttft_target))

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot", type=float, default=None, help="optional TPOT SLO in seconds")
     p.add_argument("--scheduler", default=defaults.ENGINE_DEFAULTS.scheduler, choices=SCHEDULERS,
                    help="scheduling policy (default: %(default)s)")
+    p.add_argument("--slai-theta", type=float, default=None,
+                   help="fixed theta for slai (default: dynamic, EngineConfig.slai_theta_low / _high)")
     p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available; default: %(default)s)")
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(model=args.model, morph_mode=args.mode, device_memory=args.device_memory,
                               device=args.device, dtype=args.dtype,
-                              slo_ttft_s=args.slo_ttft, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
+                              slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
+                              slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                               seed=args.seed, policy_overrides=parse_overrides(args.policy))
         engine = LLMEngine(config)
