@@ -50,8 +50,8 @@ class EngineConfig:
     slo_tbt_s: float = 1.0             # time-between-tokens target of a request that names none
     default_priority: int = 1          # tier of a request that names none (0 = strict, served first)
     slai_theta: float | None = None    # fixed theta; None = dynamic (slai_theta_low / slai_theta_high)
-    slai_theta_low: float = 1.5        # calibrated to CPU batches of 100-300 ms (README); the paper uses 5
-    slai_theta_high: float = 3.0       # above slai_theta_kv_threshold KV usage; the paper uses 10
+    slai_theta_low: float = 3.0        # calibrated to CPU batch-time spread (README "SLO-aware scheduling"); paper: 5
+    slai_theta_high: float = 6.0       # above slai_theta_kv_threshold KV usage; the paper uses 10
     slai_theta_kv_threshold: float = 0.96
     slai_max_decodes: int | None = None  # decodes per batch; None = max_num_seqs
 

@@ -84,9 +84,15 @@ def test_tight_tier0_request_keeps_its_tbt_during_a_relaxed_burst(server: Triton
     assert not errors, errors
     assert len(tight) == 48 and all(len(r) == 16 for r in relaxed)
     assert relaxed[0][0] > burst_start  # the burst really overlapped the tight request's decoding
-    gaps = [b - a for a, b in zip(tight, tight[1:]) if b > burst_start]
-    assert gaps, "the tight request finished before the burst"
-    assert max(gaps) <= 2 * TIGHT_TBT_S, f"tight request's token gaps during the burst: max {max(gaps):.2f} s"
+    gaps = sorted(b - a for a, b in zip(tight, tight[1:]) if b > burst_start)
+    assert len(gaps) >= 10, "the tight request finished before the burst"
+    # Generous bounds for a shared machine: 90 % of the gaps within 1.5x the target, no stall over 5x.
+    p90 = gaps[int(0.9 * (len(gaps) - 1))]
+    assert p90 <= 1.5 * TIGHT_TBT_S and gaps[-1] <= 5 * TIGHT_TBT_S, f"tight request's gaps during the burst: {gaps}"
+    # slai, not FCFS: while the burst's prefills take the budget, relaxed decodes wait for their (30 s)
+    # deadlines and tier 0 keeps going, so the longest relaxed gap exceeds the longest tight one.
+    relaxed_gaps = sorted(b - a for r in relaxed for a, b in zip(r, r[1:]))
+    assert relaxed_gaps[-1] > gaps[-1], (relaxed_gaps, gaps)
 
 
 @pytest.mark.parametrize(("kwargs", "expected"), [

@@ -34,8 +34,8 @@ from serve.memory.block_pool import BlockPool
 @dataclass(frozen=True)
 class SlaiConfig:
     theta: float | None = None     # fixed theta; None = dynamic (theta_low / theta_high)
-    theta_low: float = 1.5
-    theta_high: float = 3.0
+    theta_low: float = 3.0
+    theta_high: float = 6.0
     kv_threshold: float = 0.96     # KV usage at or above which dynamic theta is theta_high
     max_decodes: int | None = None  # decodes per batch; None = the running-sequence cap
     window: int = 32               # batches in the running mean of the batch duration
