@@ -134,6 +134,30 @@ def summarize(
     }
 
 
+def by_tier(timings: Sequence[RequestTiming], tiers: Sequence[int], tbt_targets: Sequence[float]) -> dict:
+    """The result's "tiers" block: per tier (str key, as in JSON) the same latency blocks as the top level,
+    the request count, the TBT target(s) and whether the tier's P99 TBT (P99 of its token gaps, ITL) met
+    the strictest of them."""
+    if not len(timings) == len(tiers) == len(tbt_targets):
+        raise ValueError("timings, tiers and tbt_targets must have one entry per request")
+    out: dict[str, dict] = {}
+    for tier in sorted(set(tiers)):
+        idx = [i for i, t in enumerate(tiers) if t == tier]
+        done = [timings[i] for i in idx if timings[i].completed]
+        target = min(tbt_targets[i] for i in idx)
+        itl = distribution([gap for t in done for gap in t.itls_s])
+        out[str(tier)] = {
+            "num_requests": len(idx), "completed": len(done),
+            "ttft_s": distribution([t.ttft_s for t in done]),  # type: ignore[misc]
+            "tpot_s": distribution([t.tpot_s for t in done if t.tpot_s is not None]),
+            "itl_s": itl,
+            "e2el_s": distribution([t.e2el_s for t in done]),  # type: ignore[misc]
+            "tbt_slo_s": target,
+            "tbt_p99_met": None if itl["p99"] is None else itl["p99"] <= target,
+        }
+    return out
+
+
 def _rate(count: float, duration_s: float) -> float | None:
     return count / duration_s if duration_s > 0 else None
 

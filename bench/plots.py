@@ -120,6 +120,29 @@ def plot_pareto(results: Mapping[str, Mapping], path: Path) -> Path | None:
     return path
 
 
+def capacity_plot(summary: Mapping[str, Mapping], ttft_target_s: float, path: Path) -> Path:
+    """Median TTFT vs arrival rate, one line per SCHEDULER:MODE config (bench.capacity's summary), with the
+    min-max spread over repeats and the target."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, s in summary.items():
+        rates = sorted(float(r) for r in s["rates"])
+        pts = [s["rates"][str(r)] for r in rates]
+        med = [p["ttft_p50_s_median"] for p in pts]
+        err = [[m - p["ttft_p50_s_min"] for m, p in zip(med, pts)], [p["ttft_p50_s_max"] - m for m, p in zip(med, pts)]]
+        ax.errorbar(rates, med, yerr=err, marker="o", capsize=3, label=f"{name} (capacity {s['capacity_rps'] or 'below range'})")
+    ax.axhline(ttft_target_s, color="red", linestyle=":", label=f"target {ttft_target_s} s")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("median TTFT (s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def make_plots(results: Mapping[str, Mapping], out_dir: Path, slo_ttft_s: float | None = None) -> list[str]:
     """Write every plot into ``out_dir``; return their paths."""
     out_dir = Path(out_dir)

@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 
 from bench import defaults
-from bench.latency import RequestTiming, markdown_table, summarize
+from bench.latency import RequestTiming, by_tier, distribution, markdown_table, summarize
 from bench.summary import MorphSummary, time_weighted_quantized_share
-from bench.workload import WorkItem, add_trace_arguments, build_workload
+from bench.workload import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from policy.precisions import full_signature
-from serve.config import EngineConfig
+from serve.config import SCHEDULERS, EngineConfig
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.slo import RequestSLO
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
     p.add_argument("--slo-ttft", type=float, default=defaults.ENGINE_DEFAULTS.slo_ttft_s, help="TTFT SLO in seconds (default: %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=None, help="optional TPOT SLO in seconds")
+    p.add_argument("--scheduler", default=defaults.ENGINE_DEFAULTS.scheduler, choices=SCHEDULERS,
+                   help="scheduling policy (default: %(default)s)")
+    p.add_argument("--slai-theta", type=float, default=None,
+                   help="fixed theta for slai (default: dynamic, EngineConfig.slai_theta_low / _high)")
     p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available; default: %(default)s)")
@@ -50,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "weighted by the tokens it generated in each (bench/quality.py)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_trace_arguments(p)
+    add_slo_arguments(p)
     return p
 
 
@@ -71,6 +77,8 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     clock = engine.clock
     queue = collections.deque(sorted(items, key=lambda w: w.arrival_s))
     timings: dict[str, RequestTiming] = {}
+    targets: dict[str, RequestSLO] = {}
+    step_s: list[float] = []
     done: set[str] = set()
     timeline: list[dict] = []
     tokens_by_config: collections.Counter = collections.Counter()
@@ -98,15 +106,22 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
             w = queue.popleft()
             rid = f"r{len(timings)}"
             timings[rid] = RequestTiming(send_s=t0 + w.arrival_s)
+            cfg = engine.config
+            targets[rid] = RequestSLO(tbt_s=w.tbt_slo_s, priority=w.priority).resolved(
+                cfg.slo_ttft_s, cfg.slo_tbt_s, cfg.default_priority)
             try:
                 engine.add_request(w.prompt_ids, SamplingParams(max_tokens=w.output_tokens, ignore_eos=True),
-                                   request_id=rid, callback=on_output, arrival_time=t0 + w.arrival_s)
+                                   request_id=rid, callback=on_output, arrival_time=t0 + w.arrival_s,
+                                   slo=targets[rid])
             except ValueError as exc:
                 timings[rid].ok, timings[rid].error = False, str(exc)
                 done.add(rid)
         before = engine.num_generated_tokens
         idle = not engine.has_unfinished_requests()
+        t_step = clock()
         engine.step()  # when idle this still lets the controller tick (restore when calm) between arrivals
+        if engine.num_generated_tokens > before:
+            step_s.append(clock() - t_step)
         if idle and queue:
             time.sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
         config = engine.morph.config_signature() if engine.morph else full_signature(num_layers)
@@ -128,6 +143,11 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     if progress:
         print(file=sys.stderr)
     result = summarize(list(timings.values()), duration, slo_ttft_s, slo_tpot_s)
+    rids = list(timings)
+    result["tiers"] = by_tier([timings[r] for r in rids], [targets[r].priority for r in rids],  # type: ignore[misc]
+                              [targets[r].tbt_s for r in rids])  # type: ignore[misc]
+    result["scheduler"] = {"name": engine.config.scheduler, "step_s": distribution(step_s),
+                           "critical_decodes_unscheduled": engine.stats()["critical_decodes_unscheduled"]}
     result["morph"] = morph_summary(engine, timeline, duration, kv_block_tokens)
     result["tokens_by_config"] = dict(tokens_by_config)
     result["timeline"] = timeline
@@ -168,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(model=args.model, morph_mode=args.mode, device_memory=args.device_memory,
                               device=args.device, dtype=args.dtype,
-                              slo_ttft_s=args.slo_ttft, max_num_seqs=args.max_num_seqs,
+                              slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
+                              slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                               seed=args.seed, policy_overrides=parse_overrides(args.policy))
         engine = LLMEngine(config)
@@ -182,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quality:
         result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.threads)
     print(markdown_table({args.mode: result}))
+    print("\n" + tier_table(result["tiers"]))
     m = result["morph"]
     print(f"\nswaps {m['swaps']}, restores {m['restores']}, max quantized layers {m['max_quantized_layers']}, "
           f"KV capacity {m['kv_capacity_tokens']['base']} -> {m['kv_capacity_tokens']['max']} tokens, "
@@ -196,6 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def tier_table(tiers: dict) -> str:
+    """Per tier: requests, median/P99 TTFT, P99 TBT (token gaps) against the tier's target."""
+    lines = ["| tier | requests | P50 TTFT (s) | P99 TTFT (s) | P99 TBT (s) | TBT target (s) | met |", "|---|---|---|---|---|---|---|"]
+    for tier, b in tiers.items():
+        f = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"| {tier} | {b['completed']}/{b['num_requests']} | {f(b['ttft_s']['p50'])} | {f(b['ttft_s']['p99'])} "
+                     f"| {f(b['itl_s']['p99'])} | {b['tbt_slo_s']} | {b['tbt_p99_met']} |")
+    return "\n".join(lines) + "\n"
 
 
 def configuration_quality(model: str, tokens_by_config: dict[str, int], threads: int) -> dict:

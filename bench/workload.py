@@ -8,6 +8,7 @@ different modes do the same work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ class WorkItem:
     arrival_s: float
     prompt_ids: list[int]
     output_tokens: int
+    tbt_slo_s: float | None = None   # None: the engine's default (EngineConfig.slo_tbt_s)
+    priority: int | None = None      # tier; None: the engine's default (EngineConfig.default_priority)
 
 
 class PromptBuilder:
@@ -64,6 +67,32 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=0.5, help="synthetic workload: gamma shape (<1 burstier)")
     g.add_argument("--input-len", type=int, default=256, help="synthetic workload: prompt tokens")
     g.add_argument("--output-len", type=int, default=32, help="synthetic workload: output tokens")
+
+
+def add_slo_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("per-request service targets (README: SLO-aware scheduling)")
+    g.add_argument("--tbt-slo", type=float, default=None, metavar="S",
+                   help="every request's time-between-tokens target in seconds (default: the engine's slo_tbt_s)")
+    g.add_argument("--tight-share", type=float, default=0.0, metavar="F",
+                   help="share of the requests (chosen by --seed) that become tier 0 with --tight-tbt-slo")
+    g.add_argument("--tight-tbt-slo", type=float, default=None, metavar="S",
+                   help="TBT target of the tight share, in seconds (required when --tight-share > 0)")
+
+
+def assign_targets(items: list[WorkItem], tbt_slo_s: float | None, tight_share: float,
+                   tight_tbt_slo_s: float | None, seed: int) -> list[WorkItem]:
+    """Every item gets ``tbt_slo_s``; round(share * n) of them, chosen by seed, become tier 0 with the tight
+    target. Raises ValueError for targets <= 0, a share outside [0, 1], or a share without its target."""
+    for name, v in (("--tbt-slo", tbt_slo_s), ("--tight-tbt-slo", tight_tbt_slo_s)):
+        if v is not None and not 0 < v < float("inf"):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {v}")
+    if not 0.0 <= tight_share <= 1.0:
+        raise ValueError(f"--tight-share must be in [0, 1], got {tight_share}")
+    if tight_share > 0 and tight_tbt_slo_s is None:
+        raise ValueError("--tight-share needs --tight-tbt-slo (the tight requests' TBT target)")
+    tight = set(random.Random(f"tiers-{seed}").sample(range(len(items)), round(tight_share * len(items))))
+    return [dataclasses.replace(w, tbt_slo_s=tight_tbt_slo_s, priority=0) if i in tight
+            else dataclasses.replace(w, tbt_slo_s=tbt_slo_s) for i, w in enumerate(items)]
 
 
 def trace_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
@@ -102,4 +131,9 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list
     builder = PromptBuilder(tokenizer, Path(text_path).read_text(encoding="utf-8"))
     rng = random.Random(args.seed)
     items = [WorkItem(r.arrival_s, builder.prompt(r.input_tokens, rng), r.output_tokens) for r in reqs]
+    if hasattr(args, "tight_share"):  # tools that took add_slo_arguments
+        items = assign_targets(items, args.tbt_slo, args.tight_share, args.tight_tbt_slo, args.seed)
+        n_tight = sum(1 for w in items if w.priority == 0)
+        if n_tight:
+            desc += f", {n_tight} tier-0 requests (TBT {args.tight_tbt_slo} s)"
     return items, f"{desc}, prompts from {Path(text_path).name}"

@@ -47,6 +47,10 @@ def describe(t: Telemetry) -> str:
         parts.append(f"ttft_p95 {t.ttft_p95_s:.3f} s")
     if t.tbt_p99_s is not None:
         parts.append(f"tbt_p99 {t.tbt_p99_s * 1e3:.1f} ms")
+    if t.critical_decodes_unscheduled:
+        parts.append(f"critical decodes unscheduled {t.critical_decodes_unscheduled}")
+    if t.min_ttft_slack_s is not None:
+        parts.append(f"ttft slack {t.min_ttft_slack_s * 1e3:.0f} ms")
     if t.device_mem_used_bytes is not None and t.device_mem_total_bytes:
         parts.append(f"device mem {t.device_mem_used_bytes / t.device_mem_total_bytes:.1%}")
     parts.append(f"quantized {len(t.quantized_layers)}/{t.num_layers}")
@@ -131,6 +135,12 @@ class MorphController:
             deficit = max(deficit, t.blocks_needed_waiting - t.kv_blocks_free)
         if t.num_waiting and t.ttft_p95_s is not None and t.ttft_p95_s > c.ttft_slo_s:
             triggers.append(f"ttft_p95 {t.ttft_p95_s:.3f} s > SLO {c.ttft_slo_s} s with {t.num_waiting} waiting")
+        if c.critical_decodes_high is not None and t.critical_decodes_unscheduled >= c.critical_decodes_high:
+            triggers.append(f"{t.critical_decodes_unscheduled} critical decode(s) left out of the last batch "
+                            f">= {c.critical_decodes_high}")
+        if c.ttft_slack_low_s is not None and t.min_ttft_slack_s is not None and t.min_ttft_slack_s < c.ttft_slack_low_s:
+            triggers.append(f"a waiting request's TTFT target is {t.min_ttft_slack_s * 1e3:.0f} ms away "
+                            f"< {c.ttft_slack_low_s * 1e3:.0f} ms")
         return triggers, (max(deficit, 1) if triggers else 0)
 
     def _quantize_step(self, t: Telemetry, triggers: list[str], deficit: int) -> MorphDecision:

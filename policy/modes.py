@@ -27,7 +27,10 @@ class PolicyConfig:
       * KV usage (used / total blocks) above ``kv_high``;
       * the oldest waiting request has queued longer than ``queue_delay_high_s``;
       * the waiting requests' prompts need more KV blocks than are free;
-      * P95 TTFT above ``ttft_slo_s`` while requests are waiting.
+      * P95 TTFT above ``ttft_slo_s`` while requests are waiting;
+      * SLO pressure from the slai scheduler: at least ``critical_decodes_high`` decodes at their
+        deadline were left out of the last batch, or a waiting request's own TTFT target is less than
+        ``ttft_slack_low_s`` away (None disables either; FCFS reports neither).
     Pressure must hold on ``persist_iters`` consecutive ``decide()`` calls before a
     quantize step; each step moves at most ``max_layers_per_step`` layers, and at
     most ``max_quantized_fraction`` of all layers are ever quantized.
@@ -53,6 +56,8 @@ class PolicyConfig:
     max_quantized_fraction: float = 0.5
     ladder: tuple[str, ...] = ("int4",)
     ttft_slo_s: float = 2.0
+    critical_decodes_high: int | None = 1
+    ttft_slack_low_s: float | None = 0.5
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -88,6 +93,11 @@ class PolicyConfig:
                 errors.append(f"a static mode takes exactly one precision, got {self.ladder}")
         if not self.ttft_slo_s > 0:
             errors.append(f"ttft_slo_s must be > 0, got {self.ttft_slo_s}")
+        c = self.critical_decodes_high
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            errors.append(f"critical_decodes_high must be an int >= 1 or None, got {c!r}")
+        if self.ttft_slack_low_s is not None and not 0 <= self.ttft_slack_low_s < float("inf"):
+            errors.append(f"ttft_slack_low_s must be a finite number >= 0 or None, got {self.ttft_slack_low_s!r}")
         if errors:
             raise ValueError("invalid PolicyConfig: " + "; ".join(errors))
 
@@ -124,6 +134,8 @@ MODES: dict[str, PolicyConfig] = {
         max_layers_per_step=1,
         max_quantized_fraction=0.25,
         ladder=("int8", "int4"),
+        critical_decodes_high=2,
+        ttft_slack_low_s=0.25,
     ),
     # The paper's evaluated configuration: INT4 (AWQ) layers, moderate hysteresis.
     "default": PolicyConfig(mode="default"),
@@ -138,6 +150,7 @@ MODES: dict[str, PolicyConfig] = {
         max_layers_per_step=8,
         max_quantized_fraction=0.75,
         ladder=("int4",),
+        ttft_slack_low_s=1.0,
     ),
 }
 """Named presets; ``PolicyConfig.for_mode`` copies one and applies overrides."""

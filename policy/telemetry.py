@@ -45,6 +45,12 @@ class Telemetry:
     """P95 time-to-first-token over the engine's sliding window; None without data."""
     tbt_p99_s: float | None = None
     """P99 time-between-tokens over the sliding window; None without data."""
+    critical_decodes_unscheduled: int = 0
+    """SLO pressure (slai scheduler): decodes at or past their last schedulable time that the last batch
+    could not fit (budget, decode cap or KV blocks); 0 under FCFS."""
+    min_ttft_slack_s: float | None = None
+    """SLO pressure (slai scheduler): least time left before a waiting request misses its own TTFT target
+    (negative once missed); None when nothing waits or the scheduler tracks no deadlines (FCFS)."""
     device_mem_used_bytes: int | None = None
     device_mem_total_bytes: int | None = None
     quantized_layers: tuple[tuple[int, str], ...] = ()
@@ -62,6 +68,8 @@ class Telemetry:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if min(self.num_running, self.num_waiting, self.blocks_needed_waiting) < 0:
             raise ValueError("num_running, num_waiting and blocks_needed_waiting must be >= 0")
+        if self.critical_decodes_unscheduled < 0:
+            raise ValueError(f"critical_decodes_unscheduled must be >= 0, got {self.critical_decodes_unscheduled}")
         if self.oldest_wait_s < 0:
             raise ValueError(f"oldest_wait_s must be >= 0, got {self.oldest_wait_s}")
         layers = [layer for layer, _ in self.quantized_layers]

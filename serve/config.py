@@ -19,6 +19,9 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+SCHEDULERS = ("fcfs", "slai")
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"        # embedded name, .gguf file, or Hugging Face directory
@@ -41,6 +44,16 @@ class EngineConfig:
     morph_precisions: str = ""  # extra precisions to hold beyond the mode's ladder (e.g. "int8,int4" for evaluation)
     int4_group_size: int | None = None   # on-the-fly int4 group (default: 128 if it divides, else 64)
     policy_overrides: dict[str, Any] = field(default_factory=dict)  # PolicyConfig fields, e.g. kv_high
+    # Scheduling: fcfs (vLLM-style) or slai (SLO-aware, per-request TBT deadlines; README "SLO-aware
+    # scheduling"). Per-request targets default to slo_ttft_s (above), slo_tbt_s and default_priority.
+    scheduler: str = "fcfs"
+    slo_tbt_s: float = 1.0             # time-between-tokens target of a request that names none
+    default_priority: int = 1          # tier of a request that names none (0 = strict, served first)
+    slai_theta: float | None = None    # fixed theta; None = dynamic (slai_theta_low / slai_theta_high)
+    slai_theta_low: float = 3.0        # calibrated to CPU batch-time spread (README "SLO-aware scheduling"); paper: 5
+    slai_theta_high: float = 6.0       # above slai_theta_kv_threshold KV usage; the paper uses 10
+    slai_theta_kv_threshold: float = 0.96
+    slai_max_decodes: int | None = None  # decodes per batch; None = max_num_seqs
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,3 +77,18 @@ class EngineConfig:
         PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
         if self.slo_ttft_s <= 0:
             raise ValueError(f"slo_ttft_s must be positive, got {self.slo_ttft_s}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; valid: {list(SCHEDULERS)}")
+        if not self.slo_tbt_s > 0:
+            raise ValueError(f"slo_tbt_s must be positive, got {self.slo_tbt_s}")
+        if isinstance(self.default_priority, bool) or not isinstance(self.default_priority, int) \
+                or not 0 <= self.default_priority <= 9:
+            raise ValueError(f"default_priority must be an integer tier in [0, 9], got {self.default_priority!r}")
+        for name in ("slai_theta", "slai_theta_low", "slai_theta_high"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not 0 < self.slai_theta_kv_threshold <= 1:
+            raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
+        if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
+            raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")

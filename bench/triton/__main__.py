@@ -36,7 +36,7 @@ from bench import defaults
 from bench.triton.report import _num, _pct, check_targets, results_markdown, write_json
 from bench.triton.requests import make_probes, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, add_quality, assemble_result, parse_params, run_mode
-from bench.workload import add_trace_arguments, build_workload
+from bench.workload import add_slo_arguments, add_trace_arguments, build_workload
 
 DEFAULT_MODES = ("off", "static-int4", "accuracy", "default", "performance")
 
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
     g.add_argument("--device", default=None, help="server device: cpu, cuda, cuda:N or auto (default: the model "
                    "config's, auto)")
+    g.add_argument("--scheduler", default=defaults.ENGINE_DEFAULTS.scheduler, choices=["fcfs", "slai"],
+                   help="the server's scheduling policy (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     add_trace_arguments(p)
+    add_slo_arguments(p)
     return p
 
 

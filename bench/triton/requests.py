@@ -23,6 +23,8 @@ class PreparedRequest:
     max_tokens: int
     target_prompt_tokens: int
     sent_prompt_tokens: int  # the client tokenizer's count of `text` (the server tokenizes the same way)
+    tbt_slo_s: float | None = None  # sent as the tbt_slo_s / priority inputs when set
+    priority: int | None = None
 
 
 def prompt_text(tokenizer, ids: Sequence[int]) -> tuple[str, int]:
@@ -44,7 +46,8 @@ def prepare_requests(items: Sequence[WorkItem], tokenizer) -> tuple[list[Prepare
     reqs = []
     for i, w in enumerate(sorted(items, key=lambda w: w.arrival_s)):
         text, n = prompt_text(tokenizer, w.prompt_ids)
-        reqs.append(PreparedRequest(i, "request", w.arrival_s, text, w.output_tokens, len(w.prompt_ids), n))
+        reqs.append(PreparedRequest(i, "request", w.arrival_s, text, w.output_tokens, len(w.prompt_ids), n,
+                                    w.tbt_slo_s, w.priority))
     return reqs, retokenization_stats([(r.target_prompt_tokens, r.sent_prompt_tokens) for r in reqs])
 
 
@@ -116,7 +119,8 @@ def run_request(url: str, model: str, rec: RequestRecord, timeout_s: float,
         stream.__enter__()
         rec.actual_send_s = clock()
         stream.send(request_inputs(rec.req.text, max_tokens=rec.req.max_tokens, stream=True, temperature=0.0,
-                                   ignore_eos=True), request_id=f"{rec.req.kind}-{rec.req.index}")
+                                   ignore_eos=True, tbt_slo_s=rec.req.tbt_slo_s, priority=rec.req.priority),
+                    request_id=f"{rec.req.kind}-{rec.req.index}")
         parts = []
         while True:
             remaining = deadline - clock()

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.latency import distribution, summarize
+from bench import defaults
+from bench.latency import by_tier, distribution, summarize
 from bench.summary import config_changes, morph_summary, parse_morph_events, tokens_by_config
 from bench.triton.requests import PreparedRequest, RequestRecord, run_request
 
@@ -55,7 +56,7 @@ def parse_params(pairs: Sequence[str]) -> dict[str, str]:
 def server_params(args: argparse.Namespace, mode: str, max_tokens: int) -> dict[str, object]:
     params: dict[str, object] = {
         "engine_dir": args.engine_dir, "morph_mode": mode, "device_memory": args.device_memory,
-        "slo_ttft_s": args.slo_ttft, "max_num_seqs": args.max_num_seqs,
+        "slo_ttft_s": args.slo_ttft, "max_num_seqs": args.max_num_seqs, "scheduler": args.scheduler,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.server_threads,
         "seed": args.seed, "max_tokens_limit": max(4096, max_tokens), "log_level": "info",
     }
@@ -249,6 +250,11 @@ def assemble_result(mode: str, desc: str, records: Sequence[RequestRecord], info
     else:
         duration = reqs_dur = 0.0
     summary = summarize([r.timing() for r in reqs], max(0.0, reqs_dur), args.slo_ttft, args.slo_tpot)
+    engine_defaults = defaults.ENGINE_DEFAULTS
+    summary["tiers"] = by_tier(
+        [r.timing() for r in reqs],
+        [r.req.priority if r.req.priority is not None else engine_defaults.default_priority for r in reqs],
+        [r.req.tbt_slo_s if r.req.tbt_slo_s is not None else engine_defaults.slo_tbt_s for r in reqs])
     timeline = list(info.get("timeline") or [])
     events = list(info.get("events") or [])
     final = info.get("final")

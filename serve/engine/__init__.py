@@ -12,14 +12,16 @@ if TYPE_CHECKING:
     from serve.engine.engine import LLMEngine
     from serve.engine.outputs import FinishReason, RequestOutput
     from serve.engine.sampling_params import SamplingParams
+    from serve.engine.slo import RequestSLO
 
-__all__ = ["FinishReason", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["FinishReason", "LLMEngine", "RequestOutput", "RequestSLO", "SamplingParams"]
 
 _HOMES = {
     "LLMEngine": "serve.engine.engine",
     "FinishReason": "serve.engine.outputs",
     "RequestOutput": "serve.engine.outputs",
     "SamplingParams": "serve.engine.sampling_params",
+    "RequestSLO": "serve.engine.slo",
 }
 
 

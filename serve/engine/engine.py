@@ -22,6 +22,8 @@ from serve.engine.outputs import FinishReason, RequestOutput
 from serve.engine.sampler import sample
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Scheduler
+from serve.engine.slai import SlaiConfig, SlaiScheduler
+from serve.engine.slo import RequestSLO
 from serve.engine.sequence import Sequence
 from serve.logging_setup import ensure_logging
 from serve.model.engine_dir import open_model
@@ -89,7 +91,7 @@ class LLMEngine:
         if self.memory.bank is not None and plan is not None:
             self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock)
         self.reachable_blocks = self._reachable_blocks(policy)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = make_scheduler(config, self.pool, self.clock)
         self.executor = TorchExecutor(self.model, self.kv)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._lock = threading.RLock()
@@ -147,16 +149,21 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, callback: Callback | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, slo: RequestSLO | None = None) -> str:
         """Validate, then queue. Raises ValueError/TypeError for bad input; the engine is unaffected.
 
         arrival_time (on the engine's clock) lets a replay count queueing from the request's scheduled
-        arrival rather than from when its loop got round to adding it.
+        arrival rather than from when its loop got round to adding it. slo: the request's TTFT/TBT targets
+        and tier; unset ones come from the config (slo_ttft_s, slo_tbt_s, default_priority).
         """
         params = params or SamplingParams()
         if not self.healthy:
             raise RuntimeError(f"the engine failed {self.consecutive_step_failures} iterations in a row (last: "
                                f"{self.last_step_error}); it refuses new requests until restarted")
+        if slo is not None and not isinstance(slo, RequestSLO):
+            raise TypeError("slo must be a RequestSLO")
+        targets = (slo or RequestSLO()).resolved(self.config.slo_ttft_s, self.config.slo_tbt_s,
+                                                 self.config.default_priority)
         ids = self.validate_and_tokenize(prompt, params)
         # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
@@ -165,7 +172,7 @@ class LLMEngine:
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop),
-                           callback, gen)
+                           callback, gen, slo=targets)
             self._requests[rid] = seq
             self.scheduler.add(seq)
             self._wake.notify_all()
@@ -340,6 +347,8 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
+                "scheduler": self.config.scheduler,
+                "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),
                 "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens,
                 "layers_quantized": self.morph.quantized_by_precision() if self.morph else {},
@@ -362,6 +371,15 @@ def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
     mode can use keeps host memory down and the staging headroom (sized for the largest variant) small."""
     names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
     return sorted(set(names) | set(policy.ladder))
+
+
+def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float]) -> Scheduler:
+    """The scheduler policy the config names (decisions only; the executor interface is the same)."""
+    if config.scheduler == "slai":
+        slai = SlaiConfig(theta=config.slai_theta, theta_low=config.slai_theta_low, theta_high=config.slai_theta_high,
+                          kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes)
+        return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai)
+    return Scheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
 
 
 def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:

@@ -149,3 +149,11 @@ class Scheduler:
             needed += seq.blocks_needed(n, self.block_size)
             budget -= n
         return needed - self.pool.num_free
+
+    def slo_signals(self, now: float) -> tuple[int, float | None]:
+        """(critical decodes left out of the last batch, least TTFT slack of a waiting request in seconds).
+
+        FCFS tracks no deadlines, so it reports none and the controller sees exactly what it saw before
+        SLO-aware scheduling existed; the slai scheduler overrides this.
+        """
+        return 0, None

@@ -11,6 +11,7 @@ import torch
 
 from serve.engine.outputs import FinishReason, RequestOutput
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.slo import RequestSLO
 from serve.model.tokenizer import IncrementalDetokenizer
 
 
@@ -37,6 +38,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    slo: RequestSLO = field(default_factory=RequestSLO)  # resolved by the engine: every target set
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -121,11 +121,13 @@ class MorphRuntime:
         top = self.stack[-1] if self.stack else None
         top_free = top is not None and (not top.owner or self.pool.chunk_is_free(top.owner))
         mem = query_device_memory(self.bank.device)
+        critical_unscheduled, ttft_slack = scheduler.slo_signals(now)
         return Telemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
             num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(), num_waiting=scheduler.num_waiting(),
             oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
+            critical_decodes_unscheduled=critical_unscheduled, min_ttft_slack_s=ttft_slack,
             ttft_p95_s=self._window(self._ttfts, now, 95), tbt_p99_s=self._window(self._gaps, now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,

@@ -24,6 +24,10 @@ class SchedulerView(Protocol):
         """KV blocks the running requests' next chunks need beyond the free ones (> 0: preemption ahead)."""
         ...
 
+    def slo_signals(self, now: float) -> tuple[int, float | None]:
+        """(critical decodes left out of the last batch, least TTFT slack of a waiting request or None)."""
+        ...
+
 
 class IdleSchedulerView:
     """Telemetry before serving starts: nothing running or waiting."""
@@ -42,3 +46,6 @@ class IdleSchedulerView:
 
     def blocks_short_for_running(self) -> int:
         return 0
+
+    def slo_signals(self, now: float) -> tuple[int, float | None]:
+        return 0, None

@@ -31,6 +31,7 @@ _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "max_num_batched_tokens": ("--max-num-batched-tokens", int, "token budget of one engine step"),
     "max_tokens_limit": ("--max-tokens-limit", int, "largest max_tokens a request may ask for"),
     "slo_ttft_s": ("--slo-ttft-s", float, "TTFT service-level objective in seconds"),
+    "scheduler": ("--scheduler", str, "scheduling policy: fcfs or slai"),
 }
 
 

@@ -62,6 +62,9 @@ def request_inputs(
     seed: int | None = None,
     stop: list[str] | None = None,
     ignore_eos: bool | None = None,
+    ttft_slo_s: float | None = None,
+    tbt_slo_s: float | None = None,
+    priority: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The model's inputs as numpy arrays of the shapes config.pbtxt declares (optional ones omitted)."""
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
@@ -80,6 +83,12 @@ def request_inputs(
         arrays["stop"] = np.array([s.encode("utf-8") for s in stop], dtype=np.object_)
     if ignore_eos is not None:
         arrays["ignore_eos"] = np.array([ignore_eos], dtype=bool)
+    if ttft_slo_s is not None:
+        arrays["ttft_slo_s"] = np.array([ttft_slo_s], dtype=np.float32)
+    if tbt_slo_s is not None:
+        arrays["tbt_slo_s"] = np.array([tbt_slo_s], dtype=np.float32)
+    if priority is not None:
+        arrays["priority"] = np.array([priority], dtype=np.int32)
     arrays["stream"] = np.array([stream], dtype=bool)
     return arrays
 

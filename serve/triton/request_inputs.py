@@ -96,3 +96,22 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
     ie = _scalar(get_input, "ignore_eos", "BOOL")
     ignore_eos = bool(ie) if ie is not None else False
     return ParsedRequest(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream, ignore_eos)
+
+
+@dataclasses.dataclass(frozen=True)
+class SloInputs:
+    """Per-request service targets; None = the server's default. Values are validated by the engine
+    (``RequestSLO``), like the sampling values; only shapes and types are checked here."""
+
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+    priority: int | None = None
+
+
+def parse_slo_inputs(get_input: InputGetter) -> SloInputs:
+    """The optional inputs ttft_slo_s, tbt_slo_s (FP32 seconds) and priority (INT32 tier, 0 = strict)."""
+    ttft = _scalar(get_input, "ttft_slo_s", "FP32")
+    tbt = _scalar(get_input, "tbt_slo_s", "FP32")
+    prio = _scalar(get_input, "priority", "INT32")
+    return SloInputs(None if ttft is None else float(ttft), None if tbt is None else float(tbt),
+                     None if prio is None else int(prio))

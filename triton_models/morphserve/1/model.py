@@ -37,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:  # a plain checkout without `pip install -e .
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
-from serve.triton.request_inputs import InputError, parse_request  # noqa: E402
+from serve.triton.request_inputs import InputError, parse_request, parse_slo_inputs  # noqa: E402
 
 log = get_logger("triton_model")
 
@@ -101,7 +101,7 @@ class TritonPythonModel:
         self.model_name = args.get("model_name", self.model_config.get("name", "morphserve"))
         self.model_version = str(args.get("model_version", "1"))
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
-        from serve.engine import SamplingParams  # noqa: PLC0415 - cheap (no torch)
+        from serve.engine import RequestSLO, SamplingParams  # noqa: PLC0415 - cheap (no torch)
 
         try:
             server = ServerParams.from_params(params, default_max_tokens=SamplingParams.max_tokens)
@@ -118,6 +118,7 @@ class TritonPythonModel:
         from serve.engine import LLMEngine  # noqa: PLC0415
 
         self._SamplingParams = SamplingParams
+        self._RequestSLO = RequestSLO
         kwargs, ignored = engine_config_kwargs(params, EngineConfig, REPO_ROOT)
         if ignored:
             log.warning("parameters_ignored", parameters=sorted(ignored),
@@ -166,6 +167,7 @@ class TritonPythonModel:
                 max_tokens=parsed.max_tokens, temperature=parsed.temperature, top_p=parsed.top_p,
                 top_k=parsed.top_k, seed=parsed.seed, stop=parsed.stop,
                 ignore_eos=parsed.ignore_eos)
+            slo = self._RequestSLO(**dataclasses.asdict(parse_slo_inputs(lambda name: _input_array(request, name))))
         except (InputError, ValueError, TypeError) as exc:
             self._reject(sender, request_id, client_id, str(exc))
             return
@@ -173,14 +175,15 @@ class TritonPythonModel:
         with self._lock:
             self._inflight[request_id] = inflight
         try:
-            self.engine.add_request(parsed.prompt, params, request_id=request_id, callback=self._on_output)
+            self.engine.add_request(parsed.prompt, params, request_id=request_id, callback=self._on_output, slo=slo)
         except (ValueError, TypeError, RuntimeError) as exc:  # e.g. prompt longer than the context, unhealthy engine
             with self._lock:
                 self._inflight.pop(request_id, None)
             self._reject(sender, request_id, client_id, str(exc))
             return
         log.info("request_added", request_id=request_id, client_request_id=client_id, max_tokens=parsed.max_tokens,
-                 temperature=parsed.temperature, stream=parsed.stream, prompt_chars=len(parsed.prompt))
+                 temperature=parsed.temperature, stream=parsed.stream, prompt_chars=len(parsed.prompt),
+                 ttft_slo_s=slo.ttft_s, tbt_slo_s=slo.tbt_s, priority=slo.priority)
         self._stats_dirty.set()
 
     def _reject(self, sender: Any, request_id: str, client_id: str, message: str) -> None:

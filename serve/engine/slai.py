@@ -1,0 +1,199 @@
+"""SLAI: SLO-aware scheduling with per-request TBT deadlines (arXiv 2508.01002), beside FCFS.
+
+Decisions only: it returns the same ``SchedulerOutput`` as the FCFS scheduler, so the executor is untouched.
+Each iteration, within the token budget (``max_num_batched_tokens``) and the running-sequence cap:
+
+1. Deadlines. A running decode's last schedulable time is
+   ``LST = time of its last token (the end of the batch that produced it) + its TBT target - theta * mean
+   batch duration`` (running mean over the last ``window`` batches). theta is fixed, or dynamic:
+   ``theta_low`` while KV usage < ``kv_threshold``, ``theta_high`` above.
+2. Critical decodes (now >= LST) first, in (LST, arrival) order, within the budget and ``max_decodes``.
+   When no KV block is free for one, the most recently admitted partially-done prefill is preempted;
+   failing that, the decode itself.
+3. Partially-done prefills continue (chunk = min(remaining, budget left)), in admission order; one that
+   finds no block may preempt newer partial prefills only, else it waits.
+4. New prefills are admitted (skipped in a batch that preempted): tier first (0 = strict), then
+   previously preempted sequences, then shortest remaining prompt, then arrival.
+5. Leftover budget goes to the non-critical decodes in LST order (no preemption for them).
+
+The engine's clock is passed in, so tests drive every rule with a fake clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from serve.engine.sequence import Sequence, SequenceStatus
+from serve.memory.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class SlaiConfig:
+    theta: float | None = None     # fixed theta; None = dynamic (theta_low / theta_high)
+    theta_low: float = 3.0
+    theta_high: float = 6.0
+    kv_threshold: float = 0.96     # KV usage at or above which dynamic theta is theta_high
+    max_decodes: int | None = None  # decodes per batch; None = the running-sequence cap
+    window: int = 32               # batches in the running mean of the batch duration
+
+    def __post_init__(self) -> None:
+        for name in ("theta", "theta_low", "theta_high"):
+            v = getattr(self, name)
+            if v is not None and not (0.0 <= v < math.inf):
+                raise ValueError(f"slai {name} must be a finite number >= 0, got {v!r}")
+        if not 0.0 < self.kv_threshold <= 1.0:
+            raise ValueError(f"slai kv_threshold must be in (0, 1], got {self.kv_threshold!r}")
+        if self.max_decodes is not None and self.max_decodes < 1:
+            raise ValueError(f"slai max_decodes must be >= 1, got {self.max_decodes!r}")
+        if self.window < 1:
+            raise ValueError(f"slai window must be >= 1, got {self.window!r}")
+
+
+class SlaiScheduler(Scheduler):
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 clock: Callable[[], float], config: SlaiConfig | None = None) -> None:
+        super().__init__(pool, block_size, max_num_seqs, max_num_batched_tokens)
+        self.clock = clock
+        self.config = config or SlaiConfig()
+        self.max_decodes = self.config.max_decodes or max_num_seqs
+        self._durations: collections.deque[float] = collections.deque(maxlen=self.config.window)
+        self._batch_start: float | None = None
+        self._last_token: dict[Sequence, float] = {}
+        self.last_critical_unscheduled = 0   # critical decodes the last batch could not fit
+        self.num_critical_unscheduled = 0    # the same, summed over all batches
+
+    # ---- deadlines -----------------------------------------------------------------------------
+    def mean_batch_s(self) -> float:
+        return sum(self._durations) / len(self._durations) if self._durations else 0.0
+
+    def theta(self) -> float:
+        c = self.config
+        if c.theta is not None:
+            return c.theta
+        return c.theta_high if self.pool.usage >= c.kv_threshold else c.theta_low
+
+    def lst(self, seq: Sequence) -> float:
+        """Last schedulable time of a running decode, on the engine clock."""
+        last = self._last_token.get(seq, seq.last_token_time if seq.last_token_time is not None else seq.arrival_time)
+        assert seq.slo.tbt_s is not None, "the engine resolves every request's targets"
+        return last + seq.slo.tbt_s - self.theta() * self.mean_batch_s()
+
+    @staticmethod
+    def is_decode(seq: Sequence) -> bool:
+        return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1
+
+    # ---- the decision ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self._batch_start = now
+        out = SchedulerOutput()
+        scheduled: set[Sequence] = set()
+        decodes = sorted((s for s in self.running if self.is_decode(s)), key=lambda s: (self.lst(s), s.arrival_time))
+        critical = [s for s in decodes if now >= self.lst(s)]
+        relaxed = [s for s in decodes if now < self.lst(s)]
+        budget = self.max_num_batched_tokens
+        missed = 0
+        for seq in critical:                                               # rule 2
+            if budget < 1 or self._num_decodes(out) >= self.max_decodes or seq.status is not SequenceStatus.RUNNING:
+                missed += 1
+                continue
+            if self._allocate(seq, 1, out, scheduled, victims=self._prefill_victims(scheduled), self_last=True):
+                budget -= self._add(out, scheduled, seq, 1)
+            else:
+                missed += 1
+        for seq in [s for s in self.running if not self.is_decode(s) and s not in scheduled]:   # rule 3
+            if budget < 1:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, n, out, scheduled,
+                                                                       victims=self._prefill_victims(scheduled, after=seq)):
+                budget -= self._add(out, scheduled, seq, n)
+        if not out.preempted:                                              # rule 4
+            budget = self._admit(out, scheduled, budget)
+        for seq in relaxed:                                                # rule 5
+            if budget < 1 or self._num_decodes(out) >= self.max_decodes:
+                break
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, scheduled, victims=[]):
+                budget -= self._add(out, scheduled, seq, 1)
+        if not out.chunks and relaxed and relaxed[0].status is SequenceStatus.RUNNING:
+            # Nothing else can run (no free block): treat the earliest deadline as critical rather than idle.
+            if self._allocate(relaxed[0], 1, out, scheduled, victims=self._prefill_victims(scheduled), self_last=True):
+                self._add(out, scheduled, relaxed[0], 1)
+        self.last_critical_unscheduled = missed
+        self.num_critical_unscheduled += missed
+        return out
+
+    def _admit(self, out: SchedulerOutput, scheduled: set[Sequence], budget: int) -> int:
+        order = sorted(self.waiting, key=lambda s: (s.slo.priority, 0 if s.num_output_tokens else 1,
+                                                    s.num_tokens - s.num_computed_tokens, s.arrival_time))
+        for seq in order:
+            if budget < 1 or len(self.running) >= self.max_num_seqs:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            blocks = self.pool.allocate(seq.blocks_needed(n, self.block_size))
+            if blocks is None:
+                break  # a later (longer or lower-tier) prompt must not overtake this one
+            seq.block_ids.extend(blocks)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= self._add(out, scheduled, seq, n)
+        return budget
+
+    def _add(self, out: SchedulerOutput, scheduled: set[Sequence], seq: Sequence, n: int) -> int:
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        scheduled.add(seq)
+        return n
+
+    @staticmethod
+    def _num_decodes(out: SchedulerOutput) -> int:
+        return sum(1 for c in out.chunks if SlaiScheduler.is_decode(c.seq))
+
+    def _prefill_victims(self, scheduled: set[Sequence], after: Sequence | None = None) -> list[Sequence]:
+        """Running partially-done prefills not in this batch, most recently admitted first (only those
+        admitted after ``after`` when given)."""
+        running = self.running
+        start = running.index(after) + 1 if after is not None else 0
+        return [s for s in reversed(running[start:]) if not self.is_decode(s) and s not in scheduled]
+
+    def _allocate(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[Sequence],
+                  victims: list[Sequence], self_last: bool = False) -> bool:
+        """Blocks for n more tokens of seq, preempting ``victims`` in order (then seq itself when self_last)."""
+        needed = seq.blocks_needed(n, self.block_size)
+        victims = list(victims)
+        while True:
+            blocks = self.pool.allocate(needed)
+            if blocks is not None:
+                seq.block_ids.extend(blocks)
+                return True
+            victim = victims.pop(0) if victims else (seq if self_last else None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def on_executed(self, out: SchedulerOutput) -> None:
+        super().on_executed(out)
+        now = self.clock()
+        if self._batch_start is not None and out.chunks:
+            self._durations.append(now - self._batch_start)
+        for chunk in out.chunks:
+            if chunk.samples:
+                self._last_token[chunk.seq] = now
+        self._batch_start = None
+
+    def finish(self, seq: Sequence) -> None:
+        super().finish(seq)
+        self._last_token.pop(seq, None)
+
+    def slo_signals(self, now: float) -> tuple[int, float | None]:
+        slack = [s.arrival_time + s.slo.ttft_s - now for s in self.waiting  # type: ignore[operator]
+                 if s.first_token_time is None]
+        return self.last_critical_unscheduled, (min(slack) if slack else None)

@@ -1,0 +1,86 @@
+"""The slai scheduler inside the engine: chosen by config, per-request targets, SLO pressure reaching morph."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.config import EngineConfig
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+from serve.engine.slai import SlaiScheduler
+from serve.engine.slo import RequestSLO
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def engine(tiny, scheduler: str = "slai", clock=None, **kw) -> LLMEngine:
+    cfg = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, max_model_len=256, scheduler=scheduler)
+    return LLMEngine(EngineConfig(**{**cfg, **kw}), loaded=tiny, clock=clock)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [30, 31, 32], [40, 41, 42, 43, 44, 45, 46]]
+
+
+def test_slai_generates_the_same_greedy_tokens_as_fcfs(tiny):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    fcfs = [r["token_ids"] for r in engine(tiny, "fcfs").generate(PROMPTS, params)]
+    slai = engine(tiny, "slai")
+    assert isinstance(slai.scheduler, SlaiScheduler)
+    assert [r["token_ids"] for r in slai.generate(PROMPTS, params)] == fcfs
+
+
+def test_request_targets_are_resolved_from_the_config(tiny):
+    e = engine(tiny, slo_ttft_s=3.0, slo_tbt_s=0.7, default_priority=2)
+    e.add_request([1, 2, 3], request_id="plain")
+    e.add_request([1, 2, 3], request_id="strict", slo=RequestSLO(tbt_s=0.1, priority=0))
+    assert e._requests["plain"].slo == RequestSLO(3.0, 0.7, 2)
+    assert e._requests["strict"].slo == RequestSLO(3.0, 0.1, 0)
+    with pytest.raises(TypeError, match="RequestSLO"):
+        e.add_request([1, 2, 3], slo={"tbt_s": 0.1})  # type: ignore[arg-type]
+    assert e.stats()["scheduler"] == "slai"
+
+
+def test_strict_tier_is_admitted_first(tiny):
+    clock = FakeClock()
+    e = engine(tiny, clock=clock, max_num_batched_tokens=8)
+    e.add_request(list(range(1, 9)), SamplingParams(max_tokens=2), request_id="relaxed-short")
+    e.add_request(list(range(1, 13)), SamplingParams(max_tokens=2), request_id="strict-long",
+                  slo=RequestSLO(priority=0))
+    e.step()
+    assert [s.request_id for s in e.scheduler.running] == ["strict-long"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"scheduler": "edf"}, "unknown scheduler"), ({"slo_tbt_s": 0.0}, "slo_tbt_s"),
+    ({"default_priority": 10}, "default_priority"), ({"default_priority": -1}, "default_priority"),
+    ({"slai_theta": -1.0}, "slai_theta"), ({"slai_theta_high": float("nan")}, "slai_theta_high"),
+    ({"slai_theta_kv_threshold": 1.5}, "slai_theta_kv_threshold"), ({"slai_max_decodes": 0}, "slai_max_decodes"),
+])
+def test_engine_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_ttft_slack_reaches_the_morph_controller(tiny):
+    clock = FakeClock()
+    e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=32, max_model_len=256,
+                               morph_mode="performance", scheduler="slai",
+                               policy_overrides={"persist_iters": 1, "queue_delay_high_s": 100.0, "kv_high": 0.99,
+                                                 "kv_low": 0.98}),
+                  loaded=tiny, clock=clock)
+    e.add_request(list(range(1, 5)), SamplingParams(max_tokens=4), request_id="tight",
+                  slo=RequestSLO(ttft_s=0.5), arrival_time=clock.t)
+    t = e.morph.telemetry(clock.t, e.scheduler)
+    assert t.min_ttft_slack_s == pytest.approx(0.5) and t.critical_decodes_unscheduled == 0
+    decision = e.morph.controller.decide(t)  # 0.5 s left < performance's ttft_slack_low_s 1.0 s
+    assert decision.action == "quantize" and "TTFT target" in decision.reason
+    fcfs = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_model_len=256, morph_mode="performance"),
+                     loaded=tiny, clock=clock)
+    fcfs.add_request(list(range(1, 5)), slo=RequestSLO(ttft_s=0.5), arrival_time=clock.t)
+    assert fcfs.morph.telemetry(clock.t, fcfs.scheduler).min_ttft_slack_s is None  # FCFS reports no deadlines
