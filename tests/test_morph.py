@@ -58,20 +58,21 @@ def assert_memory_exact(engine: LLMEngine) -> None:
 
 
 def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "int4",
-                        prompt: list[int] | None = None, max_tokens: int = 16) -> tuple[list[int], LLMEngine]:
+                        prompt: list[int] | None = None, max_tokens: int = 16) -> tuple[list[int], LLMEngine, int]:
     """One request on a fresh engine; quantize layers (1, 0) to ``precision`` at iteration ``swap_step``
-    (mid-decode), or never. Returns the streamed tokens and the engine."""
+    (mid-decode), or never. Returns the streamed tokens, the engine and how many tokens came before the swap."""
     e = make_engine()
     tokens: list[int] = []
     e.add_request(prompt or list(range(300, 340)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                   callback=lambda o: tokens.extend(o.new_token_ids))
-    step = 0
+    step, before = 0, max_tokens
     while e.has_unfinished_requests():
         if step == swap_step:
+            before = len(tokens)
             e.morph.apply_now(MorphDecision("quantize", (1, 0), precision, "test"))
         e.step()
         step += 1
-    return tokens, e
+    return tokens, e, before
 
 
 def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
