@@ -104,6 +104,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_step_error: str | None = None
         self.consecutive_step_failures = 0
+        self._step_listeners: list[Callable[[], None]] = []
 
     def _reachable_blocks(self, policy: PolicyConfig) -> int:
         """The most KV blocks this engine's mode can ever have: what is there now plus what quantizing every
@@ -199,19 +200,27 @@ class LLMEngine:
                 self.morph.on_iteration_boundary(self.scheduler)
                 self.morph.cover_deficit(self.scheduler)
             sched = self.scheduler.schedule()
-            if not sched.chunks:
-                return []
-            logits, sampled = self.executor.execute(sched.chunks)
-            self.scheduler.on_executed(sched)
-            produced = self._append_tokens(sampled, logits)
-            self.num_steps += 1
+            produced: list[tuple[Sequence, RequestOutput]] = []
+            if sched.chunks:
+                logits, sampled = self.executor.execute(sched.chunks)
+                self.scheduler.on_executed(sched)
+                produced = self._append_tokens(sampled, logits)
+                self.num_steps += 1
         self._deliver(produced)
+        for listener in self._step_listeners:
+            listener()
         return [out for _, out in produced]
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` from the stepping thread after every step, outside the engine lock (so it may
+        call ``stats()``); idle morph ticks count, so it also sees every swap/restore and pool resize."""
+        self._step_listeners.append(listener)
 
     def _append_tokens(self, sampled, logits: torch.Tensor) -> list[tuple[Sequence, RequestOutput]]:
         if not sampled:
             return []
         seqs = [c.seq for c in sampled]
+        logits = self._mask_early_stops(seqs, logits)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
         now = self.clock()
         produced = []
@@ -231,6 +240,17 @@ class LLMEngine:
             else:
                 produced.append((seq, self._output(seq, [tok], final=False)))
         return produced
+
+    def _mask_early_stops(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """min_tokens: EOS (unless ignored) and stop token ids get -inf until a sequence has min_tokens outputs."""
+        rows = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i, s in rows:
+            banned = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.model_config.eos_token_ids))
+            logits[i, sorted(t for t in banned if 0 <= t < logits.shape[-1])] = float("-inf")
+        return logits
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""

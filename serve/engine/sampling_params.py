@@ -11,6 +11,7 @@ class SamplingParams:
     """Options with vLLM's meanings. temperature == 0 means greedy; top_k == 0 means no top-k."""
 
     max_tokens: int = 16
+    min_tokens: int = 0    # EOS and stop_token_ids cannot be sampled before this many output tokens
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -28,6 +29,10 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.min_tokens and self.stop:
+            raise ValueError("min_tokens together with stop strings is not supported (stop strings would fire early)")
         if not (0.0 <= self.temperature < math.inf):  # also rejects NaN
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):

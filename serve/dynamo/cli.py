@@ -1,0 +1,96 @@
+"""Command line of ``python -m serve.dynamo`` (one worker): engine options -> EngineConfig, Dynamo options.
+
+No Dynamo import here, so ``--help`` and the tests of this parsing run anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from serve.config import EngineConfig
+
+DEFAULT_MODEL_NAME = "morphserve"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    engine: EngineConfig
+    served_model_name: str
+    namespace: str
+    component: str
+    endpoint: str
+    discovery_backend: str
+    request_plane: str
+    event_plane: str | None
+    model_card_dir: str | None
+    default_max_tokens: int
+    log_level: str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve.dynamo",
+                                description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids out).")
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", default="smollm2-135m", help="engine directory, embedded model name, .gguf or HF directory")
+    e.add_argument("--morph-mode", default="off", help="off, static-int8, static-int4, accuracy, default, performance")
+    e.add_argument("--device-memory", default=None, help="memory budget (e.g. 600MiB); sizes the KV pool with morphing")
+    e.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size (overrides --kv-cache-memory)")
+    e.add_argument("--kv-cache-memory", default=None, help="KV pool size when no budget is given (default: engine's)")
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    e.add_argument("--slo-ttft-s", type=float, default=None)
+    e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
+    e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    d = p.add_argument_group("dynamo")
+    d.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, help="the model name clients use")
+    d.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
+    d.add_argument("--component", default="morphserve")
+    d.add_argument("--endpoint", default="generate")
+    d.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"),
+                   choices=["file", "etcd", "kubernetes", "mem"])
+    d.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"), choices=["tcp", "nats"])
+    d.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE", "zmq"), choices=["zmq", "nats"])
+    d.add_argument("--model-card-dir", default=None,
+                   help="where to write the tokenizer directory the frontend reads (default: a temporary directory)")
+    d.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--policy expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+_ENGINE_FIELDS = ("model", "morph_mode", "device_memory", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
+                  "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s")
+
+
+def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:
+    """Parse and validate (EngineConfig raises ValueError on a bad value, before any model is loaded)."""
+    args = build_parser().parse_args(argv)
+    kwargs = {f: getattr(args, f) for f in _ENGINE_FIELDS if getattr(args, f) is not None}
+    kwargs["policy_overrides"] = parse_overrides(args.policy)
+    if args.default_max_tokens <= 0:
+        raise ValueError(f"--default-max-tokens must be positive, got {args.default_max_tokens}")
+    return WorkerOptions(
+        engine=EngineConfig(**kwargs), served_model_name=args.served_model_name, namespace=args.namespace,
+        component=args.component, endpoint=args.endpoint, discovery_backend=args.discovery_backend,
+        request_plane=args.request_plane, event_plane=args.event_plane, model_card_dir=args.model_card_dir,
+        default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+    )

@@ -1,0 +1,118 @@
+"""Dynamo's preprocessed request (token ids + option groups) -> the engine's prompt ids and SamplingParams,
+and the engine's outputs -> Dynamo response chunks. Pure functions: no Dynamo import, no torch.
+
+The frontend has already tokenized the prompt and applied the chat template; it also detokenizes the
+streamed ids and cuts stop strings, so stop strings reach the engine only to stop it early (saving work).
+Options this engine cannot honour are rejected with a clear error instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from serve.engine import SamplingParams
+
+
+class RequestError(ValueError):
+    """The request asks for something this worker does not do; the message says what."""
+
+
+# sampling_options keys -> the value that means "off" (None is always accepted as "not set").
+_NEUTRAL_SAMPLING = {
+    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "use_beam_search": False, "length_penalty": 1.0, "guided_decoding": None,
+}
+_NEUTRAL_OUTPUT = {"logprobs": None, "prompt_logprobs": None}
+# OpenAI's defaults when the client leaves a field out (vLLM's server does the same).
+DEFAULT_TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def _unsupported(group: Mapping[str, Any], neutral: Mapping[str, Any], where: str) -> list[str]:
+    bad = []
+    for key, ok in neutral.items():
+        value = group.get(key)
+        if value is None or value == ok or (isinstance(ok, float) and isinstance(value, (int, float)) and float(value) == ok):
+            continue
+        bad.append(f"{where}.{key}={value!r}")
+    return bad
+
+
+def _stop_token_ids(stop: Mapping[str, Any], eos_ids: Iterable[int], ignore_eos: bool) -> tuple[int, ...]:
+    """Every stop id the frontend sent; EOS ids only if EOS is honoured (the engine stops on EOS by itself)."""
+    ids: set[int] = set()
+    for key in ("stop_token_ids", "stop_token_ids_visible", "stop_token_ids_hidden"):
+        ids.update(int(t) for t in (stop.get(key) or []))
+    eos = set(eos_ids)
+    return tuple(sorted(t for t in ids if t not in eos or not ignore_eos))
+
+
+def to_engine_request(request: Mapping[str, Any], eos_token_ids: Iterable[int] = (),
+                      default_max_tokens: int = 256) -> EngineRequest:
+    """Map one Dynamo request; raises RequestError (unsupported option) or ValueError (bad value)."""
+    ids = request.get("token_ids")
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("request has no prompt token ids")
+    sampling = request.get("sampling_options") or {}
+    stop = request.get("stop_conditions") or {}
+    output = request.get("output_options") or {}
+    bad = _unsupported(sampling, _NEUTRAL_SAMPLING, "sampling_options") + _unsupported(output, _NEUTRAL_OUTPUT, "output_options")
+    if bad:
+        raise RequestError("not supported by the morphserve worker: " + ", ".join(bad)
+                           + " (supported: temperature, top_p, top_k, seed, max_tokens, min_tokens, ignore_eos, "
+                             "stop, stop token ids)")
+    ignore_eos = bool(stop.get("ignore_eos") or False)
+    min_tokens = int(stop.get("min_tokens") or 0)
+    temperature = sampling.get("temperature")
+    params = SamplingParams(
+        max_tokens=int(stop["max_tokens"]) if stop.get("max_tokens") is not None else default_max_tokens,
+        min_tokens=min_tokens,
+        temperature=float(DEFAULT_TEMPERATURE if temperature is None else temperature),
+        top_p=float(sampling.get("top_p") if sampling.get("top_p") is not None else 1.0),
+        top_k=_top_k(sampling.get("top_k")),
+        seed=int(sampling["seed"]) if sampling.get("seed") is not None else None,
+        stop=tuple(stop.get("stop") or ()) if min_tokens == 0 else (),  # the frontend applies them after min_tokens
+        stop_token_ids=_stop_token_ids(stop, eos_token_ids, ignore_eos),
+        ignore_eos=ignore_eos,
+    )
+    return EngineRequest([int(t) for t in ids], params)
+
+
+def _top_k(value: Any) -> int:
+    """vLLM spells "no top-k" as -1 or 0; the engine as 0."""
+    if value is None:
+        return 0
+    k = int(value)
+    if k < -1:
+        raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {k}")
+    return max(k, 0)
+
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
+
+
+def finish_reason(engine_reason: str | None) -> str:
+    """The engine's finish reason in Dynamo's vocabulary."""
+    return _FINISH.get(engine_reason or "", "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk(token_ids: list[int], reason: str | None = None, prompt_tokens: int = 0,
+          completion_tokens: int = 0) -> dict[str, Any]:
+    """One streamed response chunk; the final one (``reason`` given) carries the usage."""
+    out: dict[str, Any] = {"token_ids": list(token_ids), "index": 0}
+    if reason is not None:
+        out["finish_reason"] = finish_reason(reason)
+        out["completion_usage"] = usage(prompt_tokens, completion_tokens)
+    return out

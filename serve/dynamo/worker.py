@@ -1,0 +1,180 @@
+"""The MorphServe engine as an NVIDIA Dynamo worker (``dynamo.common.backend.LLMEngine``).
+
+Dynamo's Rust ``Worker`` owns registration, the request plane, cancellation monitoring and shutdown; this
+class owns the engine. Token ids come in (the frontend tokenized and applied the chat template with the
+tokenizer directory this worker registers), token ids go out, streamed from the engine thread. A
+cancelled request is aborted in the engine at once, which frees its KV blocks. Live KV capacity and usage
+go to Dynamo's snapshot publisher after every engine step that changed them (so a morph transition shows
+as a new ``dynamo_component_total_blocks``); the morph gauges are bridged into the worker's ``/metrics``;
+``POST /engine/control/morph_state`` on the worker's system port returns the engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
+from typing import Any
+
+from dynamo.common.backend import EngineConfig as DynamoEngineConfig
+from dynamo.common.backend import LLMEngine as DynamoLLMEngine
+from dynamo.common.backend import LlmRegistration, WorkerConfig
+from dynamo.common.backend.publisher import ComponentSnapshot
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+
+from serve.dynamo.bridge import OutputStream
+from serve.dynamo.cli import WorkerOptions, parse_worker_args
+from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
+from serve.dynamo.model_card import write_model_card_dir
+from serve.dynamo.requests import RequestError, chunk, to_engine_request
+from serve.engine import LLMEngine
+from serve.logging_setup import configure_logging, get_logger
+
+log = get_logger("morphserve.dynamo.worker")
+MORPH_STATE_CONTROL = "morph_state"
+
+
+class MorphServeWorker(DynamoLLMEngine):
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.engine: LLMEngine | None = None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        if options.model_card_dir:
+            self.card_dir = Path(options.model_card_dir).resolve()
+        else:
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="morphserve-card-")
+            self.card_dir = Path(self._tmpdir.name)
+        self.capacity = CapacityPublisher(self._stats_or_none)
+        self.registered_total_blocks: int | None = None
+        self._inflight: dict[str, str] = {}  # Dynamo context id -> engine request id
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[MorphServeWorker, WorkerConfig]:
+        options = parse_worker_args(argv)
+        configure_logging(options.log_level)
+        worker = cls(options)
+        config = WorkerConfig(
+            namespace=options.namespace, component=options.component, endpoint=options.endpoint,
+            model_name=str(worker.card_dir), served_model_name=options.served_model_name,
+            discovery_backend=options.discovery_backend, request_plane=options.request_plane,
+            event_plane=options.event_plane,
+        )
+        return worker, config
+
+    async def start(self, worker_id: int) -> DynamoEngineConfig:
+        opts = self.options
+        try:
+            self.engine = await asyncio.to_thread(LLMEngine, opts.engine)
+        except Exception as exc:  # noqa: BLE001 - a bad model or budget must say why the worker did not start
+            raise EngineShutdown(f"engine failed to start: {type(exc).__name__}: {exc}") from exc
+        engine = self.engine
+        write_model_card_dir(self.card_dir, engine.tokenizer, engine.model_config, engine.max_model_len)
+        engine.add_step_listener(self.capacity.on_step)
+        engine.start_background()
+        stats = engine.stats()
+        self.registered_total_blocks = int(stats["kv_blocks_total"])
+        log.info("dynamo_worker_started", worker_id=format(worker_id, "x"), model=opts.engine.model,
+                 served_model_name=opts.served_model_name, morph_mode=opts.engine.morph_mode,
+                 kv_blocks_total=stats["kv_blocks_total"], max_model_len=engine.max_model_len, card_dir=str(self.card_dir))
+        return DynamoEngineConfig(
+            model=str(self.card_dir), served_model_name=opts.served_model_name,
+            llm=LlmRegistration(context_length=engine.max_model_len, kv_cache_block_size=engine.config.block_size,
+                                total_kv_blocks=self.registered_total_blocks, max_num_seqs=engine.config.max_num_seqs,
+                                max_num_batched_tokens=engine.config.max_num_batched_tokens),
+        )
+
+    async def cleanup(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+            log.info("dynamo_worker_stopped")
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncGenerator[dict[str, Any], None]:
+        engine = self.engine
+        if engine is None:
+            raise EngineShutdown("the engine is not running")
+        eos = set(engine.model_config.eos_token_ids) | set(request.get("eos_token_ids") or [])
+        try:
+            mapped = to_engine_request(request, eos, self.options.default_max_tokens)
+        except (RequestError, ValueError, TypeError) as exc:
+            raise InvalidArgument(str(exc)) from None
+        stream = OutputStream(asyncio.get_running_loop())
+        rid = f"{context.id()}-{uuid.uuid4().hex[:8]}"
+        try:
+            engine.add_request(mapped.prompt_token_ids, mapped.params, request_id=rid, callback=stream.push)
+        except (ValueError, TypeError) as exc:  # prompt longer than the context, pool too small, ...
+            raise InvalidArgument(str(exc)) from None
+        self._inflight[context.id()] = rid
+        try:
+            async for out in stream:
+                if not out.finished:
+                    if out.new_token_ids:
+                        yield chunk(out.new_token_ids)
+                    continue
+                reason = out.finish_reason.value if out.finish_reason is not None else None
+                if reason == "error":
+                    raise Unknown(f"generation failed: {out.error or 'unknown error'}")
+                yield chunk(out.new_token_ids, reason, out.num_prompt_tokens, out.num_output_tokens)
+        finally:
+            self._inflight.pop(context.id(), None)
+            if not stream.finished:  # the client went away or the stream was closed: free the KV blocks now
+                engine.abort_request(rid)
+
+    async def abort(self, context: Any) -> None:
+        rid = self._inflight.get(context.id())
+        if rid is not None and self.engine is not None:
+            aborted = await asyncio.to_thread(self.engine.abort_request, rid)
+            log.info("request_aborted", request_id=rid, was_running=aborted)
+
+    # ---- metrics and controls ----------------------------------------------------------------------
+    def _stats_or_none(self) -> Mapping[str, Any] | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        def publish(snap: KvSnapshot) -> None:
+            publisher.publish(0, ComponentSnapshot(kv_used_blocks=snap.used_blocks, kv_total_blocks=snap.total_blocks,
+                                                   gpu_cache_usage=snap.usage, dp_rank=0, kv_cache_hit_rate=None))
+        self.capacity.attach(publish)
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        labels = dict(getattr(metrics, "auto_labels", None) or {})
+
+        def render() -> str:
+            stats = self._stats_or_none()
+            return exposition(stats, labels) if stats is not None else ""
+        metrics.register_prometheus_expfmt_callback(render)
+
+    def supported_controls(self) -> set[str]:
+        return {MORPH_STATE_CONTROL}
+
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        if control != MORPH_STATE_CONTROL:
+            return {"status": "error", "message": f"unsupported engine control: {control}"}
+        stats = await asyncio.to_thread(self._stats_or_none)
+        if stats is None:
+            return {"status": "error", "message": "the engine is not running"}
+        last = self.capacity.last
+        return {
+            "status": "ok", "morph_mode": self.options.engine.morph_mode, "stats": stats,
+            "registered_total_kv_blocks": self.registered_total_blocks,
+            "published": {"snapshots": self.capacity.published,
+                          "kv_total_blocks": last.total_blocks if last else None,
+                          "kv_used_blocks": last.used_blocks if last else None},
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from dynamo.common.backend.run import run  # noqa: PLC0415
+
+    run(MorphServeWorker, argv)
