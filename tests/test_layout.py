@@ -28,10 +28,11 @@ ALLOWED: dict[str, set[str]] = {
     "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.engine": {"serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.triton": {"serve.config", "serve.logging_setup", "policy"},
+    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "policy"},
     "builder": {"serve.model", "serve.logging_setup", "policy"},
-    "bench": {"serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.config",
+    "bench": {"serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
               "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
 # Third-party packages a room may not import (policy: anything outside the standard library).
@@ -107,6 +108,8 @@ def test_every_import_follows_the_allowed_arrows() -> None:
 
 @pytest.mark.parametrize("snippet, room, package, bad", [
     ("from serve.engine import LLMEngine\n", "serve.triton", "serve.triton", True),
+    ("from serve.morph.runtime import MorphRuntime\n", "serve.dynamo", "serve.dynamo", True),
+    ("from serve.engine import LLMEngine, SamplingParams\n", "serve.dynamo", "serve.dynamo", False),
     ("def f():\n    from builder.quantize import decoder_linears\n", "serve.morph", "serve.morph", True),
     ("import torch\n", "policy", "policy", True),
     ("import matplotlib.pyplot\n", "serve.engine", "serve.engine", True),

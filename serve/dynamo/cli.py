@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids out).")
     e = p.add_argument_group("engine")
     e.add_argument("--model", default="smollm2-135m", help="engine directory, embedded model name, .gguf or HF directory")
-    e.add_argument("--morph-mode", default="off", help="off, static-int8, static-int4, accuracy, default, performance")
+    e.add_argument("--morph-mode", default="default",
+                   help="off, static-int8, static-int4, accuracy, default, performance (default: %(default)s, "
+                        "as in the Triton deployment)")
     e.add_argument("--device-memory", default=None, help="memory budget (e.g. 600MiB); sizes the KV pool with morphing")
     e.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size (overrides --kv-cache-memory)")
     e.add_argument("--kv-cache-memory", default=None, help="KV pool size when no budget is given (default: engine's)")

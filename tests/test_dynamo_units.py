@@ -1,0 +1,216 @@
+"""serve/dynamo pieces that need no Dynamo process: request mapping, chunks, metrics text, the snapshot
+publisher, the tokenizer card, the async bridge, the worker's command line, and the engine features the
+worker relies on (min_tokens, step listeners)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from serve.dynamo.bridge import OutputStream
+from serve.dynamo.cli import parse_worker_args
+from serve.dynamo.http import metric_values
+from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
+from serve.dynamo.requests import RequestError, chunk, finish_reason, to_engine_request
+
+
+def _request(**groups):
+    req = {"token_ids": [1, 2, 3], "stop_conditions": {}, "sampling_options": {}, "output_options": {}}
+    for key, value in groups.items():
+        req[key].update(value)
+    return req
+
+
+# ---- request mapping -------------------------------------------------------------------------------
+def test_request_maps_every_supported_option() -> None:
+    r = to_engine_request(_request(
+        stop_conditions={"max_tokens": 12, "min_tokens": 3, "ignore_eos": False, "stop_token_ids": [7],
+                         "stop_token_ids_hidden": [2], "stop": None},
+        sampling_options={"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 5}), eos_token_ids=[2])
+    p = r.params
+    assert r.prompt_token_ids == [1, 2, 3]
+    assert (p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (12, 3, 0.7, 0.9, 40, 5)
+    assert p.stop_token_ids == (2, 7) and not p.ignore_eos
+
+
+def test_unset_fields_take_openai_defaults() -> None:
+    p = to_engine_request(_request(), default_max_tokens=33).params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (33, 1.0, 1.0, 0, None)
+    assert to_engine_request(_request(sampling_options={"top_k": -1})).params.top_k == 0
+
+
+def test_ignore_eos_drops_eos_from_the_stop_ids() -> None:
+    req = _request(stop_conditions={"ignore_eos": True, "stop_token_ids_hidden": [2], "stop_token_ids": [9]})
+    p = to_engine_request(req, eos_token_ids=[2]).params
+    assert p.ignore_eos and p.stop_token_ids == (9,)
+
+
+def test_stop_strings_reach_the_engine_unless_min_tokens_is_set() -> None:
+    assert to_engine_request(_request(stop_conditions={"stop": ["\n\n"]})).params.stop == ("\n\n",)
+    p = to_engine_request(_request(stop_conditions={"stop": ["\n\n"], "min_tokens": 2, "max_tokens": 8})).params
+    assert p.stop == () and p.min_tokens == 2
+
+
+@pytest.mark.parametrize("group, key, value", [
+    ("sampling_options", "n", 2), ("sampling_options", "best_of", 3), ("sampling_options", "presence_penalty", 0.5),
+    ("sampling_options", "frequency_penalty", -0.1), ("sampling_options", "repetition_penalty", 1.2),
+    ("sampling_options", "min_p", 0.05), ("sampling_options", "use_beam_search", True),
+    ("sampling_options", "guided_decoding", {"json": {}}), ("output_options", "logprobs", 1),
+    ("output_options", "prompt_logprobs", 2),
+])
+def test_unsupported_options_are_rejected_by_name(group: str, key: str, value: object) -> None:
+    with pytest.raises(RequestError, match=f"{group}.{key}"):
+        to_engine_request(_request(**{group: {key: value}}))
+
+
+def test_neutral_values_of_unsupported_options_are_accepted() -> None:
+    to_engine_request(_request(sampling_options={"n": 1, "best_of": 1, "presence_penalty": 0, "repetition_penalty": 1.0,
+                                                 "min_p": 0.0, "use_beam_search": False}))
+
+
+@pytest.mark.parametrize("groups", [
+    {"sampling_options": {"top_p": 0.0}}, {"sampling_options": {"temperature": -1.0}},
+    {"stop_conditions": {"max_tokens": 0}}, {"stop_conditions": {"max_tokens": 4, "min_tokens": 5}},
+    {"sampling_options": {"top_k": -5}},
+])
+def test_bad_values_are_value_errors(groups: dict) -> None:
+    with pytest.raises(ValueError):
+        to_engine_request(_request(**groups))
+
+
+def test_empty_prompt_is_rejected() -> None:
+    with pytest.raises(RequestError, match="no prompt"):
+        to_engine_request({"token_ids": []})
+
+
+def test_chunks_and_finish_reasons() -> None:
+    assert chunk([5]) == {"token_ids": [5], "index": 0}
+    final = chunk([6], "length", prompt_tokens=3, completion_tokens=4)
+    assert final["finish_reason"] == "length"
+    assert final["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert [finish_reason(r) for r in ("stop", "length", "abort", "error")] == ["stop", "length", "cancelled", "error"]
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+STATS = {"kv_blocks_total": 160, "kv_blocks_used": 40, "kv_blocks_base": 96, "kv_cache_usage_perc": 0.25,
+         "num_running": 2, "num_waiting": 1, "swaps_total": 4, "restores_total": 0, "num_preemptions": 0,
+         "num_generated_tokens": 99, "layers_quantized": {"int4": 4}}
+
+
+def test_exposition_carries_the_morph_gauges_with_labels() -> None:
+    text = exposition(STATS, {"worker_id": "ab", "model": 'a"b'})
+    assert metric_values(text, "morphserve_kv_blocks_total") == [160.0]
+    assert metric_values(text, "morphserve_kv_blocks_base") == [96.0]
+    assert metric_values(text, "morphserve_swaps_total") == [4.0]
+    assert 'morphserve_layers_quantized{worker_id="ab",model="a\\"b",precision="int4"} 4' in text
+    assert 'precision="int8"} 0' in text
+    assert "# TYPE morphserve_swaps_total counter" in text
+
+
+def test_capacity_publisher_publishes_changes_only() -> None:
+    stats = dict(STATS)
+    sent: list[KvSnapshot] = []
+    pub = CapacityPublisher(lambda: stats)
+    pub.on_step()  # not attached yet: nothing to send
+    pub.attach(sent.append)  # attaching publishes the current state
+    pub.on_step()
+    stats["kv_blocks_used"] = 41
+    pub.on_step()
+    stats["kv_blocks_total"] = 176  # a morph transition
+    pub.on_step()
+    assert sent == [KvSnapshot(40, 160), KvSnapshot(41, 160), KvSnapshot(41, 176)]
+    assert pub.published == 3 and sent[-1].usage == pytest.approx(41 / 176)
+
+
+def test_capacity_publisher_never_raises_into_the_engine_loop() -> None:
+    def broken():
+        raise RuntimeError("boom")
+    pub = CapacityPublisher(broken)
+    pub.attach(lambda snap: None)
+    pub.on_step()
+    none_yet = CapacityPublisher(lambda: None)
+    none_yet.attach(lambda snap: pytest.fail("published without stats"))
+    assert none_yet.published == 0
+
+
+# ---- bridge ------------------------------------------------------------------------------------------
+def test_output_stream_carries_outputs_from_another_thread_in_order() -> None:
+    async def run() -> list[int]:
+        stream = OutputStream(asyncio.get_running_loop())
+
+        def engine_thread() -> None:
+            for i in range(5):
+                stream.push(SimpleNamespace(value=i, finished=i == 4))
+            stream.push(SimpleNamespace(value=99, finished=True))  # after the final one: never read
+        threading.Thread(target=engine_thread).start()
+        return [out.value async for out in stream]
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == [0, 1, 2, 3, 4]
+
+
+# ---- command line -----------------------------------------------------------------------------------
+def test_worker_command_line() -> None:
+    opts = parse_worker_args(["--model", "engines/x", "--morph-mode", "off", "--num-kv-blocks", "64",
+                              "--policy", "kv_high=0.7", "--policy", "persist_iters=2", "--served-model-name", "m"])
+    assert opts.engine.model == "engines/x" and opts.engine.num_kv_blocks == 64
+    assert opts.engine.policy_overrides == {"kv_high": 0.7, "persist_iters": 2}
+    assert opts.served_model_name == "m" and opts.discovery_backend in ("file", "etcd", "kubernetes", "mem")
+    assert parse_worker_args([]).engine.morph_mode == "default"
+    with pytest.raises(ValueError):
+        parse_worker_args(["--morph-mode", "fastest"])
+    with pytest.raises(ValueError):
+        parse_worker_args(["--policy", "kv_high"])
+
+
+# ---- tokenizer card -----------------------------------------------------------------------------------
+def test_model_card_tokenizes_like_the_engine(tmp_path, smollm) -> None:
+    """transformers reading the card (as an HF-style consumer does) gives the engine's chat prompt ids."""
+    from transformers import AutoTokenizer
+
+    from serve.dynamo.model_card import FILES, write_model_card_dir
+
+    card = write_model_card_dir(tmp_path / "card", smollm.tokenizer, smollm.config, 512)
+    assert sorted(p.name for p in card.iterdir()) == sorted(FILES)
+    hf = AutoTokenizer.from_pretrained(str(card))
+    messages = [{"role": "user", "content": "What is 2 + 2? Answer in one word."}]
+    ours = smollm.tokenizer.encode(smollm.tokenizer.apply_chat_template(messages))
+    theirs = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    theirs = theirs["input_ids"] if isinstance(theirs, dict) or hasattr(theirs, "keys") else theirs
+    assert list(theirs) == ours
+    assert hf.decode(ours[5:12]) == smollm.tokenizer.decode(ours[5:12])
+
+
+# ---- engine features the worker uses -------------------------------------------------------------------
+@pytest.fixture()
+def tiny_engine(tiny):
+    from serve.config import EngineConfig
+    from serve.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(num_kv_blocks=32, max_num_seqs=4), loaded=tiny)
+
+
+def test_min_tokens_keeps_stop_tokens_out_until_reached(tiny_engine) -> None:
+    from serve.engine import SamplingParams
+
+    prompt = [5, 6, 7, 8]
+    first = tiny_engine.generate([prompt], SamplingParams(max_tokens=1))[0]["token_ids"][0]
+    stopped = tiny_engine.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=(first,)))[0]
+    assert stopped["token_ids"] == [first] and stopped["finish_reason"] == "stop"
+    held = tiny_engine.generate([prompt], SamplingParams(max_tokens=6, min_tokens=3, stop_token_ids=(first,)))[0]
+    assert first not in held["token_ids"][:3] and len(held["token_ids"]) >= 3
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_step_listeners_see_every_step_including_idle_ones(tiny_engine) -> None:
+    from serve.engine import SamplingParams
+
+    seen: list[int] = []
+    tiny_engine.add_step_listener(lambda: seen.append(tiny_engine.stats()["kv_blocks_used"]))
+    tiny_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(seen) >= 3 and max(seen) > 0 and seen[-1] == 0
+    before = len(seen)
+    tiny_engine.step()  # nothing to do: still a step boundary (where morph transitions happen)
+    assert len(seen) == before + 1
