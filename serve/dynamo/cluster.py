@@ -14,6 +14,7 @@ and the processes run under the Dynamo venv's interpreter (``--python``).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,27 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+def free_port(low: int = 0, high: int = 0) -> int:
+    """A free TCP port on 127.0.0.1: any (the OS picks), or one in [low, high)."""
+    if not low:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((LOOPBACK, 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def free_system_port() -> int:
+    """Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit integer, so it must stay below 32768
+    (the OS hands out ephemeral ports above that)."""
+    return free_port(20000, 32768)
 
 
 def dynamo_env(discovery: str, store_dir: Path | None, etcd_endpoints: str | None = None,
@@ -77,7 +95,7 @@ class ClusterConfig:
     replicas: int = 2
     model: str = "smollm2-135m"
     http_port: int = 8080
-    system_port_base: int = 8180          # worker i listens on base + i (0 = pick free ports)
+    system_port_base: int = 8180          # worker i listens on base + i (0 = free ports; all < 32768)
     router_mode: str = "least-loaded"
     migration_limit: int = 3
     worker_args: list[str] = field(default_factory=list)   # extra `python -m serve.dynamo` options
@@ -131,7 +149,7 @@ class Cluster:
         c = self.config
         index = self._started
         self._started += 1
-        port = c.system_port_base + index if c.system_port_base else free_port()
+        port = c.system_port_base + index if c.system_port_base else free_system_port()
         argv = [c.python, "-m", "serve.dynamo", "--model", c.model, "--served-model-name", c.served_model_name,
                 "--discovery-backend", c.discovery, "--model-card-dir", str(self.root / f"card-{index}"),
                 *c.worker_args, *(extra_args or [])]
