@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"), choices=["tcp", "nats"])
     d.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE", "zmq"), choices=["zmq", "nats"])
     d.add_argument("--model-card-dir", default=None,
-                   help="where to write the tokenizer directory the frontend reads (default: a temporary directory)")
+                   help="where to write the tokenizer directory the frontend reads; every worker of a model must use "
+                        "the same path (default: <tmp>/morphserve-dynamo-card-<served model name>)")
     d.add_argument("--log-level", default="info")
     return p
 

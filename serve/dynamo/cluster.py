@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -151,7 +152,7 @@ class Cluster:
         self._started += 1
         port = c.system_port_base + index if c.system_port_base else free_system_port()
         argv = [c.python, "-m", "serve.dynamo", "--model", c.model, "--served-model-name", c.served_model_name,
-                "--discovery-backend", c.discovery, "--model-card-dir", str(self.root / f"card-{index}"),
+                "--discovery-backend", c.discovery, "--model-card-dir", str(self.root / "card"),
                 *c.worker_args, *(extra_args or [])]
         proc = self._spawn(f"worker-{index}", argv, port, {"DYN_SYSTEM_PORT": str(port)})
         self.workers.append(proc)
@@ -169,6 +170,17 @@ class Cluster:
             if p is not None and not p.alive() and not getattr(p, "expected_exit", False):
                 raise RuntimeError(f"{p.name} exited with {p.popen.returncode}; log {p.log_path}:\n{p.log_tail()}")
 
+    def check_frontend_accepted_all(self) -> None:
+        """The frontend refuses a worker whose model card differs from the first one's (other path, other
+        KV size or context): that worker would sit idle, so say so instead of reporting ready."""
+        if self.frontend is None:
+            return
+        for line in self.frontend.log_tail(10_000).splitlines():
+            if "Rejected incompatible workers" in line:
+                raise RuntimeError("the frontend rejected a worker whose registration differs from the first one's "
+                                   "(every worker of a model needs the same --model-card-dir and engine options): "
+                                   + _strip_ansi(line)[-400:])
+
     def worker_ready(self, proc: Proc) -> bool:
         body = get_text(f"http://{LOOPBACK}:{proc.port}/metrics", timeout=2.0)
         return body is not None and "dynamo_component_total_blocks" in body
@@ -181,6 +193,8 @@ class Cluster:
             self._check_alive()
             pending = [w for w in pending if not self.worker_ready(w)]
             if not pending and (self.frontend is None or self.model_listed()):
+                time.sleep(0.5)  # the frontend may still be comparing the last worker's registration
+                self.check_frontend_accepted_all()
                 return time.monotonic() - t0
             time.sleep(0.25)
         raise TimeoutError(f"not ready after {timeout_s:.0f} s; waiting for {[w.name for w in pending]} "
@@ -213,6 +227,10 @@ class Cluster:
     def close(self) -> None:
         self.stop()
         self._tmp.cleanup()
+
+
+def _strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def _signal_group(proc: Proc, sig: int) -> None:

@@ -12,7 +12,6 @@ as a new ``dynamo_component_total_blocks``); the morph gauges are bridged into t
 from __future__ import annotations
 
 import asyncio
-import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncGenerator, Mapping
@@ -41,12 +40,7 @@ class MorphServeWorker(DynamoLLMEngine):
     def __init__(self, options: WorkerOptions) -> None:
         self.options = options
         self.engine: LLMEngine | None = None
-        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
-        if options.model_card_dir:
-            self.card_dir = Path(options.model_card_dir).resolve()
-        else:
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="morphserve-card-")
-            self.card_dir = Path(self._tmpdir.name)
+        self.card_dir = card_dir(options)
         self.capacity = CapacityPublisher(self._stats_or_none)
         self.registered_total_blocks: int | None = None
         self._inflight: dict[str, str] = {}  # Dynamo context id -> engine request id
@@ -92,9 +86,6 @@ class MorphServeWorker(DynamoLLMEngine):
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
             log.info("dynamo_worker_stopped")
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncGenerator[dict[str, Any], None]:
@@ -172,6 +163,16 @@ class MorphServeWorker(DynamoLLMEngine):
                           "kv_total_blocks": last.total_blocks if last else None,
                           "kv_used_blocks": last.used_blocks if last else None},
         }
+
+
+def card_dir(options: WorkerOptions) -> Path:
+    """Where the tokenizer card goes. The frontend accepts a second worker for a model only if its card is
+    identical to the first one's, path included, so every worker of a model must use the same path (on
+    every machine): --model-card-dir, or by default one derived from the served model name. It is left in
+    place at exit (other workers may still be registered with it)."""
+    if options.model_card_dir:
+        return Path(options.model_card_dir).resolve()
+    return Path(tempfile.gettempdir()) / f"morphserve-dynamo-card-{options.served_model_name}"
 
 
 def main(argv: list[str] | None = None) -> None:
