@@ -37,9 +37,11 @@ def dynamo_python() -> str:
 
 
 @contextlib.contextmanager
-def running_cluster(replicas: int, worker_args: list[str] | None = None, **config: Any) -> Iterator[Cluster]:
+def running_cluster(replicas: int, worker_args: list[str] | None = None, base_args: list[str] | None = None,
+                    **config: Any) -> Iterator[Cluster]:
+    base = BASE_WORKER_ARGS if base_args is None else base_args
     cfg = ClusterConfig(replicas=replicas, model=MODEL, http_port=free_port(), system_port_base=0,
-                        worker_args=[*BASE_WORKER_ARGS, *(worker_args or [])], python=dynamo_python(), **config)
+                        worker_args=[*base, *(worker_args or [])], python=dynamo_python(), **config)
     cluster = Cluster(cfg)
     try:
         cluster.start()
