@@ -55,12 +55,14 @@ def free_system_port() -> int:
 
 
 def dynamo_env(discovery: str, store_dir: Path | None, etcd_endpoints: str | None = None,
-               grace_s: float = 0.0) -> dict[str, str]:
-    """Environment shared by the frontend and the workers (loopback only)."""
+               grace_s: float = 0.0, host: str = LOOPBACK) -> dict[str, str]:
+    """Environment shared by the frontend and the workers. ``host`` is the address this machine's
+    processes listen on and advertise to the others (loopback on one machine; the machine's own address
+    in a multi-machine deployment). Metrics/control ports and the OpenAI port stay on loopback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
     env.update({
         "DYN_DISCOVERY_BACKEND": discovery, "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-        "DYN_TCP_RPC_HOST": LOOPBACK, "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK, "DYN_EVENT_PLANE_HOST": LOOPBACK,
+        "DYN_TCP_RPC_HOST": host, "DYN_TCP_RESPONSE_STREAM_HOST": host, "DYN_EVENT_PLANE_HOST": host,
         "DYN_SYSTEM_HOST": LOOPBACK, "DYN_HTTP_HOST": LOOPBACK,
         "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": f"{grace_s:g}",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]),
@@ -108,6 +110,7 @@ class ClusterConfig:
     log_dir: Path | None = None
     served_model_name: str = "morphserve"
     grace_s: float = 0.0
+    host: str = LOOPBACK                  # address other machines reach this one's workers/frontend on
 
 
 class Cluster:
@@ -119,7 +122,8 @@ class Cluster:
         self.root = Path(self._tmp.name)
         self.log_dir = Path(config.log_dir) if config.log_dir else self.root / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = dynamo_env(config.discovery, self.root / "discovery", config.etcd_endpoints, config.grace_s)
+        self.env = dynamo_env(config.discovery, self.root / "discovery", config.etcd_endpoints, config.grace_s,
+                              config.host)
         self.frontend: Proc | None = None
         self.workers: list[Proc] = []
         self._started = 0

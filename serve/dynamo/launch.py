@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discovery", default="file", choices=["file", "etcd"],
                    help="file: one machine; etcd: many machines (ETCD_ENDPOINTS)")
     p.add_argument("--etcd-endpoints", default=None, help="with --discovery etcd (default: http://127.0.0.1:2379)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address this machine's workers/frontend advertise to the other machines (default: "
+                        "%(default)s, one machine); the OpenAI and metrics ports stay on 127.0.0.1")
     p.add_argument("--no-frontend", action="store_true", help="workers only (a worker machine of a cluster)")
     p.add_argument("--python", default=sys.executable, help="interpreter with ai-dynamo installed")
     p.add_argument("--log-dir", default=None, help="process logs (default: a new temporary directory)")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         replicas=args.replicas, model=args.model, http_port=args.http_port, system_port_base=args.system_port_base,
         router_mode=args.router_mode, migration_limit=args.migration_limit, worker_args=worker_args,
         python=args.python, discovery=args.discovery, etcd_endpoints=args.etcd_endpoints,
-        frontend=not args.no_frontend, log_dir=log_dir))
+        frontend=not args.no_frontend, log_dir=log_dir, host=args.host))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
