@@ -214,3 +214,34 @@ def test_step_listeners_see_every_step_including_idle_ones(tiny_engine) -> None:
     before = len(seen)
     tiny_engine.step()  # nothing to do: still a step boundary (where morph transitions happen)
     assert len(seen) == before + 1
+
+
+# ---- launcher ----------------------------------------------------------------------------------------
+def test_dynamo_env_pins_every_address_to_loopback(tmp_path) -> None:
+    from serve.dynamo.cluster import dynamo_env, free_system_port
+
+    env = dynamo_env("file", tmp_path)
+    for key in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST",
+                "DYN_HTTP_HOST"):
+        assert env[key] == "127.0.0.1"
+    assert env["DYN_DISCOVERY_BACKEND"] == "file" and env["DYN_FILE_KV"] == str(tmp_path)
+    etcd = dynamo_env("etcd", None, "http://127.0.0.1:2379", host="10.1.2.3")
+    assert etcd["ETCD_ENDPOINTS"] == "http://127.0.0.1:2379" and etcd["DYN_TCP_RPC_HOST"] == "10.1.2.3"
+    assert etcd["DYN_SYSTEM_HOST"] == "127.0.0.1" and "DYN_FILE_KV" not in etcd
+    assert all(20000 <= free_system_port() < 32768 for _ in range(5))  # Dynamo reads the port as i16
+
+
+def test_launcher_keeps_serving_while_one_worker_is_left(capsys) -> None:
+    from serve.dynamo.launch import watch
+
+    def proc(name: str, code: int | None):
+        return SimpleNamespace(name=name, alive=lambda: code is None, popen=SimpleNamespace(returncode=code),
+                               log_path=f"/tmp/{name}.log")
+    cluster = SimpleNamespace(frontend=proc("frontend", None), workers=[proc("worker-0", -9), proc("worker-1", None)])
+    reported: set[str] = set()
+    assert watch(cluster, reported) is False and watch(cluster, reported) is False
+    assert capsys.readouterr().err.count("worker-0 exited") == 1  # said once
+    cluster.workers[1] = proc("worker-1", 1)
+    assert watch(cluster, reported) is True  # nothing left to serve
+    cluster = SimpleNamespace(frontend=proc("frontend", 1), workers=[proc("worker-0", None)])
+    assert watch(cluster, set()) is True

@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         elapsed = cluster.wait_ready(args.ready_timeout)
         print(ready_line(cluster, elapsed), flush=True)
+        reported: set[str] = set()
         while not stop.wait(1.0):
-            cluster._check_alive()
+            if watch(cluster, reported):
+                return 1
     except (RuntimeError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -69,6 +71,22 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
         print(f"stopped; logs in {log_dir}", file=sys.stderr)
     return 0
+
+
+def watch(cluster: Cluster, reported: set[str]) -> bool:
+    """Say once when a worker exits (the others keep serving; the frontend migrates its requests);
+    True when nothing can serve any more (the frontend or every worker is gone)."""
+    for w in cluster.workers:
+        if not w.alive() and w.name not in reported:
+            reported.add(w.name)
+            left = sum(x.alive() for x in cluster.workers)
+            print(f"{w.name} exited with code {w.popen.returncode} ({left} worker(s) left); log {w.log_path}",
+                  file=sys.stderr, flush=True)
+    if cluster.frontend is not None and not cluster.frontend.alive():
+        print(f"the frontend exited with code {cluster.frontend.popen.returncode}; log {cluster.frontend.log_path}",
+              file=sys.stderr)
+        return True
+    return bool(cluster.workers) and not any(w.alive() for w in cluster.workers)
 
 
 def ready_line(cluster: Cluster, elapsed_s: float) -> str:

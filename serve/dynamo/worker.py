@@ -116,8 +116,12 @@ class MorphServeWorker(DynamoLLMEngine):
                 yield chunk(out.new_token_ids, reason, out.num_prompt_tokens, out.num_output_tokens)
         finally:
             self._inflight.pop(context.id(), None)
-            if not stream.finished:  # the client went away or the stream was closed: free the KV blocks now
-                engine.abort_request(rid)
+            if not stream.finished:  # the client went away or the stream was closed: free the KV blocks now,
+                # from a thread (abort waits for the engine lock; the event loop keeps streaming meanwhile)
+                try:
+                    asyncio.get_running_loop().run_in_executor(None, engine.abort_request, rid)
+                except RuntimeError:  # no running loop (the generator is being collected at shutdown)
+                    engine.abort_request(rid)
 
     async def abort(self, context: Any) -> None:
         rid = self._inflight.get(context.id())
