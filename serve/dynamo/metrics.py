@@ -53,6 +53,8 @@ class CapacityPublisher:
         """Called from the engine thread; never raises (the engine loop must keep serving)."""
         try:
             stats = self._stats()
+            if not stats:
+                return
             snap = KvSnapshot(int(stats["kv_blocks_used"]), int(stats["kv_blocks_total"]))
             with self._lock:
                 self.last_stats = stats

@@ -68,6 +68,7 @@ class MorphServeWorker(DynamoLLMEngine):
         engine = self.engine
         write_model_card_dir(self.card_dir, engine.tokenizer, engine.model_config, engine.max_model_len)
         engine.add_step_listener(self.capacity.on_step)
+        self.capacity.on_step()  # the gauges have values before the first step
         engine.start_background()
         stats = engine.stats()
         self.registered_total_blocks = int(stats["kv_blocks_total"])
@@ -99,8 +100,9 @@ class MorphServeWorker(DynamoLLMEngine):
             raise InvalidArgument(str(exc)) from None
         stream = OutputStream(asyncio.get_running_loop())
         rid = f"{context.id()}-{uuid.uuid4().hex[:8]}"
-        try:
-            engine.add_request(mapped.prompt_token_ids, mapped.params, request_id=rid, callback=stream.push)
+        try:  # add_request waits for the engine lock (held for a whole step): off the event loop
+            await asyncio.to_thread(engine.add_request, mapped.prompt_token_ids, mapped.params, request_id=rid,
+                                    callback=stream.push)
         except (ValueError, TypeError) as exc:  # prompt longer than the context, pool too small, ...
             raise InvalidArgument(str(exc)) from None
         self._inflight[context.id()] = rid
@@ -119,15 +121,22 @@ class MorphServeWorker(DynamoLLMEngine):
             if not stream.finished:  # the client went away or the stream was closed: free the KV blocks now,
                 # from a thread (abort waits for the engine lock; the event loop keeps streaming meanwhile)
                 try:
-                    asyncio.get_running_loop().run_in_executor(None, engine.abort_request, rid)
+                    asyncio.get_running_loop().run_in_executor(None, self._abort, engine, rid)
                 except RuntimeError:  # no running loop (the generator is being collected at shutdown)
-                    engine.abort_request(rid)
+                    self._abort(engine, rid)
 
     async def abort(self, context: Any) -> None:
         rid = self._inflight.get(context.id())
         if rid is not None and self.engine is not None:
-            aborted = await asyncio.to_thread(self.engine.abort_request, rid)
+            aborted = await asyncio.to_thread(self._abort, self.engine, rid)
             log.info("request_aborted", request_id=rid, was_running=aborted)
+
+    def _abort(self, engine: LLMEngine, rid: str) -> bool:
+        """Abort (frees the KV blocks) and publish the freed capacity now, not at the next engine step."""
+        aborted = engine.abort_request(rid)
+        if aborted:
+            self.capacity.on_step()
+        return aborted
 
     # ---- metrics and controls ----------------------------------------------------------------------
     def _stats_or_none(self) -> Mapping[str, Any] | None:
@@ -145,9 +154,9 @@ class MorphServeWorker(DynamoLLMEngine):
     async def register_prometheus(self, metrics: Any) -> None:
         labels = dict(getattr(metrics, "auto_labels", None) or {})
 
-        def render() -> str:
-            stats = self._stats_or_none()
-            return exposition(stats, labels) if stats is not None else ""
+        def render() -> str:  # called on a runtime thread per scrape: the stats of the last step, no engine lock
+            stats = self.capacity.last_stats
+            return exposition(stats, labels) if stats else ""
         metrics.register_prometheus_expfmt_callback(render)
 
     def supported_controls(self) -> set[str]:
