@@ -185,7 +185,7 @@ class LLMEngine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop),
+            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
                            callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params))
             self._requests[rid] = seq
             self.scheduler.add(seq)
@@ -379,8 +379,9 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "scheduler": self.config.scheduler,
                 "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),
-                "num_scheduled_last_step": self.last_num_scheduled,
-                "num_context_last_step": self.last_num_context,
+                # the last iteration's batch; 0 once the engine is idle
+                "num_scheduled_last_step": self.last_num_scheduled if self.scheduler.has_work() else 0,
+                "num_context_last_step": self.last_num_context if self.scheduler.has_work() else 0,
                 "max_num_seqs": self.scheduler.max_num_seqs,
                 "block_size": self.config.block_size,
                 "num_steps": self.num_steps,

@@ -35,6 +35,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     logprobs: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's name; TensorRT-LLM's stop_words behave this way
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -14,6 +14,8 @@ from pathlib import Path
 from serve.triton.install import TritonLaunchError
 
 DEFAULT_MODEL_NAME = "morphserve"
+# TensorRT-LLM's user-facing names, served by thin BLS models over the engine model.
+TRTLLM_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -72,12 +74,19 @@ def _param_str(v: object) -> str:
     return str(v)
 
 
-def render_model_repository(src: Path, dest: Path, model_name: str, overrides: Mapping[str, object]) -> Path:
-    """Make ``dest/<model_name>`` a copy of ``src/<model_name>`` with parameter overrides applied.
+def render_model_repository(src: Path, dest: Path, model_name: str, overrides: Mapping[str, object],
+                            also: tuple[str, ...] = ()) -> Path:
+    """Make ``dest/<model_name>`` a copy of ``src/<model_name>`` with parameter overrides applied, and
+    ``dest/<name>`` a link to ``src/<name>`` for each model in ``also``.
 
     Only config.pbtxt is written; everything else (version folders, model.py) is symlinked so the
     server runs the source tree's code.
     """
+    for name in also:
+        link = dest / name
+        if not link.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            link.symlink_to((src / name).resolve())
     src_model = src / model_name
     cfg = src_model / "config.pbtxt"
     if not cfg.is_file():
