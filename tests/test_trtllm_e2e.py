@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import re
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,11 +118,7 @@ def run_client(srv: TritonServer, model: str, inputs: dict[str, np.ndarray], str
                log_probs: bool = False) -> Answer:
     """One request the way the script's run_inference sends it and reads the answers."""
     client = grpcclient.InferenceServerClient(url=srv.grpc_url)
-    tensors = []
-    for name, arr in inputs.items():
-        t = grpcclient.InferInput(name, arr.shape, np_to_triton_dtype(arr.dtype))
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
+    tensors = [_tensor(name, arr) for name, arr in inputs.items()]
     outputs = [grpcclient.InferRequestedOutput("text_output")]
     if log_probs:
         outputs += [grpcclient.InferRequestedOutput("cum_log_probs"), grpcclient.InferRequestedOutput("output_log_probs")]
@@ -253,8 +251,7 @@ def test_http_generate_parameters_known_honoured_unknown_refused(server, engine)
     status, body = _generate(server, "ensemble", {"text_input": PROMPT, "max_tokens": TOKENS, "bad_words": "",
                                                   "stop_words": ""})
     assert status == 200, body
-    assert body["text_output"] == [PROMPT + _greedy(engine, PROMPT)["text"]] or \
-        body["text_output"] == PROMPT + _greedy(engine, PROMPT)["text"]
+    assert body["text_output"] == PROMPT + _greedy(engine, PROMPT)["text"]
     # "seed" and "min_tokens" are not inputs of ensemble: parameters, honoured
     status, body = _generate(server, "morphserve", {"text_input": PROMPT, "max_tokens": TOKENS, "min_tokens": TOKENS,
                                                     "ignore_eos": False})
@@ -278,12 +275,7 @@ def test_cancelled_bls_stream_frees_engine_blocks(server) -> None:
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     inputs = client_inputs("1, 2, 3, 4,", 64, True, exclude_input_in_output=True,
                            end_id=np.array([[49151]], dtype=np.int32))
-    tensors = []
-    for name, arr in inputs.items():
-        t = grpcclient.InferInput(name, arr.shape, np_to_triton_dtype(arr.dtype))
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    client.async_stream_infer("tensorrt_llm_bls", tensors)
+    client.async_stream_infer("tensorrt_llm_bls", [_tensor(n, a) for n, a in inputs.items()])
     for _ in range(2):
         result, error = got.get(timeout=60)
         assert error is None
@@ -299,3 +291,91 @@ def test_cancelled_bls_stream_frees_engine_blocks(server) -> None:
     assert metric_value(m, "morphserve_kv_blocks_used", model="morphserve") == 0
     assert (metric_value(m, "morphserve_requests_finished_total", model="morphserve", finish_reason="cancelled")
             or 0) >= 1
+
+
+# ---- metrics: TensorRT-LLM's families, and the Grafana dashboard in the repository ------------------
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "morphserve-triton.json"
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                 "offset", "le"}
+
+
+def dashboard_selectors(dashboard: dict) -> list[tuple[str, dict[str, str]]]:
+    """(metric name, label matchers) of every series a dashboard panel's PromQL reads."""
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = re.sub(r"\b(by|without)\s*\([^)]*\)", " ", target["expr"])
+            expr = re.sub(r"\[[^\]]*\]", " ", expr)
+            for m in re.finditer(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?\s*(\()?", expr):
+                name, labels, call = m.group(1), m.group(2), m.group(3)
+                if call or name in _PROMQL_WORDS:
+                    continue
+                out.append((name, dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', labels or ""))))
+    return out
+
+
+def test_grafana_dashboard_reads_only_metrics_the_server_exports(server) -> None:
+    run_client(server, "ensemble", client_inputs(PROMPT, 4, True), True)  # histograms get samples
+    m = scrape_metrics(server.metrics_url)
+    selectors = dashboard_selectors(json.loads(DASHBOARD.read_text()))
+    names = {name for name, _ in selectors}
+    assert {"nv_trt_llm_kv_cache_block_metrics", "nv_trt_llm_request_metrics",
+            "morphserve_request_queue_time_seconds_bucket", "morphserve_num_preemptions_total"} <= names
+    for name, labels in selectors:
+        assert name in m, f"dashboard reads {name}, which {server.metrics_url} does not export"
+        assert any(all(lbl.get(k) == v for k, v in labels.items()) for lbl, _ in m[name]), (name, labels)
+
+
+def _series(m: dict, name: str, label: str) -> dict[str, float]:
+    return {lbl[label]: v for lbl, v in m.get(name, []) if lbl.get("model") == "morphserve"}
+
+
+def test_trtllm_metric_families_have_trtllm_meanings(server) -> None:
+    run_client(server, "ensemble", client_inputs(PROMPT, 2, False), False)  # one queue-time sample at least
+    for _ in range(100):  # idle: the metrics thread refreshes within its interval
+        m = scrape_metrics(server.metrics_url)
+        if _series(m, "nv_trt_llm_request_metrics", "request_type").get("active") == 0:
+            break
+        threading.Event().wait(0.05)
+    kv = _series(m, "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type")
+    req = _series(m, "nv_trt_llm_request_metrics", "request_type")
+    assert set(kv) == {"max", "free", "used", "tokens_per", "fraction"}
+    assert set(req) == {"active", "max", "scheduled", "context", "waiting"}
+    assert kv["max"] == metric_value(m, "morphserve_kv_blocks_total", model="morphserve") == SERVER_PARAMS["num_kv_blocks"]
+    assert kv["tokens_per"] == 16 and kv["used"] == 0 and kv["free"] == kv["max"] and kv["fraction"] == 0
+    assert req["max"] == SERVER_PARAMS["max_num_seqs"] and req["active"] == req["waiting"] == req["scheduled"] == 0
+    assert metric_value(m, "morphserve_num_preemptions_total", model="morphserve") is not None
+    assert (metric_value(m, "morphserve_request_queue_time_seconds_count", model="morphserve") or 0) >= 1
+
+    client = grpcclient.InferenceServerClient(url=server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    inputs = client_inputs("1, 2, 3, 4,", 48, True, end_id=np.array([[49151]], dtype=np.int32))
+    client.async_stream_infer("tensorrt_llm_bls", [_tensor(n, a) for n, a in inputs.items()])
+    try:
+        got.get(timeout=60)
+        busy = None
+        for _ in range(100):
+            m = scrape_metrics(server.metrics_url)
+            kv = _series(m, "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type")
+            req = _series(m, "nv_trt_llm_request_metrics", "request_type")
+            if req["active"] >= 1 and kv["used"] > 0:
+                busy = (kv, req)
+                break
+            threading.Event().wait(0.05)
+        assert busy is not None, "never saw the running request in nv_trt_llm_request_metrics"
+        kv, req = busy
+        assert kv["free"] == kv["max"] - kv["used"] and kv["fraction"] == pytest.approx(kv["used"] / kv["max"])
+        assert kv["used"] == metric_value(m, "morphserve_kv_blocks_used", model="morphserve")
+        assert req["active"] == metric_value(m, "morphserve_num_requests_running", model="morphserve")
+        assert req["scheduled"] >= 1
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _tensor(name: str, arr: np.ndarray) -> Any:
+    t = grpcclient.InferInput(name, arr.shape, np_to_triton_dtype(arr.dtype))
+    t.set_data_from_numpy(arr)
+    return t
