@@ -17,7 +17,7 @@ from types import FrameType
 
 from serve.logging_setup import configure_logging, get_logger
 from serve.triton.install import TritonLaunchError
-from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY
+from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, write_repository
 from serve.triton.server import TritonServer
 
 log = get_logger("triton_launcher")
@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set any other config.pbtxt parameter (repeatable), e.g. --param max_model_len=2048",
     )
+    p.add_argument(
+        "--write-repository",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="do not start a server: write a self-contained model repository (morphserve, ensemble, "
+        "tensorrt_llm_bls; config.pbtxt filled from the flags above, model.py importing the installed "
+        "morphserve package) to DIR for a Triton container, then exit",
+    )
     p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-level", default="warning", help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
@@ -136,6 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     extra = [a for a in args.extra if a != "--"]
     params = params_from_args(args)
+    if args.write_repository is not None:
+        try:
+            files = write_repository(args.write_repository, params, src=args.model_repository)
+        except TritonLaunchError as e:
+            sys.stderr.write(f"morphserve: {e}\n")
+            return 1
+        sys.stdout.write(f"wrote {len(files)} files to {args.write_repository}; serve it with: tritonserver "
+                         f"--model-repository={args.write_repository.resolve()} (the Python backend's "
+                         "python3 must have morphserve installed)\n")
+        return 0
     srv = TritonServer(
         args.model_repository,
         args.model_name,

@@ -101,6 +101,7 @@ class TritonServer:
         die_with_parent: bool = True,
         keep_log: bool = False,
         also_load: Sequence[str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -111,6 +112,7 @@ class TritonServer:
             also_load = [n for n in TRTLLM_MODEL_NAMES if model_name == DEFAULT_MODEL_NAME
                          and (self.model_repository / n / "config.pbtxt").is_file()]
         self.also_load = [n for n in also_load if n != model_name]
+        self.cwd = Path(cwd) if cwd is not None else REPO_ROOT  # the server's working directory
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -214,7 +216,7 @@ class TritonServer:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(  # noqa: S603 - fixed binary, no shell
             cmd,
-            cwd=str(REPO_ROOT),
+            cwd=str(self.cwd),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,

@@ -140,7 +140,8 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(**kwargs))
         log.info("engine_loaded", model=self.model_name, config=kwargs, load_s=round(time.perf_counter() - t0, 3),
-                 max_model_len=self.engine.max_model_len)
+                 max_model_len=self.engine.max_model_len,
+                 package=str(Path(parse_request.__code__.co_filename).parents[2]))  # where morphserve was imported from
 
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
         self._inflight: dict[str, _InFlight] = {}
