@@ -9,8 +9,10 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PIP := $(VENV)/bin/pip
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_ARGS ?= --runs 3
 
-.PHONY: install test build-engines quality serve bench bench-engine gpu-check clean help
+.PHONY: install test build-engines quality serve bench bench-aiperf bench-engine gpu-check clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -20,6 +22,7 @@ help:
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
+	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
 
 install: $(VENV)/.installed
 
@@ -48,6 +51,15 @@ serve: build-engines
 bench: install
 	$(PY) -m bench.triton --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)
 
+# AIPerf lives in a venv of its own (~1.2 GB, no torch); the workload options are make bench's (BENCH_ARGS).
+$(AIPERF_VENV)/bin/aiperf:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet aiperf==0.13.0
+
+bench-aiperf: install $(AIPERF_VENV)/bin/aiperf
+	$(PY) -m bench.aiperf --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) \
+	  --aiperf $(AIPERF_VENV)/bin/aiperf $(BENCH_ARGS) $(AIPERF_ARGS)
+
 bench-engine: install
 	$(PY) -m bench.engine_throughput
 
@@ -57,4 +69,4 @@ gpu-check:
 	$(PY) -m bench.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) engines .pytest_cache
+	rm -rf $(VENV) $(AIPERF_VENV) engines .pytest_cache
