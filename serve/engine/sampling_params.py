@@ -84,8 +84,9 @@ class SamplingParams:
                 raise TypeError(f"bad_words must be strings, got an element of type {type(w).__name__}")
             if w == "":
                 raise ValueError("bad_words must be non-empty strings")
-        if not isinstance(self.logprobs, bool):
-            raise TypeError(f"logprobs must be a bool, got {self.logprobs!r}")
+        for name in ("logprobs", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def needs_history(self) -> bool:
