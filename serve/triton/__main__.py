@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Endpoints: HTTP POST /v2/models/morphserve/generate and /generate_stream (JSON keys: "
-            "text_input, max_tokens, temperature, top_p, top_k, seed, stop, stream); gRPC streaming "
+            "text_input, max_tokens, temperature, top_p, top_k, seed, stop, stream, and TensorRT-LLM's "
+            "inputs); the same engine also answers as TensorRT-LLM's models ensemble and tensorrt_llm_bls "
+            "([1, 1] tensors, TensorRT-LLM's meanings); gRPC streaming "
             "(python -m serve.triton.client); Prometheus text on the metrics port (/metrics, morphserve_* "
             "and nv_* families). Ports default to $HTTP_PORT, $GRPC_PORT, $METRICS_PORT, then "
             "8000/8001/8002; 0 picks a free port."
