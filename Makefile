@@ -18,7 +18,10 @@ DYNAMO_HTTP_PORT ?= 8080
 DYNAMO_SYSTEM_PORT_BASE ?= 8180
 ROUTER_MODE ?= least-loaded
 
-.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-engine gpu-check clean help
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_ARGS ?= --runs 3
+
+.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine gpu-check clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -29,6 +32,7 @@ help:
 	@echo "make serve-dynamo   REPLICAS workers behind NVIDIA Dynamo's OpenAI frontend on 127.0.0.1:DYNAMO_HTTP_PORT"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
+	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
 
 install: $(VENV)/.installed $(DYNAMO_VENV)/.installed
 
@@ -79,6 +83,15 @@ serve-dynamo: build-engines $(DYNAMO_VENV)/.installed
 bench: install
 	$(PY) -m bench.triton --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)
 
+# AIPerf lives in a venv of its own (~1.2 GB, no torch); the workload options are make bench's (BENCH_ARGS).
+$(AIPERF_VENV)/bin/aiperf:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet aiperf==0.13.0
+
+bench-aiperf: install $(AIPERF_VENV)/bin/aiperf
+	$(PY) -m bench.aiperf --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) \
+	  --aiperf $(AIPERF_VENV)/bin/aiperf $(BENCH_ARGS) $(AIPERF_ARGS)
+
 bench-engine: install
 	$(PY) -m bench.engine_throughput
 
@@ -88,4 +101,4 @@ gpu-check:
 	$(PY) -m bench.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) engines .pytest_cache
+	rm -rf $(VENV) $(DYNAMO_VENV) $(AIPERF_VENV) engines .pytest_cache

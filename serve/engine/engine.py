@@ -19,7 +19,8 @@ from policy import PolicyConfig
 from serve.config import EngineConfig
 from serve.engine.executor import TorchExecutor
 from serve.engine.outputs import FinishReason, RequestOutput
-from serve.engine.sampler import sample
+from serve.engine.logits_processors import RowContext
+from serve.engine.sampler import sample_with_logprobs
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
@@ -102,6 +103,8 @@ class LLMEngine:
         self._stopping = False
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.last_num_scheduled = 0   # sequences in the last iteration's batch
+        self.last_num_context = 0     # of which prefill (context) chunks
         self.last_step_error: str | None = None
         self.consecutive_step_failures = 0
         self._step_listeners: list[Callable[[], None]] = []
@@ -140,6 +143,7 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+        self.bad_words_ids(params)  # raises on a word that tokenizes to nothing
         blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
         if blocks > self.reachable_blocks:
             raise ValueError(f"request needs {blocks} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens}) "
@@ -147,6 +151,16 @@ class LLMEngine:
                              f"{self.config.morph_mode!r} ({self._reach_note}); lower max_tokens, raise "
                              "device_memory, or use a mode that quantizes more layers")
         return ids
+
+    def bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """params.bad_words as token sequences (no special tokens added)."""
+        out = []
+        for word in params.bad_words:
+            ids = self.tokenizer.backend.encode(word, add_special_tokens=False).ids
+            if not ids:
+                raise ValueError(f"bad word {word!r} tokenizes to nothing")
+            out.append(tuple(ids))
+        return tuple(out)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, callback: Callback | None = None,
@@ -172,8 +186,8 @@ class LLMEngine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop),
-                           callback, gen, slo=targets)
+            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
+                           callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params))
             self._requests[rid] = seq
             self.scheduler.add(seq)
             self._wake.notify_all()
@@ -200,8 +214,14 @@ class LLMEngine:
                 self.morph.on_iteration_boundary(self.scheduler)
                 self.morph.cover_deficit(self.scheduler)
             sched = self.scheduler.schedule()
+            self.last_num_scheduled = len(sched.chunks)
+            self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
             produced: list[tuple[Sequence, RequestOutput]] = []
             if sched.chunks:
+                now = self.clock()
+                for c in sched.chunks:
+                    if c.seq.first_scheduled_time is None:
+                        c.seq.first_scheduled_time = now
                 logits, sampled = self.executor.execute(sched.chunks)
                 self.scheduler.on_executed(sched)
                 produced = self._append_tokens(sampled, logits)
@@ -220,11 +240,12 @@ class LLMEngine:
         if not sampled:
             return []
         seqs = [c.seq for c in sampled]
-        logits = self._mask_early_stops(seqs, logits)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        contexts = [self._row_context(s) if s.params.needs_history else None for s in seqs]
+        tokens, logprobs = sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                                self.default_generator, contexts)
         now = self.clock()
         produced = []
-        for seq, tok in zip(seqs, tokens):
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.token_ids.append(tok)
             self.num_generated_tokens += 1
             if seq.first_token_time is None:
@@ -236,21 +257,18 @@ class LLMEngine:
             seq.last_token_time = now
             reason = self._stop_reason(seq, tok)
             if reason is not None:
-                produced.append((seq, self._finish(seq, reason, last_token=tok)))
+                out = self._finish(seq, reason, last_token=tok)
             else:
-                produced.append((seq, self._output(seq, [tok], final=False)))
+                out = self._output(seq, [tok], final=False)
+            if lp is not None:
+                out.new_logprobs = [lp]
+            produced.append((seq, out))
         return produced
 
-    def _mask_early_stops(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """min_tokens: EOS (unless ignored) and stop token ids get -inf until a sequence has min_tokens outputs."""
-        rows = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        for i, s in rows:
-            banned = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.model_config.eos_token_ids))
-            logits[i, sorted(t for t in banned if 0 <= t < logits.shape[-1])] = float("-inf")
-        return logits
+    def _row_context(self, seq: Sequence) -> RowContext:
+        p = seq.params
+        ends = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.model_config.eos_token_ids))
+        return RowContext(seq.token_ids, seq.num_prompt_tokens, ends, seq.bad_words_ids)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
@@ -276,7 +294,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_tokens, new_text=seq.detokenizer.delta(final),
             finished=final, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
+            first_token_time=seq.first_token_time, first_scheduled_time=seq.first_scheduled_time,
         )
 
     def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
@@ -369,6 +387,11 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "scheduler": self.config.scheduler,
                 "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),
+                # the last iteration's batch; 0 once the engine is idle
+                "num_scheduled_last_step": self.last_num_scheduled if self.scheduler.has_work() else 0,
+                "num_context_last_step": self.last_num_context if self.scheduler.has_work() else 0,
+                "max_num_seqs": self.scheduler.max_num_seqs,
+                "block_size": self.config.block_size,
                 "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens,
                 "layers_quantized": self.morph.quantized_by_precision() if self.morph else {},

@@ -26,3 +26,7 @@ class RequestOutput:
     # Monotonic timestamps (time.perf_counter) filled by the engine, for TTFT/ITL accounting.
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # When the scheduler first gave the request a slot (queue time = this - arrival_time).
+    first_scheduled_time: float | None = None
+    # Log-probability of each token in new_token_ids, when SamplingParams.logprobs asked for them.
+    new_logprobs: list[float] | None = None

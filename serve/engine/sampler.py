@@ -1,4 +1,5 @@
-"""Next-token selection: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Next-token selection: greedy, temperature, top-k, top-p, with per-request seeded generators; the
+history-dependent processors (penalties, bad words, min_tokens) and log-probabilities when asked for."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from serve.engine.logits_processors import RowContext, process_row
 from serve.engine.sampling_params import SamplingParams
 
 
@@ -15,18 +17,39 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     A request with a seed owns its generator, so its samples do not depend on what else is in the batch.
     """
+    return sample_with_logprobs(logits, params, generators, default_generator)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                         generators: Sequence[torch.Generator | None], default_generator: torch.Generator,
+                         contexts: Sequence[RowContext | None] | None = None,
+                         ) -> tuple[list[int], list[float | None]]:
+    """Like ``sample``; rows whose params need the sequence's history get it from ``contexts``.
+    Returns (token ids, log-probabilities: None for rows that did not ask for them)."""
     out = logits.argmax(dim=-1).tolist()
+    logprobs: list[float | None] = [None] * len(out)
     for row, p in enumerate(params):
-        if p.greedy:
+        ctx = contexts[row] if contexts is not None else None
+        history = p.needs_history and ctx is not None
+        if p.greedy and not history and not p.logprobs:
             continue
-        probs = _filtered_probs(logits[row], p)
-        gen = generators[row] if generators[row] is not None else default_generator
-        out[row] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return out
+        row_logits = process_row(logits[row], p, ctx) if history else logits[row]
+        if history and p.greedy:
+            out[row] = int(row_logits.argmax().item())
+        if not p.greedy:
+            scaled = row_logits / p.temperature
+            probs = _filtered_probs(scaled, p)
+            gen = generators[row] if generators[row] is not None else default_generator
+            out[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        else:
+            scaled = row_logits
+        if p.logprobs:
+            logprobs[row] = float(torch.log_softmax(scaled, dim=-1)[out[row]].item())
+    return out, logprobs
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    logits = logits / p.temperature
+    """logits already divided by the temperature -> top-k / top-p filtered probabilities."""
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -8,10 +8,20 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Options with vLLM's meanings. temperature == 0 means greedy; top_k == 0 means no top-k."""
+    """Options with vLLM's meanings. temperature == 0 means greedy; top_k == 0 means no top-k.
+
+    Penalties follow TensorRT-LLM (and transformers for repetition_penalty): all three look at every
+    token of the sequence so far, prompt included. repetition_penalty divides positive logits and
+    multiplies negative ones of the tokens seen (1 = off); presence_penalty subtracts a constant from
+    them, frequency_penalty subtracts its value times the token's count (0 = off). min_tokens blocks
+    every end token (EOS unless ignore_eos, stop_token_ids) until that many tokens are generated.
+    bad_words are strings the engine tokenizes; a word's last token is banned wherever the tokens
+    before it were just generated (transformers' NoBadWordsLogitsProcessor). logprobs: report each
+    sampled token's log-probability under the distribution it was drawn from (after penalties, bans
+    and temperature, before top-k/top-p).
+    """
 
     max_tokens: int = 16
-    min_tokens: int = 0    # EOS and stop_token_ids cannot be sampled before this many output tokens
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -19,6 +29,13 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's name; TensorRT-LLM's stop_words behave this way
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -29,8 +46,6 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.min_tokens and self.stop:
             raise ValueError("min_tokens together with stop strings is not supported (stop strings would fire early)")
         if not (0.0 <= self.temperature < math.inf):  # also rejects NaN
@@ -49,6 +64,37 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise TypeError(f"stop_token_ids must be integers, got {t!r}")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-math.inf < value < math.inf):
+                raise ValueError(f"{name} must be a finite number (0 = off), got {value!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for w in self.bad_words:
+            if not isinstance(w, str):
+                raise TypeError(f"bad_words must be strings, got an element of type {type(w).__name__}")
+            if w == "":
+                raise ValueError("bad_words must be non-empty strings")
+        for name in ("logprobs", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler must look at the sequence's tokens (penalties, min_tokens, bad words)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or bool(self.bad_words))
 
     @property
     def greedy(self) -> bool:

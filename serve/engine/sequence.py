@@ -39,6 +39,8 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     slo: RequestSLO = field(default_factory=RequestSLO)  # resolved by the engine: every target set
+    first_scheduled_time: float | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
 
     def __post_init__(self) -> None:
         if not self.token_ids:

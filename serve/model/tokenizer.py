@@ -104,9 +104,10 @@ class IncrementalDetokenizer:
     so a client never sees part of a stop string.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop  # keep the stop string at the end of the text (TensorRT-LLM's way)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""          # full decoded text so far (stable part)
@@ -124,7 +125,7 @@ class IncrementalDetokenizer:
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
                 cut, self.stopped_by = min(hits)
-                self.text = self.text[:cut]
+                self.text = self.text[:cut + (len(self.stopped_by) if self.include_stop else 0)]
 
     def delta(self, final: bool) -> str:
         if final and self.stopped_by is None:

@@ -17,7 +17,7 @@ from types import FrameType
 
 from serve.logging_setup import configure_logging, get_logger
 from serve.triton.install import TritonLaunchError
-from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY
+from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, write_repository
 from serve.triton.server import TritonServer
 
 log = get_logger("triton_launcher")
@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Endpoints: HTTP POST /v2/models/morphserve/generate and /generate_stream (JSON keys: "
-            "text_input, max_tokens, temperature, top_p, top_k, seed, stop, stream); gRPC streaming "
+            "text_input, max_tokens, temperature, top_p, top_k, seed, stop, stream, and TensorRT-LLM's "
+            "inputs); the same engine also answers as TensorRT-LLM's models ensemble and tensorrt_llm_bls "
+            "([1, 1] tensors, TensorRT-LLM's meanings); gRPC streaming "
             "(python -m serve.triton.client); Prometheus text on the metrics port (/metrics, morphserve_* "
             "and nv_* families). Ports default to $HTTP_PORT, $GRPC_PORT, $METRICS_PORT, then "
             "8000/8001/8002; 0 picks a free port."
@@ -84,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="set any other config.pbtxt parameter (repeatable), e.g. --param max_model_len=2048",
+    )
+    p.add_argument(
+        "--write-repository",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="do not start a server: write a self-contained model repository (morphserve, ensemble, "
+        "tensorrt_llm_bls; config.pbtxt filled from the flags above, model.py importing the installed "
+        "morphserve package) to DIR for a Triton container, then exit",
     )
     p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -136,6 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     extra = [a for a in args.extra if a != "--"]
     params = params_from_args(args)
+    if args.write_repository is not None:
+        try:
+            files = write_repository(args.write_repository, params, src=args.model_repository)
+        except TritonLaunchError as e:
+            sys.stderr.write(f"morphserve: {e}\n")
+            return 1
+        sys.stdout.write(f"wrote {len(files)} files to {args.write_repository}; serve it with: tritonserver "
+                         f"--model-repository={args.write_repository.resolve()} (the Python backend's "
+                         "python3 must have morphserve installed)\n")
+        return 0
     srv = TritonServer(
         args.model_repository,
         args.model_name,

@@ -14,6 +14,14 @@ _TTFT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0]
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0]
+_QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
+# TensorRT-LLM's gauge families (tensorrtllm_backend's custom metrics reporter): label -> what we export.
+# kv_cache_block_type: max = blocks in the pool now (it grows when layers are quantized), free, used,
+# tokens_per = tokens per block, fraction = used / max.
+# request_type: active = requests in the running batch, max = the cap on it (max_num_seqs), scheduled =
+# sequences in the last iteration, context = of which prefill (context) chunks, waiting = queued.
+TRTLLM_KV_TYPES = ("max", "free", "used", "tokens_per", "fraction")
+TRTLLM_REQUEST_TYPES = ("active", "max", "scheduled", "context", "waiting")
 _E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 
 
@@ -81,6 +89,24 @@ class Metrics:
         self._finished: dict[str, Any] = {}
         self._last_swaps = 0.0
         self._last_restores = 0.0
+        self._last_preemptions = 0.0
+        self.preemptions = g("morphserve_num_preemptions_total",
+                             "Running requests preempted (KV blocks freed, recomputed later).", "COUNTER")
+        self.queue_time = _Histogram(self._pb, self._families, "morphserve_request_queue_time_seconds",
+                                     "Time from arrival at the engine to first scheduling.", self._labels,
+                                     _QUEUE_BUCKETS)
+        self._trtllm_kv = self._labelled("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics",
+                                         "kv_cache_block_type", TRTLLM_KV_TYPES)
+        self._trtllm_requests = self._labelled("nv_trt_llm_request_metrics", "TRT LLM request metrics",
+                                               "request_type", TRTLLM_REQUEST_TYPES)
+
+    def _labelled(self, name: str, description: str, label: str, values: tuple[str, ...]) -> dict[str, Any]:
+        """One gauge family with one metric per value of ``label`` (all present from the start, at 0)."""
+        fam = self._new_family(name, description, "GAUGE")
+        out = {v: fam.Metric(labels={**self._labels, label: v}) for v in values}
+        for m in out.values():
+            m.set(0.0)
+        return out
 
     def _new_family(self, name: str, description: str, kind: str) -> Any:
         fam = self._pb.MetricFamily(name=name, description=description, kind=getattr(self._pb.MetricFamily, kind))
@@ -113,6 +139,24 @@ class Metrics:
             if restores > self._last_restores:
                 self.restores.increment(restores - self._last_restores)
                 self._last_restores = restores
+            preemptions = float(stats.get("num_preemptions", 0))
+            if preemptions > self._last_preemptions:
+                self.preemptions.increment(preemptions - self._last_preemptions)
+                self._last_preemptions = preemptions
+            self._update_trtllm(stats)
+
+    def _update_trtllm(self, stats: dict[str, Any]) -> None:
+        total = float(stats.get("kv_blocks_total", 0))
+        used = float(stats.get("kv_blocks_used", 0))
+        kv = {"max": total, "free": total - used, "used": used, "tokens_per": float(stats.get("block_size", 0)),
+              "fraction": used / total if total else 0.0}
+        for key, value in kv.items():
+            self._trtllm_kv[key].set(value)
+        requests = {"active": stats.get("num_running", 0), "max": stats.get("max_num_seqs", 0),
+                    "scheduled": stats.get("num_scheduled_last_step", 0),
+                    "context": stats.get("num_context_last_step", 0), "waiting": stats.get("num_waiting", 0)}
+        for key, value in requests.items():
+            self._trtllm_requests[key].set(float(value))
 
     def request_finished(self, reason: str, prompt_tokens: int) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ themselves are validated once, by ``SamplingParams`` (the engine's), when the mo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,27 @@ class ParsedRequest:
     stop: tuple[str, ...]
     stream: bool
     ignore_eos: bool = False
+    # TensorRT-LLM's inputs (serve/triton/trtllm.py has the rest of that contract).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    return_log_probs: bool = False
+    exclude_input_in_output: bool = True  # morphserve's default; TRT-LLM's models send False unless asked
+    end_id: int | None = None
+    include_stop_str: bool = False        # stop_words (TensorRT-LLM) end the answer with the stop string
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's SamplingParams (which validates the values).
+
+        end_id replaces the model's end-of-sequence token, as in TensorRT-LLM."""
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos or self.end_id is not None,
+                    stop_token_ids=() if self.end_id is None else (self.end_id,),
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words,
+                    logprobs=self.return_log_probs, include_stop_str_in_output=self.include_stop_str)
 
 
 def _scalar(get_input: InputGetter, name: str, kind: str) -> Any:
@@ -58,8 +79,16 @@ def _utf8(value: Any, name: str) -> str:
     raise InputError(f"{name} must be a string, got {type(value).__name__}")
 
 
-def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
-    """Validate a Triton request's inputs; raise InputError with a message meant for the client."""
+def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tokens: int,
+                  parameters: str | Mapping[str, Any] | None = None) -> ParsedRequest:
+    """Validate a Triton request's inputs; raise InputError with a message meant for the client.
+
+    ``parameters`` (a request's JSON parameters: over HTTP generate, the JSON keys that are not inputs)
+    may carry any known option by its input name or alias; unknown ones are rejected."""
+    from serve.triton.trtllm import check_unsupported, with_parameters  # noqa: PLC0415 - sibling helper
+
+    get_input = with_parameters(get_input, parameters)
+    check_unsupported(get_input)
     arr = get_input("text_input")
     if arr is None:
         raise InputError("missing required input 'text_input' (TYPE_STRING, shape [1]): the prompt text")
@@ -84,18 +113,64 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
     top_k = 0 if tk is None else int(tk)
 
     sd = _scalar(get_input, "seed", "UINT64")
+    if sd is None:
+        sd = _scalar(get_input, "random_seed", "UINT64")
     seed = None if sd is None else int(sd)
 
-    stop: tuple[str, ...] = ()
-    st = get_input("stop")
-    if st is not None:
-        stop = tuple(_utf8(v, "stop") for v in st.reshape(-1))
+    stop = _strings(get_input, "stop")
+    stop_words = _strings(get_input, "stop_words")
+    if stop and stop_words:
+        raise InputError("send either stop (the answer ends before the stop string) or stop_words "
+                         "(TensorRT-LLM: the answer ends with it), not both")
 
     sm = _scalar(get_input, "stream", "BOOL")
     stream = bool(sm) if sm is not None else False
     ie = _scalar(get_input, "ignore_eos", "BOOL")
     ignore_eos = bool(ie) if ie is not None else False
-    return ParsedRequest(prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream, ignore_eos)
+    out = ParsedRequest(prompt, max_tokens, temperature, top_p, top_k, seed, stop or stop_words, stream, ignore_eos)
+    out.include_stop_str = bool(stop_words)
+    _parse_trtllm_options(get_input, out)
+    return out
+
+
+def _strings(get_input: InputGetter, name: str) -> tuple[str, ...]:
+    """A list-of-strings input (any shape; empty strings dropped, as TensorRT-LLM clients send [""])."""
+    arr = get_input(name)
+    if arr is None:
+        return ()
+    return tuple(t for t in (_utf8(v, name) for v in arr.reshape(-1)) if t)
+
+
+def _optional(get_input: InputGetter, name: str, kind: str, default: Any, cast: Callable[[Any], Any]) -> Any:
+    v = _scalar(get_input, name, kind)
+    return default if v is None else cast(v)
+
+
+def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest) -> None:
+    """TensorRT-LLM's sampling inputs; single-sequence limits (beam_width, num_return_sequences) checked."""
+    beam = _optional(get_input, "beam_width", "INT32", 1, int)
+    if beam != 1:
+        raise InputError(f"beam_width={beam} is not supported: this engine samples one sequence per request "
+                         "(beam search is not implemented); send beam_width=1")
+    n = _optional(get_input, "num_return_sequences", "INT32", 1, int)
+    if n != 1:
+        raise InputError(f"num_return_sequences={n} is not supported: send one request per sequence "
+                         "(num_return_sequences=1)")
+    out.repetition_penalty = _optional(get_input, "repetition_penalty", "FP32", 1.0, float)
+    out.presence_penalty = _optional(get_input, "presence_penalty", "FP32", 0.0, float)
+    out.frequency_penalty = _optional(get_input, "frequency_penalty", "FP32", 0.0, float)
+    out.min_tokens = _optional(get_input, "min_length", "INT32", 0, int)
+    out.bad_words = _strings(get_input, "bad_words")
+    out.return_log_probs = _optional(get_input, "return_log_probs", "BOOL", False, bool)
+    out.exclude_input_in_output = _optional(get_input, "exclude_input_in_output", "BOOL", True, bool)
+    out.end_id = _optional(get_input, "end_id", "INT32", None, int)
+    if out.end_id is not None and out.end_id < 0:
+        raise InputError(f"end_id must be a token id >= 0, got {out.end_id}")
+    pad = _optional(get_input, "pad_id", "INT32", None, int)
+    if pad is not None and pad < 0:
+        raise InputError(f"pad_id must be a token id >= 0, got {pad}")
+    # length_penalty only steers beam search in TensorRT-LLM; with beam_width 1 it has no effect there either.
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,13 @@ from serve.triton.install import (
     make_backend_dir,
     server_env,
 )
-from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, render_model_repository
+from serve.triton.repository import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_REPOSITORY,
+    REPO_ROOT,
+    TRTLLM_MODEL_NAMES,
+    render_model_repository,
+)
 
 LOOPBACK = "127.0.0.1"
 
@@ -94,10 +100,19 @@ class TritonServer:
         workdir: str | os.PathLike[str] | None = None,
         die_with_parent: bool = True,
         keep_log: bool = False,
+        also_load: Sequence[str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
         self.params = dict(params or {})
+        # Models loaded beside model_name: by default TensorRT-LLM's names (BLS models over the engine
+        # model) when the repository has them and the engine model is the default one.
+        if also_load is None:
+            also_load = [n for n in TRTLLM_MODEL_NAMES if model_name == DEFAULT_MODEL_NAME
+                         and (self.model_repository / n / "config.pbtxt").is_file()]
+        self.also_load = [n for n in also_load if n != model_name]
+        self.cwd = Path(cwd) if cwd is not None else REPO_ROOT  # the server's working directory
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -145,6 +160,7 @@ class TritonServer:
             f"--backend-directory={backend_dir}",
             "--model-control-mode=explicit",
             f"--load-model={self.model_name}",
+            *[f"--load-model={name}" for name in self.also_load],
             "--disable-auto-complete-config",
             "--strict-readiness=true",
             f"--http-address={LOOPBACK}",
@@ -180,7 +196,8 @@ class TritonServer:
         repository = self.model_repository
         if self.params:
             repository = render_model_repository(
-                self.model_repository, self.workdir / "model_repository", self.model_name, self.params
+                self.model_repository, self.workdir / "model_repository", self.model_name, self.params,
+                also=tuple(self.also_load),
             )
         env = server_env(self.python_bin_dir, self.use_gpu)
         cmd = self.command(inst, backend_dir, repository)
@@ -199,7 +216,7 @@ class TritonServer:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(  # noqa: S603 - fixed binary, no shell
             cmd,
-            cwd=str(REPO_ROOT),
+            cwd=str(self.cwd),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
@@ -246,10 +263,8 @@ class TritonServer:
     def is_ready(self) -> bool:
         """Server ready and the model ready (one pair of HTTP probes)."""
         base = f"http://{self.http_url}"
-        return (
-            self._get(f"{base}/v2/health/ready") == 200
-            and self._get(f"{base}/v2/models/{self.model_name}/ready") == 200
-        )
+        return self._get(f"{base}/v2/health/ready") == 200 and all(
+            self._get(f"{base}/v2/models/{name}/ready") == 200 for name in (self.model_name, *self.also_load))
 
     def wait_ready(self, timeout: float = 180.0, poll_s: float = 0.1) -> float:
         """Block until the server and the model report ready; return seconds since start().

@@ -31,13 +31,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-if str(REPO_ROOT) not in sys.path:  # a plain checkout without `pip install -e .`
-    sys.path.append(str(REPO_ROOT))
+if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkout-fallback: a plain checkout
+    sys.path.append(str(REPO_ROOT))  # checkout-fallback (python -m serve.triton --write-repository drops these)
 
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
 from serve.triton.request_inputs import InputError, parse_request, parse_slo_inputs  # noqa: E402
+from serve.triton.trtllm import cancel_target, with_parameters  # noqa: E402
 
 log = get_logger("triton_model")
 
@@ -70,6 +71,9 @@ class _InFlight:
     first_token_time: float | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    prefix: str = ""            # the prompt, when a non-streaming answer must start with it
+    sent_logprobs: int = 0      # streaming: log-probabilities already sent
+    logprobs: list[float] | None = None  # return_log_probs: every generated token's log-probability
 
 
 def _input_array(request: Any, name: str) -> np.ndarray | None:
@@ -77,15 +81,25 @@ def _input_array(request: Any, name: str) -> np.ndarray | None:
     return None if t is None else t.as_numpy()
 
 
-def _response(text: str, num_input: int, num_output: int, finish_reason: str) -> Any:
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("num_input_tokens", np.array([num_input], dtype=np.int32)),
-            pb_utils.Tensor("num_output_tokens", np.array([num_output], dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
-        ]
-    )
+def _response(text: str, num_input: int, num_output: int, finish_reason: str,
+              logprobs: tuple[list[float], float] | None = None) -> Any:
+    """One response; ``logprobs`` = (this response's tokens' log-probabilities, cumulative sum)."""
+    tensors = [
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([num_input], dtype=np.int32)),
+        pb_utils.Tensor("num_output_tokens", np.array([num_output], dtype=np.int32)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+    ]
+    if logprobs is not None:
+        tensors.append(pb_utils.Tensor("output_log_probs", np.array(logprobs[0], dtype=np.float32)))
+        tensors.append(pb_utils.Tensor("cum_log_probs", np.array([logprobs[1]], dtype=np.float32)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _queue_time(out: Any) -> float | None:
+    """Seconds between the engine's arrival and first scheduling of the request (engine clock)."""
+    first = getattr(out, "first_scheduled_time", None)
+    return None if first is None else max(0.0, first - out.arrival_time)
 
 
 def _error_response(message: str, code: Any = None) -> Any:
@@ -126,7 +140,8 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(**kwargs))
         log.info("engine_loaded", model=self.model_name, config=kwargs, load_s=round(time.perf_counter() - t0, 3),
-                 max_model_len=self.engine.max_model_len)
+                 max_model_len=self.engine.max_model_len,
+                 package=str(Path(parse_request.__code__.co_filename).parents[2]))  # where morphserve was imported from
 
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
         self._inflight: dict[str, _InFlight] = {}
@@ -161,17 +176,26 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         request_id = uuid.uuid4().hex
         client_id = request.request_id() or ""
+        target = cancel_target(request.parameters())
+        if target is not None:  # a BLS model passing on its client's cancellation
+            self._cancel_client_request(target)
+            sender.send(flags=FINAL)
+            return
         try:
-            parsed = parse_request(lambda name: _input_array(request, name), self.max_tokens_limit, self.default_max_tokens)
-            params = self._SamplingParams(
-                max_tokens=parsed.max_tokens, temperature=parsed.temperature, top_p=parsed.top_p,
-                top_k=parsed.top_k, seed=parsed.seed, stop=parsed.stop,
-                ignore_eos=parsed.ignore_eos)
-            slo = self._RequestSLO(**dataclasses.asdict(parse_slo_inputs(lambda name: _input_array(request, name))))
+            get_input = lambda name: _input_array(request, name)  # noqa: E731
+            parsed = parse_request(get_input, self.max_tokens_limit, self.default_max_tokens,
+                                   parameters=request.parameters())
+            params = self._SamplingParams(**parsed.sampling_kwargs())
+            slo_inputs = parse_slo_inputs(with_parameters(get_input, request.parameters()))
+            slo = self._RequestSLO(**dataclasses.asdict(slo_inputs))
         except (InputError, ValueError, TypeError) as exc:
             self._reject(sender, request_id, client_id, str(exc))
             return
         inflight = _InFlight(request_id, client_id, request, sender, parsed.stream, arrival)
+        if not parsed.stream and not parsed.exclude_input_in_output:
+            inflight.prefix = parsed.prompt  # TensorRT-LLM: the answer repeats the prompt unless excluded
+        if parsed.return_log_probs:
+            inflight.logprobs = []
         with self._lock:
             self._inflight[request_id] = inflight
         try:
@@ -264,23 +288,32 @@ class TritonPythonModel:
                                                  pb_utils.TritonError.INTERNAL), flags=FINAL)
             self._finished(inflight, reason or "error", t, error=out.error)
             return
+        if inflight.logprobs is not None and out.new_logprobs:
+            inflight.logprobs.extend(out.new_logprobs)
         if inflight.stream:
             if out.new_text or out.finished:
+                lp = None if inflight.logprobs is None else (inflight.logprobs[inflight.sent_logprobs:],
+                                                             float(sum(inflight.logprobs)))
+                inflight.sent_logprobs = len(inflight.logprobs or ())
                 inflight.sender.send(_response(out.new_text, out.num_prompt_tokens, out.num_output_tokens,
-                                               reason if out.finished else ""),
+                                               reason if out.finished else "", lp),
                                      flags=FINAL if out.finished else 0)
         else:
             if out.new_text:
                 inflight.parts.append(out.new_text)
             if out.finished:
-                inflight.sender.send(_response("".join(inflight.parts), out.num_prompt_tokens,
-                                               out.num_output_tokens, reason), flags=FINAL)
+                lp = None if inflight.logprobs is None else (inflight.logprobs, float(sum(inflight.logprobs)))
+                inflight.sender.send(_response(inflight.prefix + "".join(inflight.parts), out.num_prompt_tokens,
+                                               out.num_output_tokens, reason, lp), flags=FINAL)
         if out.finished:
-            self._finished(inflight, reason, t)
+            self._finished(inflight, reason, t, queue_s=_queue_time(out))
 
-    def _finished(self, inflight: _InFlight, reason: str, t: float, error: str | None = None) -> None:
+    def _finished(self, inflight: _InFlight, reason: str, t: float, error: str | None = None,
+                  queue_s: float | None = None) -> None:
         e2e = t - inflight.arrival
         self.metrics.e2e.observe(e2e)
+        if queue_s is not None:
+            self.metrics.queue_time.observe(queue_s)
         self.metrics.request_finished(reason or "unknown", inflight.num_input_tokens)
         ttft = None if inflight.first_token_time is None else round(inflight.first_token_time - inflight.arrival, 6)
         log.info("request_finished", request_id=inflight.request_id, client_request_id=inflight.client_request_id,
@@ -296,22 +329,31 @@ class TritonPythonModel:
                 cancelled = inflight.request.is_cancelled()
             except Exception:  # noqa: BLE001 - request already released
                 cancelled = False
-            if not cancelled:
-                continue
-            with self._lock:
-                if self._inflight.pop(inflight.request_id, None) is None:
-                    continue  # finished meanwhile
-            aborted = self.engine.abort_request(inflight.request_id)  # frees its KV blocks now
-            log.info("request_cancelled", request_id=inflight.request_id,
-                     client_request_id=inflight.client_request_id, num_output_tokens=inflight.num_output_tokens,
-                     aborted_in_engine=aborted)
-            self.metrics.request_finished("cancelled", inflight.num_input_tokens)
-            try:
-                inflight.sender.send(_error_response("request cancelled by the client",
-                                                     pb_utils.TritonError.CANCELLED), flags=FINAL)
-            except Exception:  # noqa: BLE001 - the stream may be gone already
-                pass
-            self._stats_dirty.set()
+            if cancelled:
+                self._cancel(inflight)
+
+    def _cancel_client_request(self, client_id: str) -> None:
+        with self._lock:
+            matches = [f for f in self._inflight.values() if f.client_request_id == client_id]
+        for inflight in matches:
+            self._cancel(inflight)
+
+    def _cancel(self, inflight: _InFlight) -> None:
+        """Abort a cancelled request in the engine (frees its KV blocks) and answer it CANCELLED."""
+        with self._lock:
+            if self._inflight.pop(inflight.request_id, None) is None:
+                return  # finished meanwhile
+        aborted = self.engine.abort_request(inflight.request_id)  # frees its KV blocks now
+        log.info("request_cancelled", request_id=inflight.request_id,
+                 client_request_id=inflight.client_request_id, num_output_tokens=inflight.num_output_tokens,
+                 aborted_in_engine=aborted)
+        self.metrics.request_finished("cancelled", inflight.num_input_tokens)
+        try:
+            inflight.sender.send(_error_response("request cancelled by the client",
+                                                 pb_utils.TritonError.CANCELLED), flags=FINAL)
+        except Exception:  # noqa: BLE001 - the stream may be gone already
+            pass
+        self._stats_dirty.set()
 
     # ---- metrics thread --------------------------------------------------------------------------
     def _metrics_loop(self) -> None:

@@ -1,0 +1,1 @@
+../../tensorrt_llm_bls/1/model.py
