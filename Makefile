@@ -4,6 +4,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ENGINE_DIR ?= engines/$(MODEL)
+# morph-level TensorRT-LLM checkpoints: empty = the default ladders, "none" skips them, else e.g. int4@50,int8@25
+LEVELS ?=
 PY := $(VENV)/bin/python
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
@@ -26,7 +28,8 @@ AIPERF_ARGS ?= --runs 3
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
 	@echo "make test           run the test suite"
-	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants; a no-op when up to date)"
+	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + TensorRT-LLM checkpoints;"
+	@echo "                    LEVELS=int4@50,int8@25 or LEVELS=none picks the morph levels; a no-op when up to date)"
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make serve-dynamo   REPLICAS workers behind NVIDIA Dynamo's OpenAI frontend on 127.0.0.1:DYNAMO_HTTP_PORT"
@@ -65,7 +68,7 @@ test: install
 	$(PY) -m pytest -q
 
 build-engines: install
-	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(BUILD_ARGS)
+	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)
 
 QUALITY_TEXT ?= ../shared/data/text/botchan.txt
 quality: build-engines

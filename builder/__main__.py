@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from builder import defaults
+from builder import defaults, levels
 from builder.errors import BuildError
 
 PRECISIONS = defaults.PRECISIONS
@@ -26,6 +26,13 @@ def _precisions(value: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"unknown precision {', '.join(unknown) or '(none given)'}; choose from {', '.join(PRECISIONS)}")
     return names
+
+
+def _levels(value: str) -> tuple[str, ...] | None:
+    try:
+        return levels.parse_levels(value)
+    except levels.LevelSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(value: str) -> int:
@@ -60,7 +67,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with N x layers^3 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="torch seed (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="rebuild even if the engine directory is up to date")
-    p.add_argument("--no-trtllm", dest="trtllm", action="store_false", help="skip the TensorRT-LLM checkpoint export")
+    p.add_argument("--no-trtllm", dest="trtllm", action="store_false",
+                   help="skip the TensorRT-LLM checkpoint export (full-precision, per-precision and level checkpoints)")
+    p.add_argument("--levels", type=_levels, default=None, metavar="SPEC",
+                   help="morph levels to export as mixed-precision TensorRT-LLM checkpoints: comma-separated "
+                        "PRECISION@PERCENT[+PRECISION@PERCENT] (first PERCENT of the LIS swap order at PRECISION, "
+                        "int8 or int4), 'default' (the ladders of policy/modes.py: "
+                        f"{','.join(levels.default_levels())}) or 'none' (default: default)")
+    p.add_argument("--no-levels", dest="levels", action="store_const", const=(),
+                   help="skip the morph-level checkpoints (same as --levels none)")
+    p.add_argument("--kv-block-size", type=_positive, default=defaults.KV_BLOCK_SIZE,
+                   help="tokens per KV block for the levels' kv_blocks_freed (default: %(default)s, the serving default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars, warnings-only logs")
     return p.parse_args(argv)
 
@@ -75,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = BuildOptions(model=args.model, output=args.output, precisions=args.precisions, group_size=args.group_size,
                         calib_text=args.calib_text, calib_tokens=args.calib_tokens,
                         profile_tokens=args.profile_tokens, seed=args.seed, force=args.force, trtllm=args.trtllm,
-                        progress=not args.quiet)
+                        levels=args.levels, kv_block_size=args.kv_block_size, progress=not args.quiet)
     try:
         outcome = build_engine(opts)
     except BuildError as exc:

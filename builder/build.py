@@ -2,7 +2,9 @@
 
 Order of work (all inside a staging directory, see serve/model/engine_dir.py; the manifest is written last):
 model files -> for each precision: modelopt calibration + per-layer variant files (+ TensorRT-LLM
-checkpoint) -> layer-importance profile on the int4 variants -> profile.json -> manifest.json -> rename.
+checkpoint) -> layer-importance profile on the int4 variants -> profile.json -> TensorRT-LLM full-precision
+checkpoint + one mixed-precision checkpoint per morph level (builder/levels.py; they need the swap order)
+-> manifest.json -> rename.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ import torch
 from tqdm import tqdm
 
 from builder import defaults, importance
+from builder import levels as lv
 from builder.calibration import CalibrationData, calibration_text, load_calibration, text_sha256
 from builder.errors import BuildError
 from builder.forward import DenseLlama
-from builder.trtllm_export import export_precision, fp8_w8a8_model, trtllm_available
+from builder.trtllm_export import (
+    export_full,
+    export_levels,
+    export_precision,
+    fp8_w8a8_model,
+    source_dtype,
+    trtllm_available,
+)
 from builder.variants import VariantResult, build_variants
 from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS
 from serve.logging_setup import get_logger
@@ -55,6 +65,9 @@ class BuildOptions:
     seed: int = 0
     force: bool = False
     trtllm: bool = True
+    levels: tuple[str, ...] | None = None
+    """Morph levels to export (builder/levels.py names); None = lv.default_levels(), () = none."""
+    kv_block_size: int = defaults.KV_BLOCK_SIZE
     progress: bool = True
 
 
@@ -88,6 +101,31 @@ def check_precisions(precisions: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(precisions))
 
 
+def resolve_levels(opts: BuildOptions) -> tuple[tuple[str, ...], list[dict[str, str]]]:
+    """The level names this build exports and the ones it leaves out (with why).
+
+    Explicit levels must use built precisions (BuildError otherwise); default levels whose precision is
+    not built are left out and reported."""
+    if opts.levels is not None:
+        try:
+            names = tuple(dict.fromkeys(lv.parse_level(n).name for n in opts.levels))
+        except lv.LevelSpecError as exc:
+            raise BuildError(str(exc)) from exc
+        for name in names:
+            missing = [p for p in lv.parse_level(name).precisions if p not in opts.precisions]
+            if missing:
+                raise BuildError(f"level {name} needs the {', '.join(missing)} variants; add them to --precisions "
+                                 f"(building {', '.join(opts.precisions)})")
+    else:
+        names = lv.default_levels()
+    if not opts.trtllm:
+        return (), ([{"level": n, "reason": "the TensorRT-LLM export is disabled (--no-trtllm)"} for n in names])
+    keep = tuple(n for n in names if all(p in opts.precisions for p in lv.parse_level(n).precisions))
+    left = [{"level": n, "reason": f"its precisions are not built (--precisions {','.join(opts.precisions)})"}
+            for n in names if n not in keep]
+    return keep, left
+
+
 def check_output_writable(final: Path) -> None:
     if final.exists() and not final.is_dir():
         raise BuildError(f"output {final} exists and is not a directory")
@@ -118,6 +156,7 @@ def source_record(source: str) -> dict[str, Any]:
 def requested_params(opts: BuildOptions) -> dict[str, Any]:
     """Everything that determines the build output besides the source (compared for idempotency)."""
     source, text = calibration_text(opts.calib_text)
+    levels, _ = resolve_levels(opts)
     return {
         "format_version": ed.FORMAT_VERSION,
         "precisions": list(opts.precisions),
@@ -128,6 +167,7 @@ def requested_params(opts: BuildOptions) -> dict[str, Any]:
         "profile_precision": PROFILE_PRECISION,
         "seed": opts.seed,
         "trtllm_export": opts.trtllm,
+        "levels": {"names": list(levels), "kv_block_size": opts.kv_block_size},
     }
 
 
@@ -190,6 +230,8 @@ def build_engine(opts: BuildOptions) -> BuildOutcome:
     start = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     opts = dataclasses.replace(opts, precisions=check_precisions(tuple(opts.precisions)))
+    if opts.kv_block_size < 1:
+        raise BuildError(f"--kv-block-size must be positive, got {opts.kv_block_size}")
     source = source_record(opts.model)
     final = Path(opts.output) if opts.output else default_output(opts.model)
     check_output_writable(final)
@@ -231,6 +273,10 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
     files = ed.write_model_files(stage, loaded)
     hf = hf_llama(loaded)
     batches = calib.batches()
+    level_names, levels_left_out = resolve_levels(opts)
+    level_precisions = {p for n in level_names for p in lv.parse_level(n).precisions}
+    level_models: dict[str, torch.nn.Module | None] = {}
+    dtype, dtype_reason = source_dtype(Path(source["path"]), loaded.source_tensor_types)
     needed = list(opts.precisions) + ([PROFILE_PRECISION] if PROFILE_PRECISION not in opts.precisions else [])
     layers: list[dict[str, Any]] = [{"layer": i, "full_nbytes": _full_layer_bytes(loaded, i), "variants": {}}
                                     for i in range(cfg.num_layers)]
@@ -249,7 +295,9 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
                       disable=not opts.progress):
             layers[i]["variants"][precision] = ed.write_layer_variant(stage, i, precision, result.layers[i])
         if opts.trtllm:
-            trtllm[precision] = _export_trtllm(stage, hf, result, batches, cfg)
+            trtllm[precision] = _export_trtllm(stage, hf, result, batches, cfg, dtype)
+        if precision in level_precisions:  # kept for the level checkpoints, which need the swap order
+            level_models[precision] = result.quantized_model
         result.quantized_model = None
     assert profile_variants is not None
     log.info("profiling_layers", tokens=opts.profile_tokens)
@@ -267,6 +315,16 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
     }
     ed.write_json(stage / ed.PROFILE, profile_json)
     files[ed.PROFILE] = ed.file_record(stage, ed.PROFILE)
+    full_record: dict[str, Any] | None = None
+    levels: dict[str, Any] = {"enabled": False, "entries": {}, "skipped": levels_left_out}
+    if opts.trtllm:
+        log.info("exporting_trtllm_full", dtype=dtype)
+        full_record = export_full(hf, stage, cfg, dtype)
+        full_record["dtype_reason"] = dtype_reason
+        if level_names:
+            levels = export_levels(stage, hf, level_models, list(level_names), profile_json["order"], cfg, dtype,
+                                   group_size, opts.kv_block_size, full_record, levels_left_out)
+    level_models.clear()
     available, reason = trtllm_available()
     return {
         "format_version": ed.FORMAT_VERSION,
@@ -285,7 +343,9 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
         "quantization": quantization,
         "layers": layers,
         "trtllm": {"enabled": opts.trtllm, "tensorrt_llm_available": available,
-                   "compile_skipped_reason": None if available else reason, "precisions": trtllm},
+                   "compile_skipped_reason": None if available else reason, "full": full_record,
+                   "precisions": trtllm},
+        "levels": levels,
         "build": {"params": params, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}},
         "versions": _versions(),
@@ -293,7 +353,7 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
 
 
 def _export_trtllm(stage: Path, hf: torch.nn.Module, result: VariantResult, batches: list[torch.Tensor],
-                   cfg: ModelConfig) -> dict[str, Any]:
+                   cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     if result.quantized_model is None:
         return {"dir": None, "status": "failed", "files": [], "engine_built": False,
                 "error": f"no modelopt model to export (RTN fallback: {result.fallback_reason})"}
@@ -305,7 +365,7 @@ def _export_trtllm(stage: Path, hf: torch.nn.Module, result: VariantResult, batc
             return {"dir": None, "status": "failed", "files": [], "engine_built": False,
                     "error": f"fp8 W8A8 calibration failed: {type(exc).__name__}: {exc}"}
     log.info("exporting_trtllm", precision=result.precision)
-    return export_precision(model, result.precision, stage, cfg)
+    return export_precision(model, result.precision, stage, cfg, dtype)
 
 
 def _full_layer_bytes(loaded: LoadedModel, i: int) -> int:
@@ -328,7 +388,10 @@ def _summary(final: Path, manifest: dict[str, Any], seconds: float) -> list[str]
     trt = manifest["trtllm"]
     if not trt["enabled"]:
         lines.append("TensorRT-LLM: export disabled (--no-trtllm)")
-    for precision, rec in trt["precisions"].items():
+    exports = dict(trt["precisions"])
+    if trt.get("full"):
+        exports = {f"full precision ({trt['full']['dtype']})": trt["full"], **exports}
+    for precision, rec in exports.items():
         if rec["status"] != "exported":
             lines.append(f"TensorRT-LLM {precision}: export FAILED ({rec['error']})")
         elif rec.get("engine_built"):
@@ -337,4 +400,22 @@ def _summary(final: Path, manifest: dict[str, Any], seconds: float) -> list[str]
             reason = rec.get("compile_skipped_reason") or rec.get("compile_error", "compile failed")
             lines.append(f"TensorRT-LLM {precision}: checkpoint exported to {final / rec['dir']}; compile step SKIPPED "
                          f"({reason}) -- NO engine was built; run {final / rec['dir']}/build_commands.sh on a GPU host")
+    levels = manifest["levels"]
+    if levels["enabled"]:
+        bpb = levels["budget"]["kv_bytes_per_block"]
+        lines.append(f"morph levels ({len(levels['entries'])}; KV blocks of {levels['budget']['kv_block_size']} tokens, "
+                     f"{bpb / 2**10:.0f} KiB each at {levels['budget']['kv_dtype']}):")
+        for name, rec in levels["entries"].items():
+            if rec["status"] != "exported":
+                lines.append(f"  {name}: export FAILED ({rec['error']})")
+                continue
+            lines.append(f"  {name}: {rec['num_quantized']} layers -> {final / rec['dir']} "
+                         f"({rec['weight_bytes'] / 2**20:.1f} MiB of weights, frees {rec['bytes_freed'] / 2**20:.1f} MiB "
+                         f"= {rec['kv_blocks_freed']} KV blocks; modes: {', '.join(rec['reached_by_modes']) or 'none'}; "
+                         f"{'engine built' if rec.get('engine_built') else 'compile SKIPPED'})")
+            if rec["weight_bytes"] != rec["expected_weight_bytes"]:
+                lines.append(f"  WARNING: {name} holds {rec['weight_bytes']} weight bytes, the byte accounting "
+                             f"(builder/levels.py) expects {rec['expected_weight_bytes']}")
+    for left in levels["skipped"]:
+        lines.append(f"  level {left['level']} not exported: {left['reason']}")
     return lines

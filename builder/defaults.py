@@ -10,3 +10,6 @@ CALIB_TOKENS = 512
 PROFILE_TOKENS = 256
 """Tokens for the layer-importance profile; its cost is ~ tokens x layers^3 (~2 min for 30 layers, 2 cores)."""
 SEQ_LEN = 256
+KV_BLOCK_SIZE = 16
+"""Tokens per KV block assumed for the morph levels' ``kv_blocks_freed`` (serve.config.EngineConfig.block_size;
+builder may not import serve.config, tests/test_builder.py checks the two agree)."""

@@ -1,6 +1,15 @@
-"""TensorRT-LLM checkpoints per precision (modelopt export_tensorrt_llm_checkpoint) and the engine compile.
+"""TensorRT-LLM checkpoints (modelopt export_tensorrt_llm_checkpoint) and the engine compile.
 
-The checkpoint (config.json + rank0.safetensors, fused qkv / gate / fc weights with their scaling
+Three kinds, all under ``trtllm/`` of the engine directory:
+- ``trtllm/fp16/`` (``bf16/`` for a bf16 source): the full-precision model, the level-0 baseline;
+- ``trtllm/<precision>/``: the whole model at int8 / int4 / fp8 (the static modes);
+- ``trtllm/levels/<level>/``: one mixed-precision checkpoint per morph level (builder/levels.py): the
+  level's layers from the same modelopt models the runtime variants come from, every other layer the
+  full-precision module, exported as ``quant_algo: MIXED_PRECISION`` with a per-module
+  ``quantized_layers`` map in ``quant_cfg.json`` (TensorRT-LLM's PretrainedConfig reads it next to
+  config.json for MIXED_PRECISION).
+
+A checkpoint (config.json + rank0.safetensors, fused qkv / gate / fc weights with their scaling
 factors) is what ``trtllm-build`` reads. The compile runs only when ``tensorrt_llm`` is importable and
 ``trtllm-build`` is on PATH; otherwise ``build_commands.sh`` holds the exact command for a GPU host and
 the record says plainly that no engine was built.
@@ -10,37 +19,59 @@ What each precision exports as (TensorRT-LLM ``quant_algo``):
 - int4 -> W4A16_AWQ with pre_quant_scale (the same AWQ model as the runtime int4 variants);
 - fp8  -> FP8 from modelopt's stock FP8_DEFAULT_CFG, i.e. W8A8 with calibrated static activation
   scales, because TensorRT-LLM's FP8 GEMMs need activation scales. The e4m3 weight codes and scales are
-  the same as the runtime's weight-only fp8 variant (weight amax does not depend on the data).
+  the runtime's weight-only fp8 variant's (weight amax does not depend on the data) except where modules
+  are fused: q/k/v and gate/up then share the largest of their per-tensor scales (modelopt 0.47's
+  QKVConfig / preprocess_linear_fusion; one GEMM takes one scale), so those codes are re-rounded.
 
-Two fixes applied to modelopt 0.47's config.json (recorded under ``config_patched``): with
-transformers >= 5 the RoPE base lives in ``rope_parameters`` and the export omits ``rotary_base``
-(TensorRT-LLM would silently use 10000); ``rotary_scaling`` likewise.
+Fixes applied to modelopt 0.47's output (recorded under ``config_patched``): with transformers >= 5 the
+RoPE base lives in ``rope_parameters`` and the export omits ``rotary_base`` (TensorRT-LLM would silently
+use 10000); ``rotary_scaling`` likewise. modelopt writes MIXED_PRECISION only when a model mixes two
+quantized formats; a level with one quantized format plus full-precision layers comes out as that format
+with ``exclude_modules``, which is rewritten to the equivalent MIXED_PRECISION form ("mixed_precision"),
+so every level has one layout.
+
+What modelopt's export does to a quantized model (so what a checkpoint holds): q/k/v are fused into one
+``attention.qkv`` GEMM with one ``prequant_scaling_factor``; for int4 AWQ modelopt averages the three
+pre_quant_scales and re-quantizes q/k/v with it (in place on the modelopt model), so the fused int4 qkv
+codes are a deterministic function of the full weights and the q/k/v variants' pre_quant_scales, not
+the q/k/v variants' codes; o/gate/up/down and all int8 modules hold the runtime variants' codes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
 import shlex
 import shutil
+import struct
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from builder import levels as lv
 from builder.quantize import token_batches_loop
 from builder.variants import captured_output
 from serve.logging_setup import get_logger
 from serve.model.engine_dir import file_record
+from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.model_config import ModelConfig
 
 log = get_logger("builder.trtllm")
 
 ENGINE_SUBDIR = "engine"
+LEVELS_SUBDIR = "trtllm/levels"
+MIXED_PRECISION = "MIXED_PRECISION"
+QUANT_ALGO_PRECISION = {"W8A16": "int8", "W4A16_AWQ": "int4"}
+"""TensorRT-LLM quant_algo of a level's quantized module -> our precision."""
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_DIRS = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def trtllm_available() -> tuple[bool, str]:
@@ -84,12 +115,12 @@ def _patch_config(path: Path, config: ModelConfig) -> list[str]:
     return patched
 
 
-def _write_build_script(out_dir: Path, command: list[str], precision: str, skipped_reason: str | None) -> None:
+def _write_build_script(out_dir: Path, command: list[str], what: str, skipped_reason: str | None) -> None:
     note = (f"# The compile step was SKIPPED on the build host ({skipped_reason}); run this script on a GPU\n"
             "# host with TensorRT-LLM installed." if skipped_reason else "# The builder ran this command.")
     script = (
         "#!/usr/bin/env bash\n"
-        f"# Compile the TensorRT-LLM engine for the {precision} checkpoint in this directory.\n"
+        f"# Compile the TensorRT-LLM engine for the {what} checkpoint in this directory.\n"
         f"{note}\n"
         "set -euo pipefail\n"
         'cd "$(dirname "$0")"\n'
@@ -100,39 +131,214 @@ def _write_build_script(out_dir: Path, command: list[str], precision: str, skipp
     path.chmod(0o755)
 
 
-def export_precision(model: nn.Module, precision: str, root: Path, config: ModelConfig) -> dict[str, Any]:
-    """Export ``model`` (modelopt-quantized) into ``root/trtllm/<precision>/``; never raises.
+def source_dtype(source_path: Path, tensor_types: tuple[str, ...]) -> tuple[str, str]:
+    """The checkpoint dtype: bfloat16 where the source is bf16 (a Hugging Face directory's declared dtype,
+    else its stored tensor types; a GGUF's tensor types), float16 otherwise. Returns (dtype, why)."""
+    config = source_path / "config.json" if source_path.is_dir() else None
+    if config is not None and config.is_file():
+        cfg = json.loads(config.read_text())
+        declared = cfg.get("torch_dtype") or cfg.get("dtype")
+        if declared in DTYPES:
+            return declared, f"config.json declares {declared}"
+    stored = ", ".join(tensor_types) or "unknown"
+    if "BF16" in tensor_types:
+        return "bfloat16", f"the source stores BF16 tensors ({stored})"
+    return "float16", f"no bf16 in the source (tensor types {stored}): float16"
 
-    Returns the manifest record: status "exported" / "failed", files, the compile outcome."""
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def safetensors_tensor_bytes(path: Path) -> int:
+    """Bytes of the tensors in a safetensors file (its header's data offsets; the header itself excluded)."""
+    return sum(t["data_offsets"][1] - t["data_offsets"][0]
+               for k, t in _safetensors_header(path).items() if k != "__metadata__")
+
+
+def _export(model: nn.Module, rel: str, root: Path, config: ModelConfig, dtype: str, what: str,
+            check: Any = None) -> dict[str, Any]:
+    """Export ``model`` into ``root/rel``; never raises. ``check(out_dir)`` post-processes and validates
+    the export (raising marks it failed). Returns the manifest record."""
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    rel = f"trtllm/{precision}"
     out_dir = root / rel
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    record: dict[str, Any] = {"dir": rel, "decoder_type": "llama", "dtype": "float16", "inference_tensor_parallel": 1}
+    record: dict[str, Any] = {"dir": rel, "decoder_type": "llama", "dtype": dtype, "inference_tensor_parallel": 1}
     try:
         with captured_output("modelopt_export_trtllm"), torch.no_grad():
-            export_tensorrt_llm_checkpoint(model, decoder_type="llama", dtype=torch.float16,
+            export_tensorrt_llm_checkpoint(model, decoder_type="llama", dtype=DTYPES[dtype],
                                            export_dir=out_dir, inference_tensor_parallel=1)
         record["config_patched"] = _patch_config(out_dir / "config.json", config)
+        if check is not None:
+            record["config_patched"] += check(out_dir)
         record["quant_algo"] = json.loads((out_dir / "config.json").read_text()).get("quantization", {}).get("quant_algo")
     except Exception as exc:  # noqa: BLE001 - an export failure is recorded, the build goes on
         shutil.rmtree(out_dir, ignore_errors=True)
-        log.warning("trtllm_export_failed", precision=precision, error=f"{type(exc).__name__}: {exc}")
+        log.warning("trtllm_export_failed", what=what, error=f"{type(exc).__name__}: {exc}")
         record.update(status="failed", error=f"{type(exc).__name__}: {exc}", files=[], engine_built=False)
         return record
     command = build_command(config)
     available, reason = trtllm_available()
-    record.update(status="exported", error=None, build_command=shlex.join(command))
+    record.update(status="exported", error=None, build_command=shlex.join(command),
+                  weight_bytes=safetensors_tensor_bytes(out_dir / "rank0.safetensors"))
     if available:
         record.update(_compile(out_dir, command))
     else:
         record.update(engine_built=False, compile_skipped_reason=reason)
-    _write_build_script(out_dir, command, precision, None if available else reason)
+    _write_build_script(out_dir, command, what, None if available else reason)
     record["files"] = [file_record(root, str(p.relative_to(root))) for p in sorted(out_dir.rglob("*")) if p.is_file()]
     record["seconds"] = round(time.perf_counter() - start, 3)
     return record
+
+
+def export_precision(model: nn.Module, precision: str, root: Path, config: ModelConfig,
+                     dtype: str = "float16") -> dict[str, Any]:
+    """Export ``model`` (modelopt-quantized, every layer) into ``root/trtllm/<precision>/``; never raises.
+
+    Returns the manifest record: status "exported" / "failed", files, the compile outcome."""
+    return _export(model, f"trtllm/{precision}", root, config, dtype, precision)
+
+
+def export_full(model: nn.Module, root: Path, config: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The unquantized model into ``root/trtllm/fp16/`` (``bf16/``); never raises."""
+    return _export(model, f"trtllm/{DTYPE_DIRS[dtype]}", root, config, dtype, f"full-precision ({dtype})")
+
+
+# ------------------------------------------------------------------------------------------- levels
+
+
+@contextlib.contextmanager
+def level_model(full: nn.Module, quantized: Mapping[str, nn.Module],
+                layer_precisions: Mapping[int, str]) -> Iterator[nn.Module]:
+    """A model whose layer i is ``quantized[p]``'s layer i where ``layer_precisions[i] == p`` and the
+    full-precision model's layer i elsewhere: the first quantized precision's model with its decoder
+    ModuleList temporarily re-pointed (no copies; the layers are put back on exit)."""
+    base = quantized[next(iter(layer_precisions.values()))]
+    layers = base.model.layers
+    saved = list(layers)
+    try:
+        for i in range(len(layers)):
+            precision = layer_precisions.get(i)
+            layers[i] = (full if precision is None else quantized[precision]).model.layers[i]
+        yield base
+    finally:
+        for i, layer in enumerate(saved):
+            layers[i] = layer
+
+
+def _module_order(name: str) -> tuple[int, int]:
+    parts = name.split(".")
+    return int(parts[2]), list(lv.TRTLLM_LINEARS).index(".".join(parts[3:]))
+
+
+def as_mixed_precision(out_dir: Path, expected: Mapping[str, str], group_size: int) -> list[str]:
+    """Make ``out_dir`` a MIXED_PRECISION checkpoint and check it quantizes exactly ``expected``
+    (``{module: precision}``); returns what was patched. Raises ValueError on any mismatch."""
+    cfg_path, qcfg_path = out_dir / "config.json", out_dir / "quant_cfg.json"
+    cfg = json.loads(cfg_path.read_text())
+    quant = cfg.get("quantization") or {}
+    patched = []
+    if quant.get("quant_algo") != MIXED_PRECISION:
+        if not quant.get("quant_algo"):
+            raise ValueError("modelopt exported no quantized layer")
+        per_layer = {k: quant[k] for k in ("quant_algo", "group_size", "has_zero_point", "pre_quant_scale") if k in quant}
+        modules = sorted((k[: -len(".weights_scaling_factor")] for k in _safetensors_header(out_dir / "rank0.safetensors")
+                          if k.endswith(".weights_scaling_factor")), key=_module_order)
+        qcfg = {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+                "quantized_layers": {m: dict(per_layer) for m in modules}}
+        qcfg_path.write_text(json.dumps(qcfg, indent=4))
+        cfg["quantization"] = {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": quant.get("kv_cache_quant_algo")}
+        cfg_path.write_text(json.dumps(cfg, indent=4))
+        patched.append("mixed_precision")
+    qcfg = json.loads(qcfg_path.read_text())
+    got = {}
+    for module, layer_cfg in qcfg["quantized_layers"].items():
+        algo = layer_cfg.get("quant_algo")
+        if algo not in QUANT_ALGO_PRECISION:
+            raise ValueError(f"{module}: unexpected quant_algo {algo!r}")
+        if algo == "W4A16_AWQ" and layer_cfg.get("group_size") != group_size:
+            raise ValueError(f"{module}: group_size {layer_cfg.get('group_size')} != {group_size}")
+        got[module] = QUANT_ALGO_PRECISION[algo]
+    if got != dict(expected):
+        extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
+        raise ValueError(f"quantized modules differ from the level: extra {extra[:4]}, missing {missing[:4]}, "
+                         f"precision mismatches {sorted(m for m in set(got) & set(expected) if got[m] != expected[m])[:4]}")
+    return patched
+
+
+def kv_budget(config: ModelConfig, dtype: str, block_size: int) -> dict[str, Any]:
+    """The KV-block assumption the levels' ``kv_blocks_freed`` are computed under."""
+    return {
+        "kv_block_size": block_size,
+        "kv_dtype": dtype,
+        "kv_bytes_per_block": kv_bytes_per_block(config, block_size, DTYPES[dtype]),
+        "rule": "kv_blocks_freed = floor(bytes_freed / kv_bytes_per_block)",
+        "assumption": (f"a fixed device-memory budget holding the {dtype} checkpoint; the weight bytes a level frees "
+                       "become KV blocks of the same engine (KV cache in the checkpoint dtype, no kv_cache_quant_algo; "
+                       f"{block_size}-token blocks = serve.config.EngineConfig.block_size; activation and workspace "
+                       "memory unchanged). TensorRT-LLM's own tokens_per_block may differ: rescale by block size."),
+    }
+
+
+def export_levels(root: Path, full: nn.Module, quantized: Mapping[str, nn.Module | None], names: list[str],
+                  swap_order: list[int], config: ModelConfig, dtype: str, group_size: int, block_size: int,
+                  baseline: dict[str, Any] | None, skipped: list[dict[str, str]]) -> dict[str, Any]:
+    """One MIXED_PRECISION checkpoint per level into ``root/trtllm/levels/<level>/``; never raises.
+
+    Returns the manifest's ``levels`` section: the budget assumption, the baseline (full-precision
+    checkpoint), and per level its layers and precisions, the checkpoint record, expected and measured
+    weight bytes, bytes freed against the baseline and the KV blocks they buy."""
+    elt = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    budget = kv_budget(config, dtype, block_size)
+    full_bytes = lv.checkpoint_weight_bytes(config, {}, elt, group_size)
+    entries: dict[str, Any] = {}
+    skipped = list(skipped)
+    seen: dict[tuple, str] = {}
+    for name in names:
+        level = lv.parse_level(name)
+        layer_precisions = level.layer_precisions(swap_order)
+        key = tuple(sorted(layer_precisions.items()))
+        empty = [str(s) for s in level.segments if lv.layers_at(s.percent, len(swap_order)) <= 0]
+        if not layer_precisions or empty:
+            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
+            continue
+        if key in seen:
+            skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
+            continue
+        seen[key] = name
+        expected = lv.checkpoint_weight_bytes(config, layer_precisions, elt, group_size)
+        entry: dict[str, Any] = {
+            "segments": [{"precision": s.precision, "percent": int(s.percent) if s.percent.is_integer() else s.percent,
+                          "layers": [l for l, p in layer_precisions.items() if p == s.precision]}
+                         for s in level.segments],
+            "layers": {str(l): p for l, p in layer_precisions.items()},
+            "num_quantized": len(layer_precisions),
+            "reached_by_modes": lv.reaching_modes(layer_precisions, swap_order),
+            "expected_weight_bytes": expected,
+            "bytes_freed": full_bytes - expected,
+            "kv_blocks_freed": (full_bytes - expected) // budget["kv_bytes_per_block"],
+        }
+        missing = [p for p in level.precisions if quantized.get(p) is None]
+        if missing:
+            entry.update(dir=None, status="failed", files=[], engine_built=False,
+                         error=f"no modelopt model for {missing} (RTN fallback); nothing to export")
+        else:
+            log.info("exporting_trtllm_level", level=name, layers=len(layer_precisions))
+            modules = lv.quantized_modules(layer_precisions)
+            with level_model(full, quantized, layer_precisions) as model:  # type: ignore[arg-type]
+                entry.update(_export(model, f"{LEVELS_SUBDIR}/{level.dirname}", root, config, dtype,
+                                     f"morph level {name} (mixed precision)",
+                                     check=lambda out: as_mixed_precision(out, modules, group_size)))
+        entries[name] = entry
+    return {"enabled": True, "budget": budget,
+            "baseline": {"dir": baseline.get("dir") if baseline else None, "dtype": dtype,
+                         "expected_weight_bytes": full_bytes,
+                         "weight_bytes": baseline.get("weight_bytes") if baseline else None},
+            "entries": entries, "skipped": skipped}
 
 
 def _compile(out_dir: Path, command: list[str]) -> dict[str, Any]:

@@ -39,3 +39,34 @@ def hf_reference_model(loaded):
 @pytest.fixture(scope="session")
 def smollm_hf(smollm):
     return hf_reference_model(smollm)
+
+
+# ------------------------------------------------------------------- one tiny engine directory build
+
+BUILD_FAST = {"calib_tokens": 64, "profile_tokens": 32, "progress": False}
+BUILD_NUM_LAYERS = 3
+BUILD_LEVELS = ("int4@34", "int8@67", "int4@34+int8@67")
+"""Morph levels of the shared tiny build: 1 layer at int4, 2 at int8 (one quantized format + full-precision
+layers: rewritten to MIXED_PRECISION) and 1 int4 + 1 int8 (modelopt's own MIXED_PRECISION)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(smollm):
+    """A random 3-layer Llama (hidden 64) with the SmolLM tokenizer, for builder tests."""
+    return make_tiny_model(seed=1, tokenizer=smollm.tokenizer, num_layers=BUILD_NUM_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model, tmp_path_factory) -> Path:
+    from serve.model.loader import save_hf_directory
+
+    return save_hf_directory(tiny_model, tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def built(tiny_dir, tmp_path_factory):
+    """One full build (all precisions, TensorRT-LLM export, three morph levels) shared by read-only tests."""
+    from builder.build import BuildOptions, build_engine
+
+    return build_engine(BuildOptions(model=str(tiny_dir), output=str(tmp_path_factory.mktemp("eng") / "tiny"),
+                                     levels=BUILD_LEVELS, **BUILD_FAST))

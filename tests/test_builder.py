@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, hf_reference_model, make_tiny_model
+from conftest import BUILD_FAST, BUILD_NUM_LAYERS, REPO_ROOT, hf_reference_model
 
 from builder.build import BuildOptions, build_engine
 from builder.calibration import load_calibration
@@ -38,28 +38,13 @@ from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS
 from serve.model import engine_dir as ed
 from serve.model.hf_reference import hf_llama
 from serve.model.layers import PROJECTIONS, projection_key
-from serve.model.loader import load_model, save_hf_directory
+from serve.model.loader import load_model
 from serve.model.rtn import quantize_int4_rtn
 
 OUTPUT_RTOL = {"int8": 6e-3, "int4": 6e-3, "fp8": 1e-6}
-FAST = {"calib_tokens": 64, "profile_tokens": 32, "progress": False}
-NUM_LAYERS = 3
-
-
-@pytest.fixture(scope="module")
-def tiny_model(smollm):
-    return make_tiny_model(seed=1, tokenizer=smollm.tokenizer, num_layers=NUM_LAYERS)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model, tmp_path_factory) -> Path:
-    return save_hf_directory(tiny_model, tmp_path_factory.mktemp("hf") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def built(tiny_dir, tmp_path_factory):
-    """One full build (all precisions, TensorRT-LLM export) shared by the read-only tests."""
-    return build_engine(BuildOptions(model=str(tiny_dir), output=str(tmp_path_factory.mktemp("eng") / "tiny"), **FAST))
+FAST = BUILD_FAST
+NUM_LAYERS = BUILD_NUM_LAYERS
+# tiny_model, tiny_dir and the shared build `built` are session fixtures in conftest.py
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -302,6 +287,8 @@ def test_engine_dir_errors(built, tmp_path) -> None:
     shutil.copytree(built.path, root, ignore=shutil.ignore_patterns("trtllm"))
     manifest = json.loads((root / ed.MANIFEST).read_text())
     manifest["trtllm"]["precisions"] = {}
+    manifest["trtllm"]["full"] = None
+    manifest["levels"]["entries"] = {}
     ed.write_json(root / ed.MANIFEST, manifest)
     ed.load_engine_dir(root, verify_checksums=True)
     with pytest.raises(ed.EngineDirError, match="manifest.json not found"):
@@ -338,6 +325,10 @@ def test_cli_help_and_bad_input(tiny_dir, tmp_path) -> None:
         "corrupt model": (["--model", str(corrupt)], "not a readable GGUF"),
         "group size": (["--model", str(tiny_dir), "--group-size", "128"], "group size 128 does not divide"),
         "unknown precision": (["--model", str(tiny_dir), "--precisions", "int8,int3"], "unknown precision int3"),
+        "bad level": (["--model", str(tiny_dir), "--levels", "int4@50,fp8@25"], "not a ladder precision"),
+        "level percentages": (["--model", str(tiny_dir), "--levels", "int4@50+int8@25"], "must increase"),
+        "level not built": (["--model", str(tiny_dir), "--precisions", "int4", "--levels", "int8@50"],
+                            "needs the int8 variants"),
         "unwritable output": (["--model", str(tiny_dir), "--output", str(blocker / "engine")], "is not writable"),
     }
     procs = {}
@@ -348,7 +339,7 @@ def test_cli_help_and_bad_input(tiny_dir, tmp_path) -> None:
     help_out = subprocess.run([sys.executable, "-m", "builder", "--help"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert help_out.returncode == 0
     for flag in ("--model", "--output", "--precisions", "--group-size", "--calib-text", "--calib-tokens", "--seed",
-                 "--force", "--no-trtllm", "--quiet"):
+                 "--force", "--no-trtllm", "--levels", "--no-levels", "--kv-block-size", "--quiet"):
         assert flag in help_out.stdout
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -365,5 +356,10 @@ def test_cli_defaults_match_the_builder() -> None:
     assert cli.PRECISIONS == PRECISIONS
     args = cli.parse_args([])
     opts = BuildOptions()
-    assert (args.model, args.precisions, args.calib_tokens, args.profile_tokens, args.group_size, args.trtllm) == (
-        opts.model, opts.precisions, opts.calib_tokens, opts.profile_tokens, opts.group_size, opts.trtllm)
+    assert (args.model, args.precisions, args.calib_tokens, args.profile_tokens, args.group_size, args.trtllm,
+            args.levels, args.kv_block_size) == (
+        opts.model, opts.precisions, opts.calib_tokens, opts.profile_tokens, opts.group_size, opts.trtllm,
+        opts.levels, opts.kv_block_size)
+    assert cli.parse_args(["--no-levels"]).levels == () == cli.parse_args(["--levels", "none"]).levels
+    assert cli.parse_args(["--levels", "default"]).levels is None
+    assert cli.parse_args(["--levels", "int4@50, int8@25,int4@50"]).levels == ("int4@50", "int8@25")

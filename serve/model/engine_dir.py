@@ -12,7 +12,15 @@ Layout of ``engines/<model>/``::
                                   metadata "projs" = JSON {proj: QuantizedLinear.metadata()}
     profile.json                  layer importance (LTS/LRS/MDS/LIS per layer per round) and orders
     trtllm/<precision>/           TensorRT-LLM checkpoint (config.json, rank0.safetensors) and
-                                  build_commands.sh
+                                  build_commands.sh: the whole model at int8 / int4 / fp8
+    trtllm/fp16/ (bf16/)          the full-precision TensorRT-LLM checkpoint (manifest "trtllm"."full")
+    trtllm/levels/<level>/        one MIXED_PRECISION checkpoint per morph level (config.json, quant_cfg.json,
+                                  rank0.safetensors, build_commands.sh), e.g. int4-25 = the first 25 % of the
+                                  swap order at int4. Manifest "levels": "entries" maps a level name
+                                  (builder/levels.py, e.g. "int4@25") to its segments and {layer: precision},
+                                  the modes that reach it, the checkpoint dir and files, expected and
+                                  measured weight bytes, bytes freed against the full-precision checkpoint and
+                                  the KV blocks they buy under "budget" (block size, KV dtype, bytes per block)
 
 Builds are atomic: everything is written into a hidden staging sibling, the manifest last, and the
 staging directory is renamed into place (an older engine directory is moved aside first and deleted
@@ -251,11 +259,15 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 
 def manifest_files(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every file record of the manifest (model files, profile, layer variants, TensorRT-LLM checkpoints)."""
+    """Every file record of the manifest (model files, profile, layer variants, TensorRT-LLM checkpoints:
+    per precision, full precision, morph levels)."""
     records = list(manifest["files"].values())
     for layer in manifest["layers"]:
         records.extend(layer["variants"].values())
-    for export in manifest.get("trtllm", {}).get("precisions", {}).values():
+    trtllm = manifest.get("trtllm", {})
+    exports = [*trtllm.get("precisions", {}).values(), trtllm.get("full") or {},
+               *manifest.get("levels", {}).get("entries", {}).values()]
+    for export in exports:
         records.extend(export.get("files", []))
     return records
 
@@ -333,6 +345,12 @@ class EngineDir:
 
     def profile(self) -> dict[str, Any]:
         return json.loads((self.root / PROFILE).read_text())
+
+    @property
+    def levels(self) -> dict[str, dict[str, Any]]:
+        """Morph levels with an exported TensorRT-LLM checkpoint, by name (empty for older builds)."""
+        entries = self.manifest.get("levels", {}).get("entries", {})
+        return {name: rec for name, rec in entries.items() if rec.get("status") == "exported"}
 
 
 def load_engine_dir(path: str | os.PathLike, verify_checksums: bool = False) -> EngineDir:

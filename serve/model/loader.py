@@ -29,6 +29,9 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+_SAFETENSORS_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+
+
 class ModelLoadError(ValueError):
     """The model source is missing, unreadable or not a supported Llama-family checkpoint."""
 
@@ -39,6 +42,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]   # HF names, fp32, CPU
     tokenizer: Tokenizer
     source: str
+    source_tensor_types: tuple[str, ...] = ()
+    """Storage types of the source's tensors as its format names them (GGUF "Q4_1", "F32", ...; safetensors
+    "BF16", "F16", "F32"), sorted; empty when unknown. The builder exports bf16 checkpoints for bf16 sources."""
 
 
 def embedded_model_path(name: str) -> Path:
@@ -107,6 +113,7 @@ def load_gguf(path: Path) -> LoadedModel:
     n_kv = int(f.get(f"{arch}.attention.head_count_kv", n_head))
     hidden = int(f[f"{arch}.embedding_length"])
     weights: dict[str, torch.Tensor] = {}
+    types = sorted({t.tensor_type.name for t in reader.tensors})
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -151,7 +158,7 @@ def load_gguf(path: Path) -> LoadedModel:
         eos_token_ids=tokenizer.eos_token_ids,
         name=str(f.get("general.name", path.stem)),
     )
-    return LoadedModel(config, weights, tokenizer, str(path))
+    return LoadedModel(config, weights, tokenizer, str(path), tuple(types))
 
 
 def load_hf_directory(path: Path) -> LoadedModel:
@@ -174,9 +181,11 @@ def load_hf_directory(path: Path) -> LoadedModel:
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     weights: dict[str, torch.Tensor] = {}
+    types: set[str] = set()
     for file in files:
         try:
             for k, v in load_file(str(file)).items():
+                types.add(_SAFETENSORS_DTYPE_NAMES.get(v.dtype, str(v.dtype)))
                 weights[k] = v.to(torch.float32)
         except Exception as exc:  # noqa: BLE001
             raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc
@@ -192,7 +201,7 @@ def load_hf_directory(path: Path) -> LoadedModel:
     tokenizer = Tokenizer.from_hf_files(str(tok_json), tok_cfg, config.eos_token_ids, config.bos_token_id)
     if tokenizer.eos_token_ids != config.eos_token_ids:
         config = ModelConfig(**{**config.__dict__, "eos_token_ids": tokenizer.eos_token_ids})
-    return LoadedModel(config, weights, tokenizer, str(path))
+    return LoadedModel(config, weights, tokenizer, str(path), tuple(sorted(types)))
 
 
 def save_hf_directory(model: LoadedModel, out_dir: str | os.PathLike) -> Path:
