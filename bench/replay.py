@@ -23,7 +23,7 @@ from bench.latency import RequestTiming, by_tier, distribution, markdown_table, 
 from bench.summary import MorphSummary, time_weighted_quantized_share
 from bench.workload import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from policy.precisions import full_signature
-from serve.config import SCHEDULERS, EngineConfig
+from serve.config import SCHEDULERS, EngineConfig, parse_policy_overrides
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 
@@ -58,18 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_slo_arguments(p)
     return p
 
-
-def parse_overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"--policy expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float | None = None,
@@ -191,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                               slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
                               slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                              seed=args.seed, policy_overrides=parse_overrides(args.policy))
+                              seed=args.seed, policy_overrides=parse_policy_overrides(args.policy))
         engine = LLMEngine(config)
         items, desc = build_workload(args, engine.tokenizer)
     except (ValueError, OSError) as exc:

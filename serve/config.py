@@ -92,3 +92,19 @@ class EngineConfig:
             raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
         if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
+
+
+def parse_policy_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``--policy KEY=VALUE`` flags -> PolicyConfig overrides (values parsed as JSON where they are JSON)."""
+    import json  # noqa: PLC0415
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--policy expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

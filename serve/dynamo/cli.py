@@ -6,12 +6,10 @@ No Dynamo import here, so ``--help`` and the tests of this parsing run anywhere.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
-from typing import Any
 
-from serve.config import EngineConfig
+from serve.config import EngineConfig, parse_policy_overrides
 
 DEFAULT_MODEL_NAME = "morphserve"
 
@@ -67,18 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--policy expects KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
 
 _ENGINE_FIELDS = ("model", "morph_mode", "device_memory", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s")
@@ -88,7 +74,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:
     """Parse and validate (EngineConfig raises ValueError on a bad value, before any model is loaded)."""
     args = build_parser().parse_args(argv)
     kwargs = {f: getattr(args, f) for f in _ENGINE_FIELDS if getattr(args, f) is not None}
-    kwargs["policy_overrides"] = parse_overrides(args.policy)
+    kwargs["policy_overrides"] = parse_policy_overrides(args.policy)
     if args.default_max_tokens <= 0:
         raise ValueError(f"--default-max-tokens must be positive, got {args.default_max_tokens}")
     return WorkerOptions(
