@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_model
 from test_kv_accounting import assert_exact_accounting
-from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at, drain_and_settle, morph_engine
+from test_morph import FakeClock, assert_memory_exact, assert_swap_mid_decode_keeps_state, decode_with_swap_at, drain_and_settle, morph_engine
 
 from policy import FULL, MorphDecision
 from serve.config import EngineConfig
@@ -124,12 +124,7 @@ def test_bfloat16_swap_mid_decode_keeps_state(tiny):
     def run(swap_step):
         return decode_with_swap_at(lambda: morph_engine(tiny, "performance", blocks=64, dtype="bfloat16", kv_high=1.0,
                                                         queue_delay_high_s=1e9, restore_persist_s=1e9), swap_step)
-    plain, _, _ = run(None)
-    swapped, engine, before = run(5)
-    again, _, _ = run(5)
-    assert 0 < before < len(plain)  # the swap really happened mid-decode
-    assert swapped == again and swapped[:before] == plain[:before]
-    assert engine.scheduler.num_preemptions == 0
+    assert_swap_mid_decode_keeps_state(run)
 
 
 def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(tiny):

@@ -18,7 +18,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.budget import query_device_memory
 from serve.model.rtn import quantize_linear_rtn
-from test_morph import FakeClock, assert_memory_exact, decode_with_swap_at, drain_and_settle
+from test_morph import FakeClock, assert_memory_exact, assert_swap_mid_decode_keeps_state, decode_with_swap_at, drain_and_settle
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")]
@@ -131,9 +131,4 @@ def test_swap_mid_decode_on_the_gpu_keeps_state(model):
 
     def run(swap_step):
         return decode_with_swap_at(make, swap_step, "int4" if _capability() >= (8, 0) else "int8", list(range(30, 70)))
-    plain, _, _ = run(None)
-    swapped, engine, before = run(5)
-    again, _, _ = run(5)
-    assert 0 < before < len(plain)  # the swap really happened mid-decode
-    assert swapped == again and swapped[:before] == plain[:before]
-    assert engine.scheduler.num_preemptions == 0
+    assert_swap_mid_decode_keeps_state(run)

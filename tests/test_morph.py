@@ -75,6 +75,17 @@ def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "in
     return tokens, e, before
 
 
+def assert_swap_mid_decode_keeps_state(run) -> None:
+    """``run(swap_step)`` -> (tokens, engine, tokens before the swap): quantizing mid-decode keeps every token
+    produced before it, is deterministic, and recomputes nothing (no preemption)."""
+    plain, _, _ = run(None)
+    swapped, engine, before = run(5)
+    again, _, _ = run(5)
+    assert 0 < before < len(plain)  # the swap really happened mid-decode
+    assert swapped == again and swapped[:before] == plain[:before]
+    assert engine.scheduler.num_preemptions == 0
+
+
 def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
     """Step until no request is left and every layer is back at full precision. Swap copies are
     asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
