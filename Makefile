@@ -23,7 +23,7 @@ ROUTER_MODE ?= least-loaded
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine gpu-check clean help
+.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -36,6 +36,7 @@ help:
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
+	@echo "make soak           mixed load, cancellations, bad inputs for SOAK_S seconds (default 600); not in make test"
 
 install: $(VENV)/.installed $(DYNAMO_VENV)/.installed
 
@@ -102,6 +103,10 @@ bench-engine: install
 # project's few pure-Python deps are already importable (the report lands in gpu-check/).
 gpu-check:
 	$(PY) -m bench.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
+
+SOAK_S ?= 600
+soak: install
+	$(PY) -m bench.soak --duration-s $(SOAK_S) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) $(AIPERF_VENV) engines .pytest_cache

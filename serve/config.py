@@ -33,6 +33,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None   # default: the model's context length
+    max_num_waiting: int | None = None  # admitted, not yet running; past it add_request raises EngineOverloaded
+                                        # (None: unbounded, for offline replays; the Triton model sets 256)
     num_threads: int | None = None     # torch intra-op threads; default: torch's choice
     seed: int = 0
     # MorphServe: runtime quantized layer swapping + KV resizing (policy/ modes: off, static-int8,
@@ -56,6 +58,8 @@ class EngineConfig:
     slai_max_decodes: int | None = None  # decodes per batch; None = max_num_seqs
 
     def __post_init__(self) -> None:
+        if self.max_num_waiting is not None and self.max_num_waiting <= 0:
+            raise ValueError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -9,14 +9,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from serve.engine.admission import EngineOverloaded
     from serve.engine.engine import LLMEngine
     from serve.engine.outputs import FinishReason, RequestOutput
     from serve.engine.sampling_params import SamplingParams
     from serve.engine.slo import RequestSLO
 
-__all__ = ["FinishReason", "LLMEngine", "RequestOutput", "RequestSLO", "SamplingParams"]
+__all__ = ["EngineOverloaded", "FinishReason", "LLMEngine", "RequestOutput", "RequestSLO", "SamplingParams"]
 
 _HOMES = {
+    "EngineOverloaded": "serve.engine.admission",
     "LLMEngine": "serve.engine.engine",
     "FinishReason": "serve.engine.outputs",
     "RequestOutput": "serve.engine.outputs",

@@ -17,7 +17,9 @@ import torch
 
 from policy import PolicyConfig
 from serve.config import EngineConfig
+from serve.engine.admission import Handoff
 from serve.engine.executor import TorchExecutor
+from serve.engine.faults import FaultTracker
 from serve.engine.outputs import FinishReason, RequestOutput
 from serve.engine.logits_processors import RowContext
 from serve.engine.sampler import sample_with_logprobs
@@ -95,8 +97,9 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.pool, self.clock)
         self.executor = TorchExecutor(self.model, self.kv)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
+        self._handoff = Handoff(config.max_num_waiting)
+        self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -106,7 +109,6 @@ class LLMEngine:
         self.last_num_scheduled = 0   # sequences in the last iteration's batch
         self.last_num_context = 0     # of which prefill (context) chunks
         self.last_step_error: str | None = None
-        self.consecutive_step_failures = 0
         self._step_listeners: list[Callable[[], None]] = []
 
     def _reachable_blocks(self, policy: PolicyConfig) -> int:
@@ -165,7 +167,9 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, callback: Callback | None = None,
                     arrival_time: float | None = None, slo: RequestSLO | None = None) -> str:
-        """Validate, then queue. Raises ValueError/TypeError for bad input; the engine is unaffected.
+        """Validate and tokenize in the caller's thread, then hand over to the loop without waiting for
+        the running forward. Raises ValueError/TypeError for bad input, EngineOverloaded (a RuntimeError)
+        when max_num_waiting requests already wait, RuntimeError when unhealthy; the engine is unaffected.
 
         arrival_time (on the engine's clock) lets a replay count queueing from the request's scheduled
         arrival rather than from when its loop got round to adding it. slo: the request's TTFT/TBT targets
@@ -182,20 +186,49 @@ class LLMEngine:
         ids = self.validate_and_tokenize(prompt, params)
         # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
-        with self._lock:
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(),
+                       IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
+                       callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params))
+
+        def register(s: Sequence) -> None:  # under the handoff lock: ids are claimed one at a time
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(), IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                           callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params))
-            self._requests[rid] = seq
-            self.scheduler.add(seq)
-            self._wake.notify_all()
+            self._requests[rid] = s
+
+        self._handoff.put(seq, lambda: len(self.scheduler.waiting), register)
+        if self._lock.acquire(blocking=False):  # engine idle between iterations: admit now, never wait
+            try:
+                self._admit_handoff()
+            finally:
+                self._lock.release()
         return rid
+
+    def _admit_handoff(self) -> None:
+        """Move handed-over requests into the scheduler (caller holds the engine lock)."""
+        for seq in self._handoff.drain():
+            if seq.request_id in self._requests:  # not aborted meanwhile
+                self.scheduler.add(seq)
+
+    @property
+    def healthy(self) -> bool:
+        """False after MAX_STEP_FAILURES iterations in a row failed: the engine is broken (a device error, a
+        corrupt layer), new requests are refused with the reason and health endpoints should say so.
+        Failures pinned to single requests do not count (serve/engine/faults.py)."""
+        return self.faults.healthy
+
+    @property
+    def consecutive_step_failures(self) -> int:
+        return self.faults.consecutive
+
+    def num_waiting(self) -> int:
+        """Requests admitted but not running yet (lock-free: for admission decisions and gauges)."""
+        return len(self.scheduler.waiting) + len(self._handoff)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request; its KV blocks are freed before this returns. False if it is unknown/finished."""
         with self._lock:
+            self._admit_handoff()
             seq = self._requests.get(request_id)
             if seq is None:
                 return False
@@ -206,13 +239,13 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         with self._lock:
+            self._admit_handoff()  # so a caller that drives the scheduler itself sees every request
             return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
-            if self.morph is not None:
-                self.morph.on_iteration_boundary(self.scheduler)
-                self.morph.cover_deficit(self.scheduler)
+            self._admit_handoff()
+            morph_ok = self._morph_boundary()
             sched = self.scheduler.schedule()
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
@@ -222,9 +255,15 @@ class LLMEngine:
                 for c in sched.chunks:
                     if c.seq.first_scheduled_time is None:
                         c.seq.first_scheduled_time = now
-                logits, sampled = self.executor.execute(sched.chunks)
-                self.scheduler.on_executed(sched)
-                produced = self._append_tokens(sampled, logits)
+                try:
+                    logits, sampled = self.executor.execute(sched.chunks)
+                except Exception as exc:  # noqa: BLE001 - fail this batch's requests only
+                    produced = self._fail_seqs([c.seq for c in sched.chunks], "forward", exc)
+                else:
+                    self.scheduler.on_executed(sched)
+                    produced = self._append_tokens(sampled, logits)
+                    if morph_ok:
+                        self.faults.iteration_ok()
                 self.num_steps += 1
         self._deliver(produced)
         for listener in self._step_listeners:
@@ -240,35 +279,84 @@ class LLMEngine:
         if not sampled:
             return []
         seqs = [c.seq for c in sampled]
-        contexts = [self._row_context(s) if s.params.needs_history else None for s in seqs]
-        tokens, logprobs = sample_with_logprobs(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                                self.default_generator, contexts)
+        tokens = self._sample_isolated(logits, seqs)
         now = self.clock()
         produced = []
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
-            seq.token_ids.append(tok)
-            self.num_generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                if self.morph is not None:
-                    self.morph.record_first_token(now, now - seq.arrival_time)
-            elif self.morph is not None and seq.last_token_time is not None:
-                self.morph.record_token_gap(now, now - seq.last_token_time)
-            seq.last_token_time = now
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
-                out = self._finish(seq, reason, last_token=tok)
-            else:
-                out = self._output(seq, [tok], final=False)
-            if lp is not None:
-                out.new_logprobs = [lp]
-            produced.append((seq, out))
+        for seq, (tok, lp) in zip(seqs, tokens):
+            if isinstance(tok, BaseException):
+                produced += self._fail_seqs([seq], "sample", tok, iteration_failed=False)
+                continue
+            try:
+                seq_out = self._accept_token(seq, tok, now)
+                if lp is not None:
+                    seq_out[1].new_logprobs = [lp]
+                produced.append(seq_out)
+            except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: fail this request only
+                produced += self._fail_seqs([seq], "postprocess", exc, iteration_failed=False)
         return produced
 
     def _row_context(self, seq: Sequence) -> RowContext:
         p = seq.params
         ends = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.model_config.eos_token_ids))
         return RowContext(seq.token_ids, seq.num_prompt_tokens, ends, seq.bad_words_ids)
+
+    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | BaseException, float | None]]:
+        """Sample the batch (token, log-prob); if that raises, row by row so only the offending rows fail."""
+        def run(rows_logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[int, float | None]]:
+            contexts = [self._row_context(s) if s.params.needs_history else None for s in rows]
+            tokens, logprobs = sample_with_logprobs(rows_logits, [s.params for s in rows], [s.generator for s in rows],
+                                                    self.default_generator, contexts)
+            return list(zip(tokens, logprobs))
+        try:
+            return run(logits, seqs)
+        except Exception:  # noqa: BLE001
+            out: list[tuple[int | BaseException, float | None]] = []
+            for i, s in enumerate(seqs):
+                try:
+                    out.append(run(logits[i:i + 1], [s])[0])
+                except Exception as exc:  # noqa: BLE001
+                    out.append((exc, None))
+            return out
+
+    def _morph_boundary(self) -> bool:
+        """Apply the policy's decision; a failure is logged and counted, the batch still runs."""
+        if self.morph is None:
+            return True
+        try:
+            self.morph.on_iteration_boundary(self.scheduler)
+            self.morph.cover_deficit(self.scheduler)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.faults.record("morph", exc)
+            return False
+
+    def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
+                   iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
+        """Finish ``seqs`` with an error (their KV blocks are freed); log one event with the traceback."""
+        live = [s for s in dict.fromkeys(seqs) if s.request_id in self._requests]
+        message = self.faults.record(where, exc, [s.request_id for s in live], iteration_failed)
+        self.last_step_error = message
+        produced = []
+        for seq in live:
+            out = self._finish(seq, FinishReason.ERROR)
+            out.error = message
+            produced.append((seq, out))
+        return produced
+
+    def _accept_token(self, seq: Sequence, tok: int, now: float) -> tuple[Sequence, RequestOutput]:
+        seq.token_ids.append(tok)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.morph is not None:
+                self.morph.record_first_token(now, now - seq.arrival_time)
+        elif self.morph is not None and seq.last_token_time is not None:
+            self.morph.record_token_gap(now, now - seq.last_token_time)
+        seq.last_token_time = now
+        reason = self._stop_reason(seq, tok)
+        if reason is not None:
+            return seq, self._finish(seq, reason, last_token=tok)
+        return seq, self._output(seq, [tok], final=False)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
@@ -300,7 +388,10 @@ class LLMEngine:
     def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
         for seq, out in produced:
             if seq.callback is not None:
-                seq.callback(out)
+                try:
+                    seq.callback(out)
+                except Exception as exc:  # noqa: BLE001 - a caller's bug must not stop the loop
+                    self.faults.record("callback", exc, [seq.request_id], iteration_failed=False)
 
     # ---- background mode -------------------------------------------------------------------------
     def start_background(self) -> None:
@@ -312,30 +403,28 @@ class LLMEngine:
 
     def _loop(self) -> None:
         while True:
+            self._handoff.work.clear()  # cleared before looking, so a request added after this wakes us
             with self._lock:
-                while not self._stopping and not self.scheduler.has_work():
-                    if self.morph is not None and not self.morph.is_settled():
-                        self._wake.wait(0.05)  # keep ticking so the controller can restore layers when calm
-                        break
-                    self._wake.wait()
                 if self._stopping:
                     return
+                self._admit_handoff()
+                idle = not self.scheduler.has_work()
+                settled = self.morph is None or self.morph.is_settled()
+            if idle:
+                # Unsettled morph state: keep ticking so the controller can restore layers when calm.
+                woke = self._handoff.work.wait(None if settled else 0.05)
+                if settled or woke:
+                    continue
             try:
                 self.step()
-                self.consecutive_step_failures = 0
-            except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - not pinned to a batch: fail what is in flight
+                self._fail_all(self.faults.record("iteration", exc, list(self._requests)))
 
-    @property
-    def healthy(self) -> bool:
-        """False after MAX_STEP_FAILURES iterations in a row failed: the engine is broken (a device error, a
-        corrupt layer), new requests are refused with the reason and health endpoints should say so."""
-        return self.consecutive_step_failures < MAX_STEP_FAILURES
 
     def _fail_all(self, message: str) -> None:
         self.last_step_error = message
-        self.consecutive_step_failures += 1
         with self._lock:
+            self._admit_handoff()
             seqs = list(self._requests.values())
             produced = []
             for seq in seqs:
@@ -348,7 +437,7 @@ class LLMEngine:
         """Stop the loop thread and abort whatever is still queued or running."""
         with self._lock:
             self._stopping = True
-            self._wake.notify_all()
+        self._handoff.work.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -383,7 +472,8 @@ class LLMEngine:
                 "kv_blocks_used": self.pool.num_used,
                 "kv_cache_usage_perc": self.pool.usage,
                 "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
+                "num_waiting": self.num_waiting(),
+                "failed_iterations": self.faults.failed_iterations,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "scheduler": self.config.scheduler,
                 "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),

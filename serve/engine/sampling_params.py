@@ -5,10 +5,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives
+# inf/NaN probabilities, which used to fail the whole batch.
+GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_STOP_STRINGS = 16        # per request (vLLM/OpenAI allow 4; a few MB of stop strings slowed everyone)
+MAX_STOP_STRING_CHARS = 256  # per stop string
+MAX_STOP_TOKEN_IDS = 64
+SEED_RANGE = (0, 2**64 - 1)  # torch.Generator.manual_seed's range; Triton's seed input is UINT64
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Options with vLLM's meanings. temperature == 0 means greedy; top_k == 0 means no top-k.
+    """Options with vLLM's meanings. temperature == 0 means greedy (so does any temperature below
+    GREEDY_TEMPERATURE_EPS: it is stored as 0.0); top_k == 0 means no top-k. Every value is checked here,
+    once, with an error meant for the client (ValueError, or TypeError for a wrong type).
 
     Penalties follow TensorRT-LLM (and transformers for repetition_penalty): all three look at every
     token of the sequence so far, prompt included. repetition_penalty divides positive logits and
@@ -44,25 +62,36 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.min_tokens and self.stop:
             raise ValueError("min_tokens together with stop strings is not supported (stop strings would fire early)")
-        if not (0.0 <= self.temperature < math.inf):  # also rejects NaN
+        if not _is_real(self.temperature) or not (0.0 <= self.temperature < math.inf):  # also rejects NaN
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            object.__setattr__(self, "temperature", 0.0)
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1] or None, got {self.seed!r}")
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop must be a string or a sequence of strings, got an element of type {type(s).__name__}")
             if s == "":
                 raise ValueError("stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool):
+            if not _is_int(t):
                 raise TypeError(f"stop_token_ids must be integers, got {t!r}")
         self._validate_penalties()
 

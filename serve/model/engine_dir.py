@@ -248,8 +248,8 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         hint = " (not an engine directory, or its build never finished; run `make build-engines`)"
         raise EngineDirError(f"{path} not found{hint}")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = json.loads(path.read_text(encoding="utf-8"))  # never the locale's (ASCII inside Triton)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise EngineDirError(f"{path}: unreadable manifest ({exc})") from exc
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
@@ -331,14 +331,16 @@ class EngineDir:
         return variants[precision]
 
     def layer_variant(self, layer: int, precision: str) -> dict[str, QuantizedLinear]:
-        """Layer ``layer``'s seven runtime linears at ``precision``, loaded on first use and cached."""
+        """Layer ``layer``'s seven runtime linears at ``precision``, loaded on first use (sha256 checked
+        against the manifest) and cached."""
         key = (layer, precision)
         if key not in self._variants:
             rec = self.variant_record(layer, precision)
             path = self.root / rec["file"]
             if not path.is_file():
                 raise EngineDirError(f"{self.root}: manifest lists {rec['file']} but the file is missing")
-            if self.verify_checksums and sha256_file(path) != rec["sha256"]:
+            # Always verified (a few MB each): a same-size byte flip used to load silently and serve empty text.
+            if sha256_file(path) != rec["sha256"]:
                 raise EngineDirError(f"{path}: sha256 checksum mismatch (file changed or corrupt)")
             self._variants[key] = read_layer_variant(path)
         return self._variants[key]

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -19,6 +18,7 @@ from serve.logging_setup import configure_logging, get_logger
 from serve.triton.install import TritonLaunchError
 from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, write_repository
 from serve.triton.server import TritonServer
+from serve.triton.supervisor import RestartPolicy, supervise
 
 log = get_logger("triton_launcher")
 
@@ -101,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     p.add_argument(
+        "--allow-repository-api",
+        action="store_true",
+        help="open Triton's model repository API (load/unload) to clients: DANGEROUS, any local process "
+        "can then load a Python model that runs as this user (see README, Hardening)",
+    )
+    p.add_argument("--drain-timeout", type=int, default=30,
+                   help="seconds tritonserver lets in-flight requests finish after SIGTERM (--exit-timeout-secs)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restart a dead tritonserver at most this many times in a row (0: never)")
+    p.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart; doubles each time up to 30")
+    p.add_argument(
         "--gpu",
         choices=["auto", "yes", "no"],
         default="auto",
@@ -169,7 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_gpu={"auto": None, "yes": True, "no": False}[args.gpu],
         extra_args=extra,
         keep_log=True,
+        repository_api=args.allow_repository_api,
+        exit_timeout_s=args.drain_timeout,
     )
+    if args.allow_repository_api:
+        log.warning("repository_api_open", warning="clients can load/unload models, including Python code")
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise _Terminate
@@ -192,13 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"metrics={srv.metrics_url} log={srv.log_path} | try: {curl_example(srv)}\n"
         )
         sys.stdout.flush()
-        assert srv.proc is not None
-        while True:
-            rc = srv.proc.poll()
-            if rc is not None:
-                log.error("tritonserver_exited", returncode=rc, log_tail=srv.log_tail(20))
-                return rc or 1
-            time.sleep(0.5)
+        policy = RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.restart_backoff,
+                               ready_timeout_s=args.ready_timeout)
+        return supervise(srv, policy, threading.Event())
     except TritonLaunchError as e:
         log.error("tritonserver_failed", error=str(e).splitlines()[0], log_path=str(srv.log_path))
         sys.stderr.write(f"morphserve failed to start: {e}\n")

@@ -68,6 +68,9 @@ class Metrics:
         self.kv_total = g("morphserve_kv_blocks_total", "KV-cache blocks in the pool (grows when layers are quantized).", "GAUGE")
         self.running = g("morphserve_num_requests_running", "Requests in the running batch.", "GAUGE")
         self.waiting = g("morphserve_num_requests_waiting", "Requests waiting to be scheduled.", "GAUGE")
+        self.healthy = g("morphserve_engine_healthy",
+                         "1 while the engine serves; 0 after repeated failed iterations (requests are refused).", "GAUGE")
+        self.healthy.set(1.0)
         self.swaps = g("morphserve_swaps_total", "Layers swapped to a quantized variant.", "COUNTER")
         self.restores = g("morphserve_restores_total", "Layers restored to full precision.", "COUNTER")
         self.prompt_tokens = g("morphserve_prompt_tokens_total", "Prompt tokens of finished requests.", "COUNTER")
@@ -124,6 +127,7 @@ class Metrics:
             self.kv_total.set(float(stats.get("kv_blocks_total", 0)))
             self.running.set(float(stats.get("num_running", 0)))
             self.waiting.set(float(stats.get("num_waiting", 0)))
+            self.healthy.set(1.0 if stats.get("healthy", True) else 0.0)
             layers = dict(stats.get("layers_quantized") or {})
             for precision in set(layers) | set(self._layers):
                 m = self._layers.get(precision)

@@ -17,6 +17,8 @@ class ServerParams:
     default_max_tokens: int = 16   # when a request gives none (the model passes SamplingParams' default)
     poll_interval_s: float = 0.02  # cancellation checks and gauge refreshes
     log_level: str = "info"
+    max_prompt_bytes: int = 256 * 1024  # InputLimits (serve/triton/request_inputs.py)
+    max_list_items: int = 64
 
     @classmethod
     def from_params(cls, params: dict[str, str], default_max_tokens: int) -> ServerParams:
@@ -28,13 +30,16 @@ class ServerParams:
             if raw != "":
                 kwargs[f.name] = _coerce(raw, hints[f.name], f.name)
         out = cls(**kwargs)
-        if out.max_tokens_limit <= 0 or out.default_max_tokens <= 0 or out.poll_interval_s <= 0:
-            raise ValueError(f"max_tokens_limit, default_max_tokens and poll_interval_s must be positive, got {out}")
+        if min(out.max_tokens_limit, out.default_max_tokens, out.poll_interval_s, out.max_prompt_bytes,
+               out.max_list_items) <= 0:
+            raise ValueError(f"max_tokens_limit, default_max_tokens, poll_interval_s, max_prompt_bytes and "
+                             f"max_list_items must be positive, got {out}")
         return out
 
 
 # Parameters the Triton model consumes itself rather than passing to EngineConfig.
-MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level"}
+MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
+                     "max_prompt_bytes", "max_list_items"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
 PARAM_ALIASES = {"engine_dir": "model"}
 

@@ -7,6 +7,7 @@ themselves are validated once, by ``SamplingParams`` (the engine's), when the mo
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,17 @@ InputGetter = Callable[[str], "np.ndarray | None"]
 
 class InputError(ValueError):
     """A request the model refuses; the message goes back to the client verbatim."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLimits:
+    """Bounds on what one request may carry, checked before anything is decoded or tokenized (a 10 MB
+    prompt used to block admission for 9 s; Triton 2.51 has no HTTP body-size flag)."""
+
+    max_prompt_bytes: int = 256 * 1024   # UTF-8 bytes of text_input
+    max_list_items: int = 64             # elements of any list input (stop)
+    max_item_bytes: int = 4096           # bytes of one string in a list input
+    max_timeout_s: float = 3600.0        # largest timeout_s a request may ask for
 
 
 @dataclasses.dataclass
@@ -42,6 +54,8 @@ class ParsedRequest:
     end_id: int | None = None
     include_stop_str: bool = False        # stop_words (TensorRT-LLM) end the answer with the stop string
 
+    timeout_s: float | None = None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the engine's SamplingParams (which validates the values).
 
@@ -65,6 +79,24 @@ def _scalar(get_input: InputGetter, name: str, kind: str) -> Any:
     return arr.reshape(-1)[0]
 
 
+def _bytes_len(value: Any) -> int:
+    return len(value) if isinstance(value, (bytes, bytearray, np.bytes_, str)) else 0
+
+
+def _string_list(get_input: InputGetter, name: str, limits: InputLimits) -> tuple[str, ...]:
+    """A flat list of UTF-8 strings, bounded in count and per-item size before decoding."""
+    arr = get_input(name)
+    if arr is None:
+        return ()
+    if arr.size > limits.max_list_items:
+        raise InputError(f"{name} may hold at most {limits.max_list_items} items, got {arr.size}")
+    items = arr.reshape(-1)
+    for v in items:
+        if _bytes_len(v) > limits.max_item_bytes:
+            raise InputError(f"each {name} item may have at most {limits.max_item_bytes} bytes, got {_bytes_len(v)}")
+    return tuple(_utf8(v, name) for v in items)
+
+
 def _utf8(value: Any, name: str) -> str:
     if isinstance(value, str):
         return value
@@ -80,13 +112,16 @@ def _utf8(value: Any, name: str) -> str:
 
 
 def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tokens: int,
-                  parameters: str | Mapping[str, Any] | None = None) -> ParsedRequest:
+                  parameters: str | Mapping[str, Any] | None = None, *,
+                  limits: InputLimits | None = None) -> ParsedRequest:
     """Validate a Triton request's inputs; raise InputError with a message meant for the client.
 
     ``parameters`` (a request's JSON parameters: over HTTP generate, the JSON keys that are not inputs)
-    may carry any known option by its input name or alias; unknown ones are rejected."""
+    may carry any known option by its input name or alias; unknown ones are rejected. ``limits`` bound what
+    one request may carry, checked before anything is decoded."""
     from serve.triton.trtllm import check_unsupported, with_parameters  # noqa: PLC0415 - sibling helper
 
+    limits = limits or InputLimits()
     get_input = with_parameters(get_input, parameters)
     check_unsupported(get_input)
     arr = get_input("text_input")
@@ -94,6 +129,9 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
         raise InputError("missing required input 'text_input' (TYPE_STRING, shape [1]): the prompt text")
     if arr.size != 1:
         raise InputError(f"text_input must hold exactly one string, got a tensor of shape {list(arr.shape)}")
+    if _bytes_len(arr.reshape(-1)[0]) > limits.max_prompt_bytes:
+        raise InputError(f"text_input has {_bytes_len(arr.reshape(-1)[0])} bytes; this server accepts at most "
+                         f"{limits.max_prompt_bytes} (max_prompt_bytes)")
     prompt = _utf8(arr.reshape(-1)[0], "text_input")
     if not prompt:
         raise InputError("text_input is empty")
@@ -117,28 +155,23 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
         sd = _scalar(get_input, "random_seed", "UINT64")
     seed = None if sd is None else int(sd)
 
-    stop = _strings(get_input, "stop")
-    stop_words = _strings(get_input, "stop_words")
+    # empty strings dropped (TensorRT-LLM clients send [""] for none); counts and sizes bounded first
+    stop = tuple(s for s in _string_list(get_input, "stop", limits) if s)
+    stop_words = tuple(w for w in _string_list(get_input, "stop_words", limits) if w)
     if stop and stop_words:
         raise InputError("send either stop (the answer ends before the stop string) or stop_words "
                          "(TensorRT-LLM: the answer ends with it), not both")
+    timeout_s = _timeout(get_input, limits)
 
     sm = _scalar(get_input, "stream", "BOOL")
     stream = bool(sm) if sm is not None else False
     ie = _scalar(get_input, "ignore_eos", "BOOL")
     ignore_eos = bool(ie) if ie is not None else False
     out = ParsedRequest(prompt, max_tokens, temperature, top_p, top_k, seed, stop or stop_words, stream, ignore_eos)
+    out.timeout_s = timeout_s
     out.include_stop_str = bool(stop_words)
-    _parse_trtllm_options(get_input, out)
+    _parse_trtllm_options(get_input, out, limits)
     return out
-
-
-def _strings(get_input: InputGetter, name: str) -> tuple[str, ...]:
-    """A list-of-strings input (any shape; empty strings dropped, as TensorRT-LLM clients send [""])."""
-    arr = get_input(name)
-    if arr is None:
-        return ()
-    return tuple(t for t in (_utf8(v, name) for v in arr.reshape(-1)) if t)
 
 
 def _optional(get_input: InputGetter, name: str, kind: str, default: Any, cast: Callable[[Any], Any]) -> Any:
@@ -146,7 +179,7 @@ def _optional(get_input: InputGetter, name: str, kind: str, default: Any, cast: 
     return default if v is None else cast(v)
 
 
-def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest) -> None:
+def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest, limits: InputLimits) -> None:
     """TensorRT-LLM's sampling inputs; single-sequence limits (beam_width, num_return_sequences) checked."""
     beam = _optional(get_input, "beam_width", "INT32", 1, int)
     if beam != 1:
@@ -160,7 +193,7 @@ def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest) -> None:
     out.presence_penalty = _optional(get_input, "presence_penalty", "FP32", 0.0, float)
     out.frequency_penalty = _optional(get_input, "frequency_penalty", "FP32", 0.0, float)
     out.min_tokens = _optional(get_input, "min_length", "INT32", 0, int)
-    out.bad_words = _strings(get_input, "bad_words")
+    out.bad_words = tuple(w for w in _string_list(get_input, "bad_words", limits) if w)
     out.return_log_probs = _optional(get_input, "return_log_probs", "BOOL", False, bool)
     out.exclude_input_in_output = _optional(get_input, "exclude_input_in_output", "BOOL", True, bool)
     out.end_id = _optional(get_input, "end_id", "INT32", None, int)
@@ -171,6 +204,16 @@ def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest) -> None:
         raise InputError(f"pad_id must be a token id >= 0, got {pad}")
     # length_penalty only steers beam search in TensorRT-LLM; with beam_width 1 it has no effect there either.
 
+
+def _timeout(get_input: InputGetter, limits: InputLimits) -> float | None:
+    """Optional per-request deadline in seconds from arrival (None: no deadline)."""
+    v = _scalar(get_input, "timeout_s", "FP32")
+    if v is None:
+        return None
+    t = float(v)
+    if not (0.0 < t <= limits.max_timeout_s) or math.isnan(t):
+        raise InputError(f"timeout_s must be in (0, {limits.max_timeout_s:g}] seconds, got {t!r}")
+    return t
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -80,6 +81,12 @@ class TritonServer:
     ``log_path`` (a file in the private work directory unless given). stop() deletes the private
     work directory, keeping its log only when ``keep_log`` is set or the server exited with an error.
     ``die_with_parent`` asks the kernel to SIGTERM the server if the creating thread's process dies.
+
+    Secure by default (see README "Hardening"): the model repository API is closed to clients
+    (``--model-control-mode=none`` and the model-repository protocol restricted on HTTP and gRPC to a
+    random header value nobody is told); ``repository_api=True`` opens it (explicit mode: any local
+    process can then load a Python model that runs as this user). Ports busy before start fail at once.
+    ``exit_timeout_s`` is how long tritonserver drains in-flight requests after SIGTERM.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class TritonServer:
         keep_log: bool = False,
         also_load: Sequence[str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
+        repository_api: bool = False,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -127,6 +135,9 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.die_with_parent = die_with_parent
         self.keep_log = keep_log
+        self.repository_api = repository_api
+        self._restrict_key = f"morphserve-{secrets.token_hex(16)}"
+        self.shm_prefix = f"morphserve_{secrets.token_hex(6)}_"
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="morphserve-triton-"))
         self.log_path = Path(log_path) if log_path else self.workdir / "tritonserver.log"
@@ -158,9 +169,7 @@ class TritonServer:
             str(inst.binary),
             f"--model-repository={repository}",
             f"--backend-directory={backend_dir}",
-            "--model-control-mode=explicit",
-            f"--load-model={self.model_name}",
-            *[f"--load-model={name}" for name in self.also_load],
+            *self._repository_flags(),
             "--disable-auto-complete-config",
             "--strict-readiness=true",
             f"--http-address={LOOPBACK}",
@@ -174,6 +183,7 @@ class TritonServer:
             f"--allow-gpu-metrics={'true' if self.use_gpu else 'false'}",
             "--metrics-interval-ms=1000",
             "--backend-config=python,shm-default-byte-size=4194304",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
         ]
@@ -181,12 +191,51 @@ class TritonServer:
             cmd += ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0"]
         return cmd + self.extra_args
 
+    def _repository_flags(self) -> list[str]:
+        """Model-control flags: closed by default, explicit (client load/unload) only when asked for."""
+        if self.repository_api:
+            return ["--model-control-mode=explicit", f"--load-model={self.model_name}",
+                    *[f"--load-model={name}" for name in self.also_load]]
+        key = self._restrict_key
+        return [
+            "--model-control-mode=none",
+            f"--http-restricted-api=model-repository:{key}={secrets.token_hex(16)}",
+            f"--grpc-restricted-protocol=model-repository:{key}={secrets.token_hex(16)}",
+        ]
+
+    def busy_ports(self) -> list[int]:
+        """Which of this server's ports cannot be bound on 127.0.0.1 right now."""
+        busy = []
+        for port in (self.http_port, self.grpc_port, self.metrics_port):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "busy"
+                try:
+                    s.bind((LOOPBACK, port))
+                except OSError:
+                    busy.append(port)
+        return busy
+
+    def shm_leftovers(self) -> list[Path]:
+        """Python-backend shared-memory segments of this server still in /dev/shm."""
+        return sorted(Path("/dev/shm").glob(f"{self.shm_prefix}*"))
+
+    def _remove_shm(self) -> None:
+        for seg in self.shm_leftovers():
+            with contextlib.suppress(OSError):
+                seg.unlink()
+                log.info("shm_segment_removed", path=str(seg))
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> TritonServer:
         """Spawn tritonserver (does not wait for readiness; see wait_ready)."""
         if self.proc is not None and self.proc.poll() is None:
             raise TritonLaunchError("server already running")
         inst = find_triton_install()
+        busy = self.busy_ports()
+        if busy:
+            raise TritonLaunchError(
+                f"port(s) {busy} on {LOOPBACK} already in use (another server?); pick free ports"
+            )
         if not (self.model_repository / self.model_name / "config.pbtxt").is_file():
             raise TritonLaunchError(
                 f"no {self.model_name}/config.pbtxt in model repository {self.model_repository}"
@@ -194,7 +243,7 @@ class TritonServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         backend_dir = make_backend_dir(self.workdir / "backends", inst)
         repository = self.model_repository
-        if self.params:
+        if self.params or not self.repository_api:  # control mode none loads all it finds: render exactly ours
             repository = render_model_repository(
                 self.model_repository, self.workdir / "model_repository", self.model_name, self.params,
                 also=tuple(self.also_load),
@@ -308,6 +357,7 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.returncode
+            self._remove_shm()  # left behind when the server or a stub was killed
             log.info("tritonserver_stopped", model=self.model_name, returncode=rc)
         if self._log_file is not None:
             with contextlib.suppress(OSError):
@@ -332,5 +382,3 @@ class TritonServer:
     ) -> None:
         self.stop()
 
-
-# Convenience flags that map to config.pbtxt parameters (anything else: --param KEY=VALUE).

@@ -32,6 +32,7 @@ MORPHSERVE_INPUTS: dict[str, str] = {
     "text_input": "str", "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "seed": "uint", "stop": "strs", "stream": "bool", "ignore_eos": "bool",
     "ttft_slo_s": "float", "tbt_slo_s": "float", "priority": "int",   # SLO-aware scheduling (README)
+    "timeout_s": "float",                                             # per-request deadline (Hardening)
     "random_seed": "uint", "stop_words": "strs", "bad_words": "strs", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "length_penalty": "float", "min_length": "int",
     "beam_width": "int", "num_return_sequences": "int", "exclude_input_in_output": "bool",
@@ -45,7 +46,7 @@ MORPHSERVE_INPUTS: dict[str, str] = {
     "decoder_text_input": "str",
 }
 # The morphserve-only inputs; every other name is TensorRT-LLM's (what the BLS models declare).
-MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority")
+MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority", "timeout_s")
 TRTLLM_INPUTS = [n for n in MORPHSERVE_INPUTS if n not in MORPHSERVE_ONLY]
 # Control request from the BLS models to the engine model: abort the request with this client request id.
 CANCEL_PARAMETER = "morphserve_cancel"

@@ -37,7 +37,7 @@ if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkou
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
-from serve.triton.request_inputs import InputError, parse_request, parse_slo_inputs  # noqa: E402
+from serve.triton.request_inputs import InputError, InputLimits, parse_request, parse_slo_inputs  # noqa: E402
 from serve.triton.trtllm import cancel_target, with_parameters  # noqa: E402
 
 log = get_logger("triton_model")
@@ -74,6 +74,7 @@ class _InFlight:
     prefix: str = ""            # the prompt, when a non-streaming answer must start with it
     sent_logprobs: int = 0      # streaming: log-probabilities already sent
     logprobs: list[float] | None = None  # return_log_probs: every generated token's log-probability
+    deadline: float | None = None  # perf_counter time after which the request is aborted (timeout_s)
 
 
 def _input_array(request: Any, name: str) -> np.ndarray | None:
@@ -127,6 +128,7 @@ class TritonPythonModel:
         self.max_tokens_limit = server.max_tokens_limit
         self.default_max_tokens = server.default_max_tokens
         self.poll_interval_s = server.poll_interval_s
+        self.limits = InputLimits(max_prompt_bytes=server.max_prompt_bytes, max_list_items=server.max_list_items)
 
         from serve.config import EngineConfig  # noqa: PLC0415 - heavy imports after logging is set up
         from serve.engine import LLMEngine  # noqa: PLC0415
@@ -184,14 +186,15 @@ class TritonPythonModel:
         try:
             get_input = lambda name: _input_array(request, name)  # noqa: E731
             parsed = parse_request(get_input, self.max_tokens_limit, self.default_max_tokens,
-                                   parameters=request.parameters())
+                                   parameters=request.parameters(), limits=self.limits)
             params = self._SamplingParams(**parsed.sampling_kwargs())
             slo_inputs = parse_slo_inputs(with_parameters(get_input, request.parameters()))
             slo = self._RequestSLO(**dataclasses.asdict(slo_inputs))
         except (InputError, ValueError, TypeError) as exc:
             self._reject(sender, request_id, client_id, str(exc))
             return
-        inflight = _InFlight(request_id, client_id, request, sender, parsed.stream, arrival)
+        inflight = _InFlight(request_id, client_id, request, sender, parsed.stream, arrival,
+                             deadline=None if parsed.timeout_s is None else arrival + parsed.timeout_s)
         if not parsed.stream and not parsed.exclude_input_in_output:
             inflight.prefix = parsed.prompt  # TensorRT-LLM: the answer repeats the prompt unless excluded
         if parsed.return_log_probs:
@@ -200,19 +203,21 @@ class TritonPythonModel:
             self._inflight[request_id] = inflight
         try:
             self.engine.add_request(parsed.prompt, params, request_id=request_id, callback=self._on_output, slo=slo)
-        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. prompt longer than the context, unhealthy engine
+        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. prompt too long; overloaded; unhealthy engine
             with self._lock:
                 self._inflight.pop(request_id, None)
-            self._reject(sender, request_id, client_id, str(exc))
+            unavailable = isinstance(exc, RuntimeError)  # EngineOverloaded ("retry later") or an unhealthy engine
+            self._reject(sender, request_id, client_id, str(exc),
+                         pb_utils.TritonError.UNAVAILABLE if unavailable else None)
             return
         log.info("request_added", request_id=request_id, client_request_id=client_id, max_tokens=parsed.max_tokens,
                  temperature=parsed.temperature, stream=parsed.stream, prompt_chars=len(parsed.prompt),
                  ttft_slo_s=slo.ttft_s, tbt_slo_s=slo.tbt_s, priority=slo.priority)
         self._stats_dirty.set()
 
-    def _reject(self, sender: Any, request_id: str, client_id: str, message: str) -> None:
+    def _reject(self, sender: Any, request_id: str, client_id: str, message: str, code: Any = None) -> None:
         log.info("request_rejected", request_id=request_id, client_request_id=client_id, error=message)
-        sender.send(_error_response(message), flags=FINAL)
+        sender.send(_error_response(message, code), flags=FINAL)
 
     # ---- engine callback (engine loop thread) ----------------------------------------------------
     def _on_output(self, out: Any) -> None:
@@ -324,13 +329,15 @@ class TritonPythonModel:
     def _check_cancellations(self) -> None:
         with self._lock:
             candidates = list(self._inflight.values())
+        now = time.perf_counter()
         for inflight in candidates:
+            expired = inflight.deadline is not None and now > inflight.deadline
             try:
-                cancelled = inflight.request.is_cancelled()
+                cancelled = expired or inflight.request.is_cancelled()
             except Exception:  # noqa: BLE001 - request already released
                 cancelled = False
             if cancelled:
-                self._cancel(inflight)
+                self._cancel(inflight, timed_out=expired)
 
     def _cancel_client_request(self, client_id: str) -> None:
         with self._lock:
@@ -338,19 +345,20 @@ class TritonPythonModel:
         for inflight in matches:
             self._cancel(inflight)
 
-    def _cancel(self, inflight: _InFlight) -> None:
-        """Abort a cancelled request in the engine (frees its KV blocks) and answer it CANCELLED."""
+    def _cancel(self, inflight: _InFlight, timed_out: bool = False) -> None:
+        """Abort a cancelled (or timed-out) request in the engine (frees its KV blocks), answer it CANCELLED."""
         with self._lock:
             if self._inflight.pop(inflight.request_id, None) is None:
                 return  # finished meanwhile
         aborted = self.engine.abort_request(inflight.request_id)  # frees its KV blocks now
         log.info("request_cancelled", request_id=inflight.request_id,
                  client_request_id=inflight.client_request_id, num_output_tokens=inflight.num_output_tokens,
-                 aborted_in_engine=aborted)
-        self.metrics.request_finished("cancelled", inflight.num_input_tokens)
+                 aborted_in_engine=aborted, timed_out=timed_out)
+        self.metrics.request_finished("timeout" if timed_out else "cancelled", inflight.num_input_tokens)
+        message = (f"request timed out after timeout_s={inflight.deadline - inflight.arrival:g} s "
+                   f"({inflight.num_output_tokens} tokens generated)" if timed_out else "request cancelled by the client")
         try:
-            inflight.sender.send(_error_response("request cancelled by the client",
-                                                 pb_utils.TritonError.CANCELLED), flags=FINAL)
+            inflight.sender.send(_error_response(message, pb_utils.TritonError.CANCELLED), flags=FINAL)
         except Exception:  # noqa: BLE001 - the stream may be gone already
             pass
         self._stats_dirty.set()

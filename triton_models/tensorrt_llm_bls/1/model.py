@@ -69,19 +69,40 @@ class TritonPythonModel:
         inner = pb_utils.InferenceRequest(
             model_name=self.target, request_id=inner_id, requested_output_names=list(ENGINE_OUTPUTS),
             inputs=[pb_utils.Tensor(name, arr) for name, arr in arrays.items()])
+        # "streaming" until the client has its final response ("done") or the engine was asked to abort the
+        # inner request ("aborted"). After that the iterator is drained to the engine's own final response,
+        # so no response is left behind and the thread ends with the inner request.
+        state = "streaming"
         try:
             for response in inner.exec(decoupled=True):
-                if self._forward(sender, response):
-                    return
+                if state != "streaming":
+                    continue
                 if request.is_cancelled():
-                    self._cancel(inner_id)
-                    sender.send(_error("request cancelled by the client", pb_utils.TritonError.CANCELLED),
-                                flags=FINAL)
-                    return
-            sender.send(flags=FINAL)
+                    state = self._abort(sender, inner_id)
+                elif self._forward(sender, response):
+                    state = "done"
+            if state == "streaming":
+                sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - answer the client, keep the model serving
-            sender.send(_error(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL),
-                        flags=FINAL)
+            if state == "streaming":
+                # A send to a client that has gone (cancelled stream) raises here before is_cancelled() is
+                # seen: without this abort the inner request would run to its end holding KV blocks.
+                self._cancel(inner_id)
+                self._send_quietly(sender, _error(f"internal error: {type(exc).__name__}: {exc}",
+                                                  pb_utils.TritonError.INTERNAL))
+
+    def _abort(self, sender: Any, inner_id: str) -> str:
+        """The client cancelled: abort the inner request in the engine and answer CANCELLED."""
+        self._cancel(inner_id)
+        self._send_quietly(sender, _error("request cancelled by the client", pb_utils.TritonError.CANCELLED))
+        return "aborted"
+
+    @staticmethod
+    def _send_quietly(sender: Any, response: Any) -> None:
+        try:
+            sender.send(response, flags=FINAL)
+        except Exception:  # noqa: BLE001 - the client's stream may be gone already
+            pass
 
     def _forward(self, sender: Any, response: Any) -> bool:
         """Send one engine response on with the batch dimension; True when it was the last one."""

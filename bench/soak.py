@@ -1,0 +1,166 @@
+"""Soak test (``make soak``, not part of the test suite): mixed load against a real tritonserver for a
+configurable time, with cancellations, clients that disconnect mid-stream and bad inputs.
+
+  .venv/bin/python -m bench.soak --duration-s 600 [--workers 8] [--morph-mode default] [--device-memory 600MiB]
+
+Prints one JSON object: requests by outcome (full answers, cancelled, overloaded, rejected bad input,
+other errors, hangs), peak resident memory of the server's process group, and the idle state after
+the load (KV blocks used, waiting requests, quantized layers, engine health), which must return to 0 /
+0 / 0 / 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from serve.triton.client import GenerationError, GrpcStream, generate_http, metric_value, request_inputs, scrape_metrics
+from serve.triton.server import TritonServer
+
+MODEL = "morphserve"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Tell me about the sea.",
+           "List three colors:", "In 1969, humans"]
+BAD_BODIES = [b'{"text_input": 5}', b'{"text_input": ""}', b'{"text_input": "hi", "max_tokens": 0}',
+              b'{"text_input": "hi", "top_p": 2}', b'{"text_input": "hi", "stop": ["' + b"s" * 400 + b'"]}',
+              b'{"text_input": "hi", "timeout_s": -1}', b'{"max_tokens": 4}']
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process in the process group (server + Python-backend stubs)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # field 5 (pgrp) of /proc/PID/stat
+                continue
+            for line in (stat.parent / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def one_request(srv: TritonServer, rng: random.Random) -> str:
+    """One client action; returns its outcome kind."""
+    action = rng.random()
+    if action < 0.1:
+        req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{MODEL}/generate",
+                                     data=rng.choice(BAD_BODIES), method="POST")
+        try:
+            urllib.request.urlopen(req, timeout=60).read()  # noqa: S310 - loopback
+            return "bad_input_accepted"
+        except urllib.error.HTTPError as e:
+            return f"bad_input_http_{e.code}"
+    if action < 0.2:
+        try:
+            c = generate_http(rng.choice(PROMPTS), url=srv.http_url, max_tokens=rng.randint(1, 32))
+            return "full" if c.finish_reason in ("length", "stop") else f"odd:{c.finish_reason}"
+        except GenerationError as e:
+            return "overloaded" if "retry later" in str(e) else "error"
+    cancel_after = rng.randint(1, 6) if action < 0.35 else None
+    try:
+        with GrpcStream(srv.grpc_url, MODEL) as s:
+            s.send(request_inputs(rng.choice(PROMPTS), max_tokens=rng.randint(4, 64), stream=True,
+                                  temperature=rng.choice([0.0, 0.7, 1e-40])))
+            n = 0
+            for item in s.responses(timeout=600):
+                n += bool(item.get("text_output"))
+                if cancel_after is not None and n >= cancel_after and not item["final"]:
+                    (s.cancel if rng.random() < 0.5 else s.close)()  # cancel, or just disconnect
+                    return "cancelled"
+                if item["final"]:
+                    return "full"
+    except GenerationError as e:
+        return "overloaded" if "retry later" in str(e) else "error"
+    except TimeoutError:
+        return "hang"
+    return "no_final"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {"engine_dir": args.engine_dir, "morph_mode": args.morph_mode,
+                              "num_threads": args.num_threads, "max_num_waiting": args.max_num_waiting}
+    if args.device_memory:
+        params["device_memory"] = args.device_memory
+    outcomes: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    with TritonServer(params=params) as srv:
+        ready_s = srv.wait_ready(timeout=600)
+        assert srv.proc is not None
+        pgid = os.getpgid(srv.proc.pid)
+        idle_rss = peak = group_rss_bytes(pgid)
+        deadline = time.monotonic() + args.duration_s
+        stop = threading.Event()
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < deadline:
+                kind = one_request(srv, rng)
+                with lock:
+                    outcomes[kind] += 1
+
+        def sampler() -> None:
+            nonlocal peak
+            while not stop.wait(1.0):
+                peak = max(peak, group_rss_bytes(pgid))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.workers)]
+        mon = threading.Thread(target=sampler, daemon=True)
+        mon.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        idle = wait_idle(srv, args.idle_timeout_s)
+        stop.set()
+        return {"duration_s": args.duration_s, "workers": args.workers, "ready_s": round(ready_s, 1),
+                "requests": sum(outcomes.values()), "outcomes": dict(sorted(outcomes.items())),
+                "rss_idle_mib": round(idle_rss / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
+                "rss_after_mib": round(group_rss_bytes(pgid) / 2**20, 1), "after": idle,
+                "server_alive": srv.proc.poll() is None, "params": params}
+
+
+def wait_idle(srv: TritonServer, timeout_s: float) -> dict[str, Any]:
+    """Poll the gauges until KV, queue and quantized layers are back to 0 (or the timeout passes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(srv.metrics_url)
+        layers = sum(v for labels, v in m.get("morphserve_layers_quantized", []))
+        state = {"kv_blocks_used": metric_value(m, "morphserve_kv_blocks_used", model=MODEL),
+                 "num_waiting": metric_value(m, "morphserve_num_requests_waiting", model=MODEL),
+                 "num_running": metric_value(m, "morphserve_num_requests_running", model=MODEL),
+                 "layers_quantized": layers, "healthy": metric_value(m, "morphserve_engine_healthy", model=MODEL),
+                 "swaps_total": metric_value(m, "morphserve_swaps_total", model=MODEL),
+                 "restores_total": metric_value(m, "morphserve_restores_total", model=MODEL)}
+        if (state["kv_blocks_used"], state["num_waiting"], state["num_running"], layers) == (0, 0, 0, 0) \
+                or time.monotonic() > deadline:
+            state["seconds_to_idle_or_timeout"] = round(timeout_s - max(0.0, deadline - time.monotonic()), 1)
+            return state
+        time.sleep(1.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--engine-dir", default="smollm2-135m")
+    p.add_argument("--morph-mode", default="default")
+    p.add_argument("--device-memory", default="")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--max-num-waiting", type=int, default=16)
+    p.add_argument("--idle-timeout-s", type=float, default=300.0)
+    print(json.dumps(run(p.parse_args()), indent=2))
+
+
+if __name__ == "__main__":
+    main()
