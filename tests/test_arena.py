@@ -209,3 +209,69 @@ def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_w
             e.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     finally:
         e.shutdown()
+
+
+# ---- fault injection: a weight copy that fails half-way ---------------------------------------------
+
+def _failing_copies(bank, monkeypatch, failures: int) -> list[int]:
+    """Make the next ``failures`` asynchronous copies write half of their layer's tensors and then raise."""
+    from concurrent.futures import Future
+
+    from serve.morph import layer_bank
+
+    left = [failures]
+    real = bank.copy_async
+
+    def copy_async(src, dest):
+        if left[0] <= 0:
+            return real(src, dest)
+        left[0] -= 1
+        alloc, placed = bank.arena.allocator(dest), [0]
+
+        def place_then_fail(t):
+            placed[0] += 1
+            if placed[0] > 2:
+                raise RuntimeError("injected: copy failed half-way")
+            return alloc.place(t)
+
+        future: Future = Future()
+        try:
+            layer_bank.remap(src, place_then_fail)
+        except RuntimeError as exc:
+            future.set_exception(exc)
+        return layer_bank.CopyJob(None, future=future)
+
+    monkeypatch.setattr(bank, "copy_async", copy_async)
+    return left
+
+
+def test_a_quantize_whose_copy_fails_half_way_leaves_the_layer_and_the_pool_as_they_were(tiny, monkeypatch):
+    reference = morph_engine(tiny, "off").generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    e = morph_engine(tiny, "performance", blocks=8)
+    blocks = e.pool.num_blocks
+    _failing_copies(e.morph.bank, monkeypatch, failures=1)
+    e.morph.start(MorphDecision("quantize", (0, 1), "int4", "test"))  # as at an iteration boundary
+    e.morph.complete_ready(wait=True)  # the copy for layer 0 fails
+    assert [layer.precision for layer in e.model.layers[:2]] == [FULL, FULL]  # the rest of the decision dropped
+    assert e.pool.num_blocks == blocks and e.morph.stack == [] and e.morph.stats.failed_copies == 1
+    assert_memory_exact(e)
+    out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert out["token_ids"] == reference["token_ids"]  # staging's partial bytes were never served
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))  # the next attempt works
+    assert e.model.layers[0].precision == "int4" and e.pool.num_blocks > blocks
+    assert_memory_exact(e)
+
+
+def test_a_restore_whose_copy_fails_half_way_is_copied_again_and_serves_full_weights(tiny, monkeypatch):
+    reference = morph_engine(tiny, "off").generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    e = morph_engine(tiny, "performance", blocks=8)
+    full = [t.clone() for t in weight_tensors(e.model.layers[0])]
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    _failing_copies(e.morph.bank, monkeypatch, failures=1)
+    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    assert e.model.layers[0].precision == FULL and e.morph.stats.failed_copies == 1
+    assert all(a.equal(b) for a, b in zip(full, weight_tensors(e.model.layers[0])))
+    assert _ranges(e.model.layers[0]) != [] and e.pool.num_blocks == e.pool.base_blocks
+    assert_memory_exact(e)
+    out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert out["token_ids"] == reference["token_ids"]

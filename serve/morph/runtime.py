@@ -24,6 +24,7 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
 from serve.memory.arena import SlotRange
 from serve.model.kv_cache import PagedKVCache
+from serve.model.llama import DecoderLayer
 from serve.morph.layer_bank import CopyJob, LayerBank
 from serve.morph.scheduler_view import SchedulerView
 
@@ -54,6 +55,7 @@ class PendingSwap:
 class MorphStats:
     swaps: int = 0
     restores: int = 0
+    failed_copies: int = 0
     swap_ms: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
@@ -198,7 +200,12 @@ class MorphRuntime:
         """Install finished copies in order; each install starts the next queued copy. wait=True drains all."""
         while self.pending and (wait or self.pending[0].job.done()):
             p = self.pending.pop(0)
-            layer_obj = p.job.result()
+            try:
+                layer_obj = p.job.result()
+            except Exception as exc:  # noqa: BLE001 - a failed copy must not leave a half-moved layer
+                layer_obj = self._recover_failed_copy(p, exc)
+                if layer_obj is None:
+                    continue
             before = self.bank.precision_of(p.layer)
             elapsed_ms = (self.clock() - p.started) * 1e3
             self.stats.swap_ms[f"{before}->{p.target}"].append(elapsed_ms)
@@ -211,6 +218,21 @@ class MorphRuntime:
                             time_ms=round(elapsed_ms, 3), reason=p.reason)
             self.ledger.check()
             self._start_next()
+
+    def _recover_failed_copy(self, p: PendingSwap, exc: Exception) -> DecoderLayer | None:
+        """A copy that failed mid-way. A quantize is dropped: nothing was installed and the pool is unchanged,
+        so the layer stays at its precision (only staging holds partial bytes). A restore cannot be dropped:
+        its KV chunk is gone and the layer serves from staging, which the next quantize overwrites; it is
+        copied again synchronously, and if that fails too the error propagates (an engine fault)."""
+        self.stats.failed_copies += 1
+        self._event("swap_failed", level="warning", layer=p.layer, kind=p.kind, to_precision=p.target,
+                    error=f"{type(exc).__name__}: {exc}",
+                    action="dropped" if p.kind == "quantize" else "copied again synchronously")
+        if p.kind == "restore":
+            return self.bank.copy_now(self.bank.host[p.layer][p.target], self.bank.tail(p.layer, p.target))
+        self.queued.clear()  # the rest of the decision depended on this step
+        self.ledger.check()
+        return None
 
     def _finish_quantize(self, p: PendingSwap, before: str, staged, elapsed_ms: float) -> None:
         """Move the staged variant to the region's tail, install it, and give the slots in front of it (where
@@ -274,7 +296,7 @@ class MorphRuntime:
         """Nothing in flight and every layer at full precision (the state an idle engine returns to)."""
         return not self.pending and not self.queued and not self.stack
 
-    def _event(self, event: str, **fields) -> None:
+    def _event(self, event: str, level: str = "info", **fields) -> None:
         record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}
         self.events.append(record)
-        log.info(event, **{k: v for k, v in record.items() if k != "event"})
+        getattr(log, level)(event, **{k: v for k, v in record.items() if k != "event"})
