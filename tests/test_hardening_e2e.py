@@ -23,6 +23,8 @@ import pytest
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
+from triton_support import running_server, skip_module_without_triton  # noqa: E402
+
 from serve.triton.client import (  # noqa: E402
     GenerationError,
     GrpcStream,
@@ -32,13 +34,9 @@ from serve.triton.client import (  # noqa: E402
     request_inputs,
     scrape_metrics,
 )
-from serve.triton.install import TritonLaunchError, find_triton_install  # noqa: E402
 from serve.triton.server import TritonServer, free_port  # noqa: E402
 
-try:
-    find_triton_install()
-except TritonLaunchError as exc:  # pragma: no cover
-    pytest.skip(f"tritonserver unavailable: {exc}", allow_module_level=True)
+skip_module_without_triton()
 
 MODEL = "morphserve"
 REPO = Path(__file__).resolve().parents[1]
@@ -54,14 +52,8 @@ CLI_PARAMS = ["--morph-mode", "off", "--param", "num_threads=1", "--param", "max
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    srv = TritonServer(params=PARAMS, log_path=tmp_path_factory.mktemp("hardening") / "server.log")
-    srv.start()
-    try:
-        srv.wait_ready(timeout=300)
+    with running_server(PARAMS, tmp_path_factory.mktemp("hardening")) as srv:
         yield srv
-    finally:
-        srv.stop()
-        assert not srv.shm_leftovers()
 
 
 def _post(url: str, body: bytes, timeout: float = 120.0) -> tuple[int, str]:

@@ -18,14 +18,12 @@ pytestmark = pytest.mark.e2e
 
 pytest.importorskip("tritonclient.grpc")
 
+from triton_support import running_server, skip_module_without_triton  # noqa: E402
+
 from serve.triton.client import GenerationError, GrpcStream, request_inputs  # noqa: E402
-from serve.triton.install import TritonLaunchError, find_triton_install  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
 
-try:
-    find_triton_install()
-except TritonLaunchError as exc:  # pragma: no cover
-    pytest.skip(f"tritonserver unavailable: {exc}", allow_module_level=True)
+skip_module_without_triton()
 
 MODEL = "morphserve"
 TIGHT_TBT_S = 2.0   # generous for a shared 2-core machine; relaxed requests get 30 s
@@ -38,13 +36,8 @@ PARAMS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    srv = TritonServer(params=PARAMS, log_path=tmp_path_factory.mktemp("triton-slai") / "tritonserver.log")
-    srv.start()
-    try:
-        srv.wait_ready(timeout=300)
+    with running_server(PARAMS, tmp_path_factory.mktemp("triton-slai")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def stream_token_times(srv: TritonServer, arrays: dict[str, np.ndarray], times: list[float], errors: list[str]) -> None:

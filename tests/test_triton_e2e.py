@@ -25,6 +25,8 @@ pytestmark = pytest.mark.e2e
 
 pytest.importorskip("tritonclient.grpc")
 
+from triton_support import running_server, skip_module_without_triton  # noqa: E402
+
 from serve.triton.__main__ import build_parser, params_from_args  # noqa: E402
 from serve.triton.client import (  # noqa: E402
     GenerationError,
@@ -43,10 +45,7 @@ from serve.triton.repository import (  # noqa: E402
 )
 from serve.triton.server import TritonServer, free_port  # noqa: E402
 
-try:
-    find_triton_install()
-except TritonLaunchError as exc:  # pragma: no cover
-    pytest.skip(f"tritonserver unavailable: {exc}", allow_module_level=True)
+skip_module_without_triton()
 
 MODEL = "morphserve"
 MAX_MODEL_LEN = 256
@@ -89,14 +88,8 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonSe
     """A tritonserver on free 127.0.0.1 ports serving the morphserve model; log kept under tmp."""
     if importlib.util.find_spec("serve.engine.engine") is None:  # pragma: no cover - engine not written yet
         pytest.skip("serve.engine.engine is not available")
-    log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    srv = TritonServer(params=SERVER_PARAMS, log_path=log_path)
-    srv.start()
-    try:
-        srv.wait_ready(timeout=300)
+    with running_server(SERVER_PARAMS, tmp_path_factory.mktemp("triton")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

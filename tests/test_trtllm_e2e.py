@@ -30,16 +30,13 @@ pytestmark = pytest.mark.e2e
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
+from triton_support import running_server, skip_module_without_triton  # noqa: E402
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
 from serve.triton.client import metric_value, scrape_metrics  # noqa: E402
-from serve.triton.install import TritonLaunchError, find_triton_install  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
 
-try:
-    find_triton_install()
-except TritonLaunchError as exc:  # pragma: no cover
-    pytest.skip(f"tritonserver unavailable: {exc}", allow_module_level=True)
+skip_module_without_triton()
 
 MODELS = ("ensemble", "tensorrt_llm_bls")
 SERVER_PARAMS: dict[str, Any] = {
@@ -52,13 +49,8 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    srv = TritonServer(params=SERVER_PARAMS, log_path=tmp_path_factory.mktemp("trtllm") / "server.log")
-    srv.start()
-    try:
-        srv.wait_ready(timeout=300)
+    with running_server(SERVER_PARAMS, tmp_path_factory.mktemp("trtllm")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
