@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     result = run(args.modes.split(","), [int(b) for b in args.batches.split(",") if b], args.new_tokens,
                  args.repeats, args.threads)
-    print(to_markdown(result))
-    if args.json:
+    if args.json:  # written first: the table below is derived from it
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
+    print(to_markdown(result))
     return 0
 
 

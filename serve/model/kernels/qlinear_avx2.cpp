@@ -46,27 +46,40 @@ inline __m256 i8x8_to_ps(__m128i v) {  // the low 8 signed bytes of v -> 8 float
 
 // ----------------------------------------------------------------------------------------------- int8
 
+// FMA latency (4-5 cycles) would bound a single accumulator chain, so each activation row gets P = 4 / T
+// independent partial sums: T * P = 4 chains in flight whatever the tile.
 template <int T>
 void int8_rows(const float* x, int64_t K, const int8_t* w, const uint16_t* scales, float* y, int64_t N,
                int64_t n0, int64_t n1) {
-  const int64_t K16 = K & ~int64_t(15);
+  constexpr int P = 4 / T;
+  const int64_t K32 = K & ~int64_t(31), K16 = K & ~int64_t(15);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wr = w + n * K;
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K16; k += 16) {
+    __m256 acc[T][P];
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < P; ++p) acc[t][p] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K32; k += 32) {
+      __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
+      __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
+      __m256 wv[4] = {i8x8_to_ps(qa), i8x8_to_ps(_mm_srli_si128(qa, 8)), i8x8_to_ps(qb),
+                      i8x8_to_ps(_mm_srli_si128(qb, 8))};
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < 4; ++j)
+          acc[t][j % P] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + t * K + k + 8 * j), acc[t][j % P]);
+    }
+    for (int64_t k = K32; k < K16; k += 16) {
       __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
-      __m256 w0 = i8x8_to_ps(q);
-      __m256 w1 = i8x8_to_ps(_mm_srli_si128(q, 8));
+      __m256 w0 = i8x8_to_ps(q), w1 = i8x8_to_ps(_mm_srli_si128(q, 8));
       for (int t = 0; t < T; ++t) {
-        const float* xr = x + t * K + k;
-        acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[t]);
-        acc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[t]);
+        acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * K + k), acc[t][0]);
+        acc[t][P - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * K + k + 8), acc[t][P - 1]);
       }
     }
     const float s = bf16_to_float(scales[n]);
     for (int t = 0; t < T; ++t) {
-      float dot = hsum(acc[t]);
+      __m256 sum = acc[t][0];
+      for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, acc[t][p]);
+      float dot = hsum(sum);
       for (int64_t k = K16; k < K; ++k) dot += static_cast<float>(wr[k]) * x[t * K + k];
       y[t * N + n] = dot * s;
     }
@@ -89,8 +102,9 @@ inline float group_sum(const float* x, int64_t n) {  // sum of n (a multiple of 
 }
 
 template <int T>
-void int4_rows(const float* x, int64_t K, const uint8_t* packed, const uint16_t* sz,
-               int64_t group, float* y, int64_t N, int64_t n0, int64_t n1) {
+void int4_rows(const float* x, int64_t K, const uint8_t* packed, const uint16_t* sz, int64_t group, float* y,
+               int64_t N, int64_t n0, int64_t n1) {
+  constexpr int P = 4 / T;  // partial sums per activation row (see int8_rows)
   const int64_t G = K / group;
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m128i eight = _mm_set1_epi8(8);
@@ -100,26 +114,27 @@ void int4_rows(const float* x, int64_t K, const uint8_t* packed, const uint16_t*
     float zacc[T];
     for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); zacc[t] = 0.f; }
     for (int64_t g = 0; g < G; ++g) {
-      __m256 gacc[T];
-      for (int t = 0; t < T; ++t) gacc[t] = _mm256_setzero_ps();
+      __m256 gacc[T][P];
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < P; ++p) gacc[t][p] = _mm256_setzero_ps();
       for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
         __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
         __m128i lo = _mm_sub_epi8(_mm_and_si128(q, low4), eight);                     // k .. k+15
         __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low4), eight);  // k+16 .. k+31
-        __m256 w0 = i8x8_to_ps(lo), w1 = i8x8_to_ps(_mm_srli_si128(lo, 8));
-        __m256 w2 = i8x8_to_ps(hi), w3 = i8x8_to_ps(_mm_srli_si128(hi, 8));
-        for (int t = 0; t < T; ++t) {
-          const float* xr = x + t * K + k;
-          gacc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), gacc[t]);
-          gacc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), gacc[t]);
-          gacc[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), gacc[t]);
-          gacc[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), gacc[t]);
-        }
+        __m256 wv[4] = {i8x8_to_ps(lo), i8x8_to_ps(_mm_srli_si128(lo, 8)), i8x8_to_ps(hi),
+                        i8x8_to_ps(_mm_srli_si128(hi, 8))};
+        for (int t = 0; t < T; ++t)
+          for (int j = 0; j < 4; ++j)
+            gacc[t][j % P] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + t * K + k + 8 * j), gacc[t][j % P]);
       }
       const uint16_t* szg = sz + (g * N + n) * 2;
       const __m256 s = _mm256_set1_ps(bf16_to_float(szg[0]));
       const float z = bf16_to_float(szg[1]);
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(gacc[t], s, acc[t]);
+      for (int t = 0; t < T; ++t) {
+        __m256 gsum = gacc[t][0];
+        for (int p = 1; p < P; ++p) gsum = _mm256_add_ps(gsum, gacc[t][p]);
+        acc[t] = _mm256_fmadd_ps(gsum, s, acc[t]);
+      }
       if (z != 0.f)  // asymmetric groups only (modelopt AWQ and our RTN are symmetric: z == 0)
         for (int t = 0; t < T; ++t) zacc[t] += z * group_sum(x + t * K + g * group, group);
     }
