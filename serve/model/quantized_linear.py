@@ -7,16 +7,21 @@ Three formats, each a small dataclass with ``forward`` (``[..., K]`` in, ``[...,
 ``dequantize`` (fp32 ``[N, K]``), ``nbytes`` (exact bytes of the stored tensors), ``to(device)``,
 and ``tensors()`` / ``metadata()`` / ``from_tensors()`` for safetensors round trips:
 
-- :class:`Int8WeightOnly`: int8 ``[N, K]`` + bf16 per-output-channel scales,
-  ``aten._weight_int8pack_mm`` on CPU.
-- :class:`Int4WeightOnly`: 4-bit codes (0..15) packed by ``aten._convert_weight_to_int4pack_for_cpu``
-  + bf16 ``scale_and_zero [K/group, N, 2]`` with ``w = (code - 8) * scale + zero``, optional AWQ
-  ``pre_quant_scale`` applied to activations; ``aten._weight_int4pack_mm_for_cpu`` on CPU.
+- :class:`Int8WeightOnly`: int8 ``[N, K]`` + bf16 per-output-channel scales; on CPU our AVX2 kernel
+  (:mod:`serve.model.kernels`), else ``aten._weight_int8pack_mm``.
+- :class:`Int4WeightOnly`: 4-bit codes (0..15) + bf16 ``scale_and_zero [K/group, N, 2]`` with
+  ``w = (code - 8) * scale + zero``, optional AWQ ``pre_quant_scale`` applied to activations; on CPU the
+  codes are packed for our AVX2 kernel (layout ``"avx2"``), else by
+  ``aten._convert_weight_to_int4pack_for_cpu`` for ``aten._weight_int4pack_mm_for_cpu`` (layout ``"cpu"``).
 - :class:`Fp8WeightOnly`: e4m3fn ``[N, K]`` + fp32 per-tensor or per-channel scale; correctness only on
   CPU (dequantize then fp32 matmul).
 
-On CPU the int kernels get bf16 activations (they are 30-70x slower with fp32 activations) and
-return bf16, so their outputs carry bf16 rounding (~3e-3 relative); the result is cast back to fp32.
+Our CPU kernels (AVX2 + FMA, built once per machine; README "Quantized CPU kernels") take fp32 activations
+and accumulate in fp32 over the same integer weights and bf16 scales, so they match the dequantized weight
+to fp32 rounding; batches above :data:`SMALL_BATCH` rows dequantize to fp32 once and run one GEMM. When
+the kernels are unavailable (no AVX2, no compiler, ``MORPHSERVE_QKERNELS=torch``), torch's int kernels
+run: they get bf16 activations (30-70x slower with fp32) and return bf16, so their outputs carry bf16
+rounding (~3e-3 relative); the result is cast back to fp32.
 
 CUDA paths ran on an NVIDIA H200 (sm90, torch 2.11+cu130) in ``make gpu-check`` on 2026-11-30:
 tests/test_cuda.py checks each against its dequantized weights; they are only reached when the tensors live
@@ -29,6 +34,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
+
+from serve.model import kernels
 
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 """Group sizes accepted by ``aten._weight_int4pack_mm_for_cpu``."""
@@ -45,6 +53,13 @@ _INT4_N_MULTIPLE = 16
 """``aten._convert_weight_to_int4pack_for_cpu`` requires N % 16 == 0."""
 
 _UNPACK_CHUNK = 1024
+
+SMALL_BATCH = 32
+"""Rows (tokens) up to which our CPU kernels run as GEMVs; above it a layer is dequantized to fp32 once per
+call and multiplied with one GEMM (prefill), which is faster there (bench/quant_decode.py)."""
+
+_INT4_BLOCK = 32
+"""Inputs per 16-byte run of the ``"avx2"`` int4 layout (see :func:`pack_int4_blocked`)."""
 
 
 @runtime_checkable
@@ -156,11 +171,15 @@ class Int8WeightOnly:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, lead = _flatten_input(x, self.in_features)
-        xb = x2.to(device=self.weight.device, dtype=torch.bfloat16)
-        if _is_cuda(self.weight):
-            y = self._forward_cuda(xb)
+        ops = None if _is_cuda(self.weight) else kernels.ops()
+        if ops is not None:
+            y = _run_cpu_kernel(x2, lambda xf: ops.int8_linear(xf, self.weight, self.scales), self.dequantize)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(_aligned(xb), self.weight, self.scales)
+            xb = x2.to(device=self.weight.device, dtype=torch.bfloat16)
+            if _is_cuda(self.weight):
+                y = self._forward_cuda(xb)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(_aligned(xb), self.weight, self.scales)
         return y.to(_out_dtype(x)).reshape(*lead, self.out_features)
 
     def _forward_cuda(self, xb: torch.Tensor) -> torch.Tensor:
@@ -221,11 +240,46 @@ def unpack_int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
-def _pack_int4_for_kernel(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+def pack_int4_blocked(codes: torch.Tensor) -> torch.Tensor:
+    """Our CPU kernel's layout (``"avx2"``): codes ``[N, K]`` in 0..15, K a multiple of 32 -> uint8
+    ``[N, K/2]``; per row, each run of 32 inputs is 16 bytes, byte j = code[32b + j] | code[32b + 16 + j] << 4
+    (one 16-byte load unpacks to two runs of 16 consecutive inputs)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).reshape(n, k // _INT4_BLOCK, 2, _INT4_BLOCK // 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4_blocked(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_blocked`: uint8 ``[N, K/2]`` -> int32 codes ``[N, K]``."""
+    n = packed.shape[0]
+    p = packed.reshape(n, -1, _INT4_BLOCK // 2)
+    return torch.stack([p & 0x0F, p >> 4], dim=2).reshape(n, -1).to(torch.int32)
+
+
+def _cpu_int4_layout() -> str:
+    return "avx2" if kernels.ops() is not None else "cpu"
+
+
+def _layout_device(layout: str) -> str:
+    return "cpu" if layout == "avx2" else layout
+
+
+def _pack_int4_for_kernel(codes: torch.Tensor, device: torch.device, layout: str | None = None) -> torch.Tensor:
+    """Codes packed for ``device``'s kernel; on CPU ``layout`` (default: ours when it is available)."""
     codes = codes.to(torch.int32)
     if device.type == "cuda":
         return _pack_int4_cuda(codes.to(device))
+    if (layout or _cpu_int4_layout()) == "avx2":
+        return pack_int4_blocked(codes.cpu())
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu().contiguous(), 1)
+
+
+def _run_cpu_kernel(x2: torch.Tensor, gemv, dequantize) -> torch.Tensor:
+    """fp32 ``[M, N]``: ``gemv(x)`` for small batches, else one fp32 GEMM on the dequantized weight."""
+    xf = x2.to(device="cpu", dtype=torch.float32).contiguous()
+    if xf.shape[0] <= SMALL_BATCH:
+        return gemv(xf)
+    return F.linear(xf, dequantize())
 
 
 def _pack_int4_cuda(codes: torch.Tensor) -> torch.Tensor:
@@ -239,10 +293,11 @@ def _pack_int4_cuda(codes: torch.Tensor) -> torch.Tensor:
 
 @dataclass(eq=False)
 class Int4WeightOnly:
-    """Group-wise 4-bit weight in the aten int4pack layout.
+    """Group-wise 4-bit weight, ``packed`` for the kernel named by ``layout``.
 
-    ``packed`` is whatever ``_convert_weight_to_int4pack_for_cpu`` produced on this machine (its
-    layout depends on the CPU's vector width, AVX2 vs AVX-512), so it is never serialised as is:
+    ``"avx2"``: :func:`pack_int4_blocked` for our CPU kernel (codes read directly). ``"cpu"``: whatever
+    ``_convert_weight_to_int4pack_for_cpu`` produced on this machine (its layout depends on the CPU's
+    vector width, AVX2 vs AVX-512). ``"cuda"``: the tinygemm layout. None is serialised as is:
     :meth:`tensors` stores the portable nibble layout of :func:`pack_int4_nibbles` instead, and
     :meth:`from_tensors` repacks. Codes are recovered by running the kernel itself on an identity
     matrix with scale 1 / zero 8 (exact: integers 0..15 survive bf16), so no layout is assumed.
@@ -253,7 +308,7 @@ class Int4WeightOnly:
     group_size: int
     in_features: int
     pre_quant_scale: torch.Tensor | None = None
-    layout: str = ""  # the device type ``packed`` is laid out for ("cpu" | "cuda"); default: where it lives
+    layout: str = ""  # the kernel ``packed`` is laid out for ("avx2" | "cpu" | "cuda"); default: the device's
     format: ClassVar[str] = "int4_wo"
 
     def __post_init__(self) -> None:
@@ -264,7 +319,8 @@ class Int4WeightOnly:
         n = self.scale_and_zero.shape[1]
         _validate_int4_shape(n, self.in_features, self.group_size)
         self.layout = self.layout or self.packed.device.type
-        _check(self.layout in ("cpu", "cuda"), f"int4 packed layout must be cpu or cuda, got {self.layout!r}")
+        _check(self.layout in ("avx2", "cpu", "cuda"),
+               f"int4 packed layout must be avx2, cpu or cuda, got {self.layout!r}")
         _check(
             self.scale_and_zero.shape[0] == self.in_features // self.group_size,
             f"scale_and_zero has {self.scale_and_zero.shape[0]} groups, expected "
@@ -307,13 +363,14 @@ class Int4WeightOnly:
         scale_and_zero = torch.stack([scales.float().t(), zeros.float().t()], dim=-1)
         device = torch.device(device)
         pqs = None if pre_quant_scale is None else pre_quant_scale.to(device)
+        layout = device.type if device.type == "cuda" else _cpu_int4_layout()
         return cls(
-            _pack_int4_for_kernel(codes, device),
+            _pack_int4_for_kernel(codes, device, layout),
             scale_and_zero.to(device),
             group_size,
             k,
             pqs,
-            device.type,
+            layout,
         )
 
     @property
@@ -329,11 +386,22 @@ class Int4WeightOnly:
         x2 = x2.to(self.packed.device)
         if self.pre_quant_scale is not None:
             x2 = x2.float() * self.pre_quant_scale
-        y = self._mm(x2.to(torch.bfloat16).contiguous(), self.scale_and_zero)
+        if self.layout == "avx2":
+            y = self._mm_avx2(x2)
+        else:
+            y = self._mm(x2.to(torch.bfloat16).contiguous(), self.scale_and_zero)
         return y.to(_out_dtype(x)).reshape(*lead, self.out_features)
 
+    def _mm_avx2(self, x2: torch.Tensor) -> torch.Tensor:
+        ops = kernels.ops()
+        if ops is None:
+            raise RuntimeError("int4 weight packed for our AVX2 kernel, but the kernels are unavailable")
+        return _run_cpu_kernel(
+            x2, lambda xf: ops.int4_linear(xf, self.packed, self.scale_and_zero, self.group_size),
+            lambda: ops.int4_dequantize(self.packed, self.scale_and_zero, self.group_size))
+
     def _mm(self, xb: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
-        if self.layout != self.packed.device.type:
+        if _layout_device(self.layout) != self.packed.device.type:
             raise RuntimeError(f"int4 weight packed for {self.layout} lies on {self.packed.device.type}: it is a "
                                "host staging copy; move it with .to(device) before running it")
         if _is_cuda(self.packed):
@@ -344,7 +412,10 @@ class Int4WeightOnly:
     __call__ = forward
 
     def codes(self) -> torch.Tensor:
-        """Unsigned codes ``[N, K]`` (int32, 0..15), recovered through the kernel itself."""
+        """Unsigned codes ``[N, K]`` (int32, 0..15): unpacked (``"avx2"``) or recovered through the aten
+        kernel itself."""
+        if self.layout == "avx2":
+            return unpack_int4_blocked(self.packed.cpu())
         if self.layout != self.packed.device.type:
             return self.to(self.layout).codes()
         k, n = self.in_features, self.out_features
@@ -380,12 +451,13 @@ class Int4WeightOnly:
         """A copy for ``device``, repacked when the kernel layout differs (CPU and CUDA int4 layouts do)."""
         device = torch.device(device)
         pqs = None if self.pre_quant_scale is None else self.pre_quant_scale.to(device)
-        if device.type == self.layout:
-            packed = self.packed.to(device)
+        if device.type == _layout_device(self.layout):
+            packed, layout = self.packed.to(device), self.layout
         else:
-            packed = _pack_int4_for_kernel(self.codes().cpu(), device)
+            layout = device.type if device.type == "cuda" else _cpu_int4_layout()
+            packed = _pack_int4_for_kernel(self.codes().cpu(), device, layout)
         return Int4WeightOnly(packed, self.scale_and_zero.to(device), self.group_size, self.in_features, pqs,
-                              device.type)
+                              layout)
 
     def for_device_on_host(self, device: torch.device | str) -> Int4WeightOnly:
         """A host (CPU) copy already packed for ``device``'s kernel: the layer bank's source for swap copies
@@ -422,7 +494,24 @@ class Int4WeightOnly:
         )
         _validate_int4_shape(codes.shape[0], codes.shape[1], group_size)
         pqs = tensors.get("pre_quant_scale")
-        return cls(_pack_int4_for_kernel(codes, torch.device("cpu")), sz, group_size, codes.shape[1], pqs)
+        layout = _cpu_int4_layout()
+        return cls(_pack_int4_for_kernel(codes, torch.device("cpu"), layout), sz, group_size, codes.shape[1], pqs,
+                   layout)
+
+    @classmethod
+    def concat(cls, ops: list[Int4WeightOnly]) -> Int4WeightOnly | None:
+        """One layer computing ``ops`` side by side (fused q/k/v, gate/up), or None when they cannot share a
+        kernel call: only ``"avx2"`` layers (rows are independent there) with one group size, one input
+        size and the same ``pre_quant_scale`` (AWQ may give each projection its own)."""
+        first = ops[0]
+        if any(op.layout != "avx2" or op.group_size != first.group_size or op.in_features != first.in_features
+               for op in ops):
+            return None
+        pqs = [op.pre_quant_scale for op in ops]
+        if any(p is not None for p in pqs) and not all(p is not None and torch.equal(p, pqs[0]) for p in pqs):
+            return None
+        return cls(torch.cat([op.packed for op in ops]), torch.cat([op.scale_and_zero for op in ops], dim=1),
+                   first.group_size, first.in_features, first.pre_quant_scale, "avx2")
 
 
 # ---------------------------------------------------------------------------------------------- fp8

@@ -31,9 +31,14 @@ from serve.morph.placement import arena_nbytes, remap, weight_tensors
 
 
 def _fuse(ops: list, bias: torch.Tensor | None) -> LinearOp:
-    """One kernel call for int8 (per-channel scales concatenate exactly); otherwise run each op."""
+    """One kernel call for int8 (per-channel scales concatenate exactly) and for int4 in our CPU kernel's
+    layout (rows and their group scales concatenate exactly); otherwise run each op."""
     if bias is None and all(isinstance(op, Int8WeightOnly) for op in ops):
         return Int8WeightOnly(torch.cat([op.weight for op in ops]), torch.cat([op.scales for op in ops]))
+    if bias is None and all(isinstance(op, Int4WeightOnly) for op in ops):
+        fused = Int4WeightOnly.concat(ops)
+        if fused is not None:
+            return fused
     return ConcatLinear(ops, bias)
 
 

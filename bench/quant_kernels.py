@@ -1,0 +1,97 @@
+"""Per-decoder-layer linear time by kernel and batch size, SmolLM2-135M shapes (random weights, RTN codes).
+
+  .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,64,512] [--threads 2] [--repeats 3]
+
+Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear``; torch's int8 / int4 weight-only
+kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``) and ours as dequantize + fp32
+GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats`` rounds of
+the median of 50 calls; the rounds interleave the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from serve.model import kernels
+from serve.model.quantized_linear import pack_int4_blocked
+from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def _median_us(fn, calls: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _candidates(m: int, ops) -> dict[str, list]:
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, list] = {"fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
+                            "ours int4 dequant+GEMM": []}
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.05
+        x = torch.randn(m, k, generator=gen)
+        xb = x.bfloat16()
+        g = 64 if k % 128 else 128
+        q8, q4 = quantize_int8_rtn(w), quantize_int4_rtn(w, g)
+        packed = pack_int4_blocked(q4.codes())
+        tpacked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.codes(), 1)
+        sz = q4.scale_and_zero
+        out["fp32"].append(lambda x=x, w=w: F.linear(x, w))
+        out["torch int8"].append(lambda xb=xb, q=q8: torch.ops.aten._weight_int8pack_mm(xb, q.weight, q.scales))
+        out["torch int4"].append(lambda xb=xb, p=tpacked, g=g, sz=sz:
+                                 torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz))
+        if ops is not None:
+            out["ours int8"].append(lambda x=x, q=q8: ops.int8_linear(x, q.weight, q.scales))
+            out["ours int4"].append(lambda x=x, p=packed, g=g, sz=sz: ops.int4_linear(x, p, sz, g))
+            out["ours int4 dequant+GEMM"].append(
+                lambda x=x, p=packed, g=g, sz=sz: F.linear(x, ops.int4_dequantize(p, sz, g)))
+    return {name: fns for name, fns in out.items() if fns}
+
+
+def run(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tuple[float, float, float]]]:
+    torch.set_num_threads(threads)
+    ops = kernels.ops()
+    result: dict[int, dict[str, tuple[float, float, float]]] = {}
+    for m in rows:
+        cands = _candidates(m, ops)
+        samples: dict[str, list[float]] = {name: [] for name in cands}
+        for _ in range(repeats):
+            for name, fns in cands.items():
+                samples[name].append(sum(_median_us(f) for f in fns))
+        result[m] = {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.quant_kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,8,32,64,512")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    result = run([int(r) for r in args.rows.split(",")], args.threads, args.repeats)
+    names = list(next(iter(result.values())))
+    print("| rows | " + " | ".join(names) + " |")
+    print("|---:|" + "---:|" * len(names))
+    for m, cells in result.items():
+        print(f"| {m} | " + " | ".join(f"{cells[n][0]:.0f} ({cells[n][1]:.0f}-{cells[n][2]:.0f})" for n in names) + " |")
+    print(f"\nmicroseconds per decoder layer, median (min-max) of {args.repeats}; {args.threads} threads; "
+          f"{kernels.describe()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

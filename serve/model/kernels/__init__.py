@@ -1,0 +1,93 @@
+"""Our CPU kernels for weight-only int8 / int4 linears (AVX2 + FMA), built from ``qlinear_avx2.cpp``.
+
+torch's own CPU kernels (``aten._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) are fast on
+AVX-512 but slower than fp32 on AVX2-only CPUs; these are memory-bound GEMVs with fp32 activations and
+fp32 accumulation over the same integer weights and bf16 scales (README "Quantized CPU kernels").
+
+The extension is compiled once per machine with ``torch.utils.cpp_extension.load`` (gcc + ninja, ~30-60 s)
+into a cache directory: ``make install`` builds it (``python -m serve.model.kernels --build``), otherwise the
+first quantized layer built on CPU does and logs it. ``MORPHSERVE_KERNEL_CACHE`` overrides the directory
+(default ``~/.cache/morphserve/kernels/<torch version>``). When the CPU lacks AVX2/FMA, the compiler is
+missing or the build fails, one warning is logged and :func:`ops` returns None: the quantized layers then
+use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("qlinear_avx2.cpp")
+_NAME = "morphserve_qlinear_avx2"
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": the reason when None
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MORPHSERVE_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    version = torch.__version__.replace("+", "_")
+    return Path.home() / ".cache" / "morphserve" / "kernels" / version
+
+
+def cpu_supported() -> bool:
+    """AVX2 and FMA (torch reports "AVX2" only when both are present; AVX-512 machines have both)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def ops() -> ModuleType | None:
+    """The compiled kernels, or None when torch's kernels must be used (decided once per process)."""
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _load()
+    return _state["ops"]  # type: ignore[return-value]
+
+
+def describe() -> str:
+    """Which kernels the quantized CPU layers run on, for benchmark reports and logs."""
+    module = ops()
+    if module is not None:
+        return f"morphserve AVX2 ({torch.get_num_threads()} threads)"
+    return f"torch aten ({_state.get('why', 'unknown')})"
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("MORPHSERVE_QKERNELS", "").lower() == "torch":
+        _state["why"] = "MORPHSERVE_QKERNELS=torch"
+        return None
+    if not cpu_supported():
+        _state["why"] = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
+        _log.warning("quantized CPU kernels: %s; using torch's kernels", _state["why"])
+        return None
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - any build failure means: fall back, once, loudly
+        _state["why"] = f"build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+        _log.warning("quantized CPU kernels could not be built (%s); using torch's kernels", exc)
+        return None
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
+    from torch.utils import cpp_extension
+
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+    seconds = time.perf_counter() - t0
+    if seconds > 2.0:  # a real compile, not a cache hit
+        _log.warning("built the quantized CPU kernels in %.0f s (cached in %s)", seconds, directory)
+    return module

@@ -1,0 +1,164 @@
+"""Our AVX2 int8 / int4 CPU kernels (serve.model.kernels) against a float64 reference of the same weights.
+
+Reference: the dequantized weight (integer codes times bf16 scales, plus zero points, exactly as stored)
+times x, in float64. The kernels accumulate in fp32, so the allowed error per output is a few fp32 units
+of sum_k |x_k w_k| (the kernel sums per group, then scales: K * 2**-24 relative is a loose bound; measured
+errors are ~1e-7 relative). Shapes are odd on purpose: row counts that are not multiples of 16, K with an
+int8 tail, batch sizes around the 4-row tile and above SMALL_BATCH (dequantize + GEMM path).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from serve.model import kernels
+from serve.model import quantized_linear as ql
+from serve.model.linear import ConcatLinear
+from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly, pack_int4_blocked, unpack_int4_blocked
+from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
+
+torch.set_num_threads(2)  # the kernels split rows over torch's threads: exercise the split
+
+OPS = kernels.ops()
+needs_ops = pytest.mark.skipif(OPS is None, reason=f"quantized CPU kernels unavailable: {kernels.describe()}")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``y`` (fp32) vs ``x @ w.T`` in float64, per element within 8 * K fp32 units of sum |x||w|."""
+    ref = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    k = x.shape[-1]
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    bound = 8 * k * 2.0**-24 * scale + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref).abs() / scale).max())
+
+
+def test_kernels_build_on_an_avx2_machine_with_a_compiler() -> None:
+    """CI and this machine have AVX2 + gcc: a broken build must fail here, not silently fall back."""
+    if not kernels.cpu_supported() or shutil.which("g++") is None:
+        pytest.skip("no AVX2 or no compiler: torch's kernels are the expected path")
+    if os.environ.get("MORPHSERVE_QKERNELS"):
+        pytest.skip("MORPHSERVE_QKERNELS set")
+    assert OPS is not None, kernels.describe()
+    assert kernels.describe().startswith("morphserve AVX2")
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k", [(1, 16), (17, 48), (100, 40), (576, 576), (33, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+def test_int8_kernel_matches_float_reference(n: int, k: int, m: int) -> None:
+    g = _gen(n * 1000 + k + m)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.02 + 1e-3).bfloat16()
+    x = torch.randn(m, k, generator=g)
+    y = OPS.int8_linear(x, q, scales)
+    _check_close(y, x, q.float() * scales.float()[:, None])
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k,group", [(1, 32, 32), (17, 96, 32), (50, 576, 64), (31, 1536, 128), (16, 512, 256)])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int4_kernel_matches_float_reference(n: int, k: int, group: int, m: int, zeros: bool) -> None:
+    g = _gen(n * 1000 + k + m + zeros)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = torch.rand(k // group, n, generator=g) * 0.02 + 1e-3
+    zero = torch.randn(k // group, n, generator=g) * 0.01 if zeros else torch.zeros(k // group, n)
+    sz = torch.stack([scales, zero], dim=-1).bfloat16().contiguous()
+    packed = pack_int4_blocked(codes)
+    assert packed.shape == (n, k // 2) and torch.equal(unpack_int4_blocked(packed), codes)
+    s, z = (t.float().t().repeat_interleave(group, dim=1) for t in (sz[..., 0], sz[..., 1]))
+    w = (codes.float() - 8) * s + z
+    x = torch.randn(m, k, generator=g)
+    _check_close(OPS.int4_linear(x, packed, sz, group), x, w)
+    assert torch.equal(OPS.int4_dequantize(packed, sz, group), w), "dequantize is bit-identical to the formula"
+
+
+@needs_ops
+@pytest.mark.parametrize("m", [1, 5, ql.SMALL_BATCH, ql.SMALL_BATCH + 3])
+def test_layers_use_the_kernels_and_match_their_dequantized_weights(m: int) -> None:
+    """Through the layer classes: small batches (GEMV) and large ones (dequantize + GEMM), fp32 and bf16
+    activations, AWQ pre_quant_scale folded into the reference."""
+    g = _gen(m)
+    w = torch.randn(80, 576, generator=g) * 0.05
+    x = torch.randn(m, 576, generator=g)
+    int8 = quantize_int8_rtn(w)
+    int4 = quantize_int4_rtn(w, 64)
+    assert int4.layout == "avx2"
+    pqs = torch.rand(576, generator=g) + 0.5
+    scales, zeros = int4.scales_and_zeros()
+    awq = Int4WeightOnly.from_codes(int4.codes(), scales, 64, zeros, pre_quant_scale=pqs)
+    for layer, weight in ((int8, int8.dequantize()), (int4, int4.dequantize()), (awq, awq.dequantize_folded())):
+        _check_close(layer(x), x, weight)
+        yb = layer(x.bfloat16())
+        assert yb.dtype == torch.bfloat16
+        y32 = layer(x.bfloat16().float())  # the same bf16 inputs in fp32: the bf16 output is y32 rounded
+        assert ((yb.float() - y32).abs() <= 2**-8 * y32.abs()).all()
+
+
+@needs_ops
+def test_int4_concat_is_exact_and_keeps_bytes() -> None:
+    g = _gen(7)
+    parts = [quantize_int4_rtn(torch.randn(n, 576, generator=g), 64) for n in (576, 192, 192)]
+    fused = Int4WeightOnly.concat(parts)
+    assert fused is not None and fused.out_features == 960 and fused.nbytes == sum(p.nbytes for p in parts)
+    x = torch.randn(3, 576, generator=g)
+    assert torch.equal(fused(x), ConcatLinear(parts)(x))
+    other_group = quantize_int4_rtn(torch.randn(16, 576, generator=g), 32)
+    assert Int4WeightOnly.concat([parts[0], other_group]) is None
+    pqs = [Int4WeightOnly.from_codes(p.codes(), *p.scales_and_zeros()[:1], 64,
+                                     pre_quant_scale=torch.rand(576, generator=g) + 0.5) for p in parts[:2]]
+    assert Int4WeightOnly.concat(pqs) is None, "different AWQ scales cannot share one activation scaling"
+
+
+@needs_ops
+def test_avx2_layout_round_trips_and_matches_torch_layout(monkeypatch) -> None:
+    """Storage is the portable nibble layout whatever the kernel; the torch fallback layout gives the same
+    codes and (to bf16 rounding) the same outputs."""
+    g = _gen(11)
+    codes = torch.randint(0, 16, (48, 128), generator=g, dtype=torch.int32)
+    scales = torch.rand(48, 2, generator=g) + 0.1
+    ours = Int4WeightOnly.from_codes(codes, scales, 64)
+    again = Int4WeightOnly.from_tensors(ours.tensors(), ours.metadata())
+    assert again.layout == "avx2" and torch.equal(again.packed, ours.packed) and torch.equal(again.codes(), codes)
+    x = torch.randn(4, 128, generator=g)
+    y_ours, w_ours = ours(x), ours.dequantize()
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    theirs = Int4WeightOnly.from_codes(codes, scales, 64)
+    assert theirs.layout == "cpu" and torch.equal(theirs.codes(), codes)
+    assert torch.equal(theirs.dequantize(), w_ours)
+    rel = ((theirs(x) - y_ours).norm() / y_ours.norm()).item()
+    assert rel < 6e-3  # torch's kernel: bf16 activations and outputs
+
+
+def test_fallback_when_the_kernels_are_unavailable(monkeypatch) -> None:
+    """With no kernels (no AVX2, build failed, MORPHSERVE_QKERNELS=torch) the layers run torch's kernels."""
+    monkeypatch.setattr(kernels, "ops", lambda: None)
+    w = torch.randn(32, 128, generator=_gen(5))
+    x = torch.randn(3, 128, generator=_gen(6))
+    for layer in (quantize_int8_rtn(w), quantize_int4_rtn(w, 64)):
+        ref = x @ layer.dequantize().t()
+        assert ((layer(x) - ref).norm() / ref.norm()).item() < 6e-3
+    assert quantize_int4_rtn(w, 64).layout == "cpu"
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog) -> None:
+    def broken(verbose: bool = False):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "build", broken)
+    monkeypatch.delenv("MORPHSERVE_QKERNELS", raising=False)
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        assert kernels.ops() is None and kernels.ops() is None
+    if kernels.cpu_supported():
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert "compiler exploded" in caplog.text and "torch" in kernels.describe()
