@@ -65,12 +65,14 @@ def step_tokens(t: Telemetry) -> int:
 
 
 def requests_admitted(t: Telemetry, blocks_added: int) -> int:
-    """How many more waiting requests the added blocks let in, each needing the waiting prompts' average."""
+    """How many more waiting requests the added blocks let in, each needing the waiting prompts' average
+    (all of them once the blocks cover what they need together)."""
     if not t.num_waiting or t.blocks_needed_waiting <= 0:
         return 0
     need = math.ceil(t.blocks_needed_waiting / t.num_waiting)
     free = t.kv_blocks_free
-    return min(t.num_waiting, (free + blocks_added) // need) - min(t.num_waiting, free // need)
+    after = t.num_waiting if free + blocks_added >= t.blocks_needed_waiting else (free + blocks_added) // need
+    return max(0, min(t.num_waiting, after) - min(t.num_waiting, free // need))
 
 
 def memory_step_pays(t: Telemetry, costs: StepCosts, precision: str, from_precision: str, k: int,

@@ -249,6 +249,8 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
+            if self.morph is not None:
+                self.morph.last_step_tokens = sum(c.num_tokens for c in sched.chunks)
             produced: list[tuple[Sequence, RequestOutput]] = []
             if sched.chunks:
                 now = self.clock()
@@ -520,4 +522,4 @@ def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | 
     loaded, ed = open_model(config.model)
     if ed is None:
         return loaded, None
-    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant)
+    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, engine_dir=ed.root)
