@@ -7,12 +7,14 @@ step's time by ``delta(n) = k x (cost_p(n) - cost_from(n))`` at ``n`` tokens per
 * Quantized kernels not slower at the current step (``delta <= 0``): the step costs nothing, take it
   (the controller then behaves exactly as the cost-blind MorphServe controller).
 * Memory pressure (waiting prompts need more blocks than are free, or KV above its high mark): the freed
-  blocks admit ``n_admit`` more of the waiting requests (their average need each); the running batch of
-  ``b`` decodes becomes ``b + n_admit``. Decode throughput before ``b / T(b)``, after
-  ``(b + n_admit) / (T(b + n_admit) + delta(b + n_admit))``, with ``T`` the step time estimated from the
-  same measurements for the current configuration. The step is taken only if throughput after exceeds
-  throughput before: the KV gained must buy more tokens per second than the slowdown, which every running
-  request pays on every step, takes away. No waiting request (KV merely above its mark) means nothing is
+  blocks admit ``n_admit`` more of the waiting requests (their average need each), whose prompts add work
+  to the steps: a step of ``x`` tokens (the last batch) becomes one of
+  ``x' = min(budget, x + n_admit x prompt tokens each)``. Tokens per second before ``x / T(x)``, after
+  ``x' / (T(x') + delta(x'))``, with ``T`` the step time estimated from the same measurements for the
+  current configuration. The step is taken only if throughput after exceeds throughput before: the KV
+  gained must buy more tokens per second than the slowdown, which every running request pays on every
+  step, takes away. A batch already at its token budget gains nothing from more KV (the queue is waiting
+  on compute), so there a slower kernel is refused. No waiting request (KV merely above its mark) means nothing is
   gained now; running requests short of blocks are handled by quantize-before-preempt, which always pays
   (the alternative throws away a request's KV cache and recomputes it).
 * Compute pressure (requests queue, TTFT targets near, yet the blocks they need are free): quantizing
@@ -78,20 +80,23 @@ def requests_admitted(t: Telemetry, blocks_added: int) -> int:
 def memory_step_pays(t: Telemetry, costs: StepCosts, precision: str, from_precision: str, k: int,
                      gain: int) -> Verdict:
     """Memory pressure: do the blocks freed admit enough requests to outweigh the slower steps?"""
-    n_now = step_tokens(t)
-    delta_now = k * costs.slowdown_s(precision, n_now, from_precision)
-    b = t.num_running
+    x = step_tokens(t) if t.num_running or t.step_tokens else 0
     admitted = requests_admitted(t, k * gain)
-    delta_after = k * costs.slowdown_s(precision, b + admitted, from_precision)
+    prompt = math.ceil(t.blocks_needed_waiting / t.num_waiting) * t.block_tokens if t.num_waiting else 0
+    x_after = x + admitted * prompt
+    if t.step_token_budget:
+        x_after = min(x_after, max(t.step_token_budget, x))
+    delta_now = k * costs.slowdown_s(precision, max(x, 1), from_precision)
+    delta_after = k * costs.slowdown_s(precision, max(x_after, 1), from_precision)
     if delta_now <= 0 and delta_after <= 0:
         return Verdict(True, f"{from_precision}->{precision} is not slower here ({delta_now * 1e3:+.2f} ms/step "
-                             f"at {n_now} tokens)")
+                             f"at {max(x, 1)} tokens)")
     quantized = dict(t.quantized_layers)
-    before = b / costs.step_s(b, t.num_layers, quantized) if b else 0.0
-    after = (b + admitted) / (costs.step_s(b + admitted, t.num_layers, quantized) + delta_after) if b + admitted else 0.0
+    before = x / costs.step_s(x, t.num_layers, quantized) if x else 0.0
+    after = x_after / (costs.step_s(x_after, t.num_layers, quantized) + delta_after) if x_after else 0.0
     arithmetic = (f"{k} layer(s) {from_precision}->{precision} free {k * gain} blocks -> admit {admitted} of "
-                  f"{t.num_waiting} waiting; decode {b} -> {b + admitted} at {before:.1f} -> {after:.1f} tok/s "
-                  f"(+{delta_after * 1e3:.2f} ms/step)")
+                  f"{t.num_waiting} waiting; step {x} -> {x_after} tokens at {before:.1f} -> {after:.1f} tok/s "
+                  f"({delta_after * 1e3:+.2f} ms/step)")
     return Verdict(after > before, arithmetic)
 
 

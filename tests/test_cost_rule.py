@@ -72,7 +72,7 @@ def test_slow_machine_under_memory_pressure_quantizes_the_fewest_layers_that_cov
 def test_slow_machine_refuses_a_memory_step_whose_slowdown_outweighs_the_requests_it_admits() -> None:
     very_slow = costs(int4=6.0, int8=6.0)
     # 30 decodes running, 500 blocks free; three waiting prompts of 180 blocks: one layer admits one more
-    tel = {"usage": 0.5, "num_running": 30, "num_waiting": 3, "blocks_needed_waiting": 540}
+    tel = {"usage": 0.5, "num_running": 30, "num_waiting": 3, "blocks_needed_waiting": 540, "step_token_budget": 32}
     d = step(ctl(very_slow), FakeEngine(), **tel)
     assert d.action == "none" and "does not pay" in d.reason
     # the same pressure on a machine where int4 is slower only a little pays
@@ -185,3 +185,15 @@ def test_repeated_run_summaries() -> None:
     assert s["swaps"] == spread([]) and cell([1.0, 3.0, 2.0]) == "2.0 [1.0-3.0]" and cell([]) == "n/a"
     assert parse_mode("default+cost_aware=false+kv_high=0.8") == ("default", {"cost_aware": False, "kv_high": 0.8})
     assert parse_mode("off") == ("off", {})
+
+
+def test_a_batch_at_its_token_budget_is_compute_bound_so_slow_layers_are_refused() -> None:
+    """Waiting prompts short of blocks, but the last batch already ran the whole token budget: more KV
+    would not make the steps do more work, only slower ones."""
+    tel = {"usage": 0.5, "num_running": 4, "num_waiting": 4, "blocks_needed_waiting": 600, "step_tokens": 512,
+           "step_token_budget": 512}
+    d = step(ctl(SLOW_INT4), FakeEngine(), **tel)
+    assert d.action == "none" and "512 -> 512 tokens" in d.reason
+    assert step(ctl(FAST_INT4), FakeEngine(), **tel).action == "quantize"
+    # the same deficit with a batch of 4 decodes: the admitted prompts fill the budget, which pays
+    assert step(ctl(SLOW_INT4), FakeEngine(), **{**tel, "step_tokens": 4}).action == "quantize"

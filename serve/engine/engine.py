@@ -93,6 +93,7 @@ class LLMEngine:
         self.morph: MorphRuntime | None = None
         if self.memory.bank is not None and plan is not None:
             self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock)
+            self.morph.step_token_budget = config.max_num_batched_tokens
         self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = make_scheduler(config, self.pool, self.clock)
         self.executor = TorchExecutor(self.model, self.kv)

@@ -65,6 +65,7 @@ class MorphRuntime:
         self.costs = costs
         self.controller = MorphController(config, swap_order, costs)
         self.last_step_tokens = 0  # tokens in the last batch, set by the engine; the cost rule reads it
+        self.step_token_budget = 0  # the scheduler's token budget per batch, set by the engine
         self.bank = bank
         self.pool = pool
         self.ledger = ledger
@@ -130,7 +131,7 @@ class MorphRuntime:
             oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
             critical_decodes_unscheduled=critical_unscheduled, min_ttft_slack_s=ttft_slack,
-            step_tokens=self.last_step_tokens,
+            step_tokens=self.last_step_tokens, step_token_budget=self.step_token_budget, block_tokens=self.block_size,
             ttft_p95_s=self._window(self._ttfts, now, 95), tbt_p99_s=self._window(self._gaps, now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
