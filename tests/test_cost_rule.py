@@ -197,3 +197,16 @@ def test_a_batch_at_its_token_budget_is_compute_bound_so_slow_layers_are_refused
     assert step(ctl(FAST_INT4), FakeEngine(), **tel).action == "quantize"
     # the same deficit with a batch of 4 decodes: the admitted prompts fill the budget, which pays
     assert step(ctl(SLOW_INT4), FakeEngine(), **{**tel, "step_tokens": 4}).action == "quantize"
+
+
+def test_h200_costs_from_gpu_check_quantize_only_where_the_kernels_win() -> None:
+    """bench/gpu_check.py's H200 table (README, random 16-layer Llama, bf16, tok/s): int4 loses at batch 1-8
+    (0.81x) and wins at batch 32 and in prefill (1.26-1.3x). Compute pressure quantizes only where it wins."""
+    tok_s = {"full": (106.0, 823.6, 1750.3, 26330), "int8": (72.2, 596.1, 2209.2, 33866),
+             "int4": (86.1, 654.5, 2203.5, 34564)}
+    counts = (1, 8, 32, 512)
+    h200 = StepCosts("NVIDIA H200", counts, {p: tuple(n / v / 16 for n, v in zip(counts, row)) for p, row in tok_s.items()})
+    assert cost_ladder(("int8", "int4"), h200, CHUNK) == ("int4",)
+    small = {**QUEUEING, "num_running": 1}
+    assert step(ctl(h200), FakeEngine(), **small, step_tokens=1).action == "none"
+    assert step(ctl(h200), FakeEngine(), **small, step_tokens=512).action == "quantize"
