@@ -210,3 +210,11 @@ def test_h200_costs_from_gpu_check_quantize_only_where_the_kernels_win() -> None
     small = {**QUEUEING, "num_running": 1}
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=1).action == "none"
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=512).action == "quantize"
+
+
+def test_bench_triton_reports_the_median_run() -> None:
+    from bench.triton.__main__ import median_run
+
+    runs = [{"ttft_s": {"p95": v}, "id": i} for i, v in enumerate((3.0, None, 1.0, 2.0))]
+    assert median_run(runs)["id"] == 3  # 1.0, 2.0, 3.0, None(=inf): the lower median
+    assert median_run(runs[:1])["id"] == 0
