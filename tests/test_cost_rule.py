@@ -218,3 +218,34 @@ def test_bench_triton_reports_the_median_run() -> None:
     runs = [{"ttft_s": {"p95": v}, "id": i} for i, v in enumerate((3.0, None, 1.0, 2.0))]
     assert median_run(runs)["id"] == 3  # 1.0, 2.0, 3.0, None(=inf): the lower median
     assert median_run(runs[:1])["id"] == 0
+
+
+@pytest.mark.parametrize("fake, swaps", [(SLOW_INT4, False), (FAST_INT4, True)])
+def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_say_it_helps(tiny, tmp_path, monkeypatch,
+                                                                                       fake, swaps) -> None:
+    """A real engine reading (fake) costs from its per-machine cache: requests queue on the sequence cap with
+    KV blocks free; slow int4 never swaps, fast int4 does."""
+    from tests.test_morph import FakeClock
+    from serve.config import EngineConfig
+    from serve.engine.engine import LLMEngine
+    from serve.engine.sampling_params import SamplingParams
+
+    monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path))
+    cfg = tiny.config
+    shape = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    sc.store(sc.cache_path(), sc.machine_key(torch.device("cpu"), torch.float32, shape), fake)
+    clock = FakeClock()
+    e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=32, max_num_seqs=2,
+                               morph_mode="default", max_model_len=128, policy_overrides={"persist_iters": 1}),
+                  loaded=tiny, clock=clock)
+    try:
+        assert e.morph.controller.costs.layer_s == fake.layer_s
+        for i in range(8):
+            e.add_request([10 + i, 11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True))
+        while e.has_unfinished_requests():
+            e.step()
+            clock.t += 0.05
+        assert (e.morph.stats.swaps > 0) is swaps
+        assert e.scheduler.num_preemptions == 0
+    finally:
+        e.shutdown()
