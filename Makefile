@@ -30,6 +30,7 @@ help:
 	@echo "make test           run the test suite"
 	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + TensorRT-LLM checkpoints;"
 	@echo "                    LEVELS=int4@50,int8@25 or LEVELS=none picks the morph levels; a no-op when up to date)"
+	@echo "                    then this machine's per-precision step costs (COSTS_ARGS=--force re-measures)"
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make serve-dynamo   REPLICAS workers behind NVIDIA Dynamo's OpenAI frontend on 127.0.0.1:DYNAMO_HTTP_PORT"
@@ -71,6 +72,7 @@ test: install
 
 build-engines: install
 	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)
+	$(PY) -m bench.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
 
 QUALITY_TEXT ?= ../shared/data/text/botchan.txt
 quality: build-engines

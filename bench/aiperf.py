@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -31,6 +30,7 @@ from bench.triton.__main__ import build_parser as triton_parser
 from bench.triton.__main__ import default_engine_dir, load_tokenizer
 from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, assemble_result, run_mode, server_params
+from bench.repeats import cell
 from bench.workload import build_workload
 
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, "ignore_eos": true, '
@@ -136,15 +136,8 @@ def table(runs: Sequence[Mapping]) -> str:
             own = [r["own"][key][s] * 1e3 for r in runs if r["own"][key][s] is not None]
             aip = [r["aiperf"][key][s] * 1e3 for r in runs]
             ratios = [a / o for a, o in zip(aip, own) if o]
-            lines.append(f"| {label} | {s} | {_cell(own)} | {_cell(aip)} | {_cell(ratios, 2)} |")
+            lines.append(f"| {label} | {s} | {cell(own)} | {cell(aip)} | {cell(ratios, 2)} |")
     return "\n".join(lines)
-
-
-def _cell(values: Sequence[float], digits: int = 1) -> str:
-    if not values:
-        return "n/a"
-    med = statistics.median(values)
-    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]" if len(values) > 1 else f"{med:.{digits}f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,10 @@
 Requests arrive in real time on the trace's (scaled) schedule; the engine runs in this thread; TTFT is
 measured from each request's scheduled arrival, so it includes queueing. Output lengths are forced
 (ignore_eos) so modes do the same work.
+
+Repeated-run verdicts: ``--mode`` may be given several times and ``--repeat N`` runs each mode N times,
+interleaved by mode (run 1 of every mode, then run 2, ...), and reports each figure as the median with its
+spread (bench/repeats.py). A mode may carry policy overrides of its own: ``default+cost_aware=false``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from bench import defaults
 from bench.latency import RequestTiming, by_tier, distribution, markdown_table, summarize
+from bench.repeats import repeated_table, summarize_runs
 from bench.summary import MorphSummary, time_weighted_quantized_share
 from bench.workload import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from policy.precisions import full_signature
@@ -31,8 +36,11 @@ from serve.engine.slo import RequestSLO
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="default",
-                   help="morph mode: off, static-int8, static-int4, accuracy, default, performance (default: %(default)s)")
+    p.add_argument("--mode", action="append", default=None, metavar="MODE[+KEY=VALUE...]",
+                   help="morph mode: off, static-int8, static-int4, accuracy, default, performance (default: default); "
+                        "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. default+cost_aware=false")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per mode, interleaved by mode; figures are reported as median [min-max] (default: %(default)s)")
     p.add_argument("--model", default=defaults.MODEL, help="engine directory, embedded model name, .gguf or HF dir")
     p.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
     p.add_argument("--slo-ttft", type=float, default=defaults.ENGINE_DEFAULTS.slo_ttft_s, help="TTFT SLO in seconds (default: %(default)s)")
@@ -169,28 +177,82 @@ def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: i
     ).as_dict()
 
 
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """``default+cost_aware=false+kv_high=0.8`` -> ("default", {"cost_aware": False, "kv_high": 0.8})."""
+    name, *pairs = spec.split("+")
+    return name, parse_policy_overrides(pairs)
+
+
+def run_once(args: argparse.Namespace, spec: str) -> dict:
+    """One replay of one mode on a fresh engine (the same workload for every mode: same seed, same trace)."""
+    from serve.engine.engine import LLMEngine  # noqa: PLC0415
+
+    mode, own = parse_mode(spec)
+    config = EngineConfig(model=args.model, morph_mode=mode, device_memory=args.device_memory,
+                          device=args.device, dtype=args.dtype,
+                          slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
+                          slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                          seed=args.seed, policy_overrides={**parse_policy_overrides(args.policy), **own})
+    engine = LLMEngine(config)
+    try:
+        items, desc = build_workload(args, engine.tokenizer)
+        result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
+                  **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=not args.quiet)}
+    finally:
+        engine.shutdown()
+    if args.quality:
+        result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.threads)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from serve.engine.engine import LLMEngine
-
+    specs = args.mode or ["default"]
     try:
-        config = EngineConfig(model=args.model, morph_mode=args.mode, device_memory=args.device_memory,
-                              device=args.device, dtype=args.dtype,
-                              slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
-                              slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                              seed=args.seed, policy_overrides=parse_policy_overrides(args.policy))
-        engine = LLMEngine(config)
-        items, desc = build_workload(args, engine.tokenizer)
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+        for spec in specs:
+            name, own = parse_mode(spec)
+            EngineConfig(morph_mode=name, policy_overrides={**parse_policy_overrides(args.policy), **own})
+        if len(specs) == 1 and args.repeat == 1:
+            result = run_once(args, specs[0])
+        else:
+            return repeated(args, specs)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = {"mode": args.mode, "trace": desc, "device_memory": args.device_memory, "model": args.model,
-              **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=not args.quiet)}
-    engine.shutdown()
-    if args.quality:
-        result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.threads)
-    print(markdown_table({args.mode: result}))
+    print_single(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def repeated(args: argparse.Namespace, specs: list[str]) -> int:
+    """Every mode ``--repeat`` times, interleaved; medians and spreads of each figure."""
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+    for rep in range(args.repeat):
+        for spec in specs:
+            r = run_once(args, spec)
+            runs[spec].append(r)
+            m = r["morph"]
+            print(f"run {rep + 1}/{args.repeat} {spec}: P50 TTFT {r['ttft_s']['p50']:.3f} s, P95 {r['ttft_s']['p95']:.3f} s, "
+                  f"SLO violations {r['slo']['violation_rate']:.1%}, swaps {m['swaps']}, restores {m['restores']}",
+                  file=sys.stderr, flush=True)
+    print(f"medians of {args.repeat} run(s) per mode, [min-max]:\n")
+    print(repeated_table(runs))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        slim = {spec: [{k: v for k, v in r.items() if k not in ("timeline", "requests")} for r in rs]
+                for spec, rs in runs.items()}
+        args.json.write_text(json.dumps({"modes": specs, "repeat": args.repeat, "summary": summarize_runs(runs),
+                                         "runs": slim}, indent=2))
+    return 0
+
+
+def print_single(result: dict) -> None:
+    print(markdown_table({result["mode"]: result}))
     print("\n" + tier_table(result["tiers"]))
     m = result["morph"]
     print(f"\nswaps {m['swaps']}, restores {m['restores']}, max quantized layers {m['max_quantized_layers']}, "
@@ -202,10 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         q = result["quality"]
         print(f"perplexity: full {q['perplexity_full']:.2f}, served (token-weighted) {q['perplexity']:.2f} "
               f"({q['loss_pct']:+.2f} %)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
 
 
 def tier_table(tiers: dict) -> str:

@@ -24,6 +24,20 @@ Rules (dynamic modes):
   (``pending_restore_chunk_free``) and shrinking the pool by that chunk would not
   push KV usage above ``kv_high`` (which would re-trigger pressure at once). One
   layer per decision; the calm period restarts after each restore.
+
+Cost-aware modes (``PolicyConfig.cost_aware`` with measured ``StepCosts``; ``policy/cost_rule.py``):
+
+* the ladder is the mode's precisions ordered by measured slowdown per freed block, fixed at the first
+  decision (a restore must find the rung a layer came from);
+* a quantize step under memory pressure (a block deficit: waiting prompts short of blocks, KV above
+  ``kv_high``) is sized as above, then taken only if the decode throughput with the admitted requests
+  and the slower steps beats the throughput without them; under compute pressure alone only a
+  precision faster than the current one at this step's size is taken;
+* a layer whose precision makes steps slower here is restored after ``slow_restore_persist_s`` of
+  calm (nothing waiting, no pressure, pool after the shrink at most ``kv_high``) instead of waiting for
+  ``restore_persist_s`` with KV below ``kv_low``.
+
+Where the measured quantized kernels are not slower, every rule above reduces to the cost-blind one.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from . import cost_rule
+from .costs import StepCosts
 from .decision import MorphDecision
 from .modes import PolicyConfig
 from .telemetry import Telemetry
@@ -60,14 +76,24 @@ def describe(t: Telemetry) -> str:
 class MorphController:
     """Decides, once per engine iteration, which layers to quantize or restore."""
 
-    def __init__(self, config: PolicyConfig, swap_order: Sequence[int]) -> None:
+    def __init__(self, config: PolicyConfig, swap_order: Sequence[int], costs: StepCosts | None = None) -> None:
         order = tuple(swap_order)
         if not order or sorted(order) != list(range(len(order))):
             raise ValueError(f"swap_order must be a permutation of 0..n-1, got {order}")
         self.config = config
         self.swap_order = order
+        self.costs = costs if config.cost_aware else None
+        self._ladder: tuple[str, ...] | None = None if self.costs is not None else config.ladder
         self._pressure_streak = 0
         self._calm_since: float | None = None
+
+    def ladder(self, t: Telemetry) -> tuple[str, ...]:
+        """The rungs in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
+        if self._ladder is None:
+            assert self.costs is not None
+            self._ladder = cost_rule.cost_ladder(self.config.ladder, self.costs, t.blocks_per_layer_chunk) \
+                or self.config.ladder
+        return self._ladder
 
     @property
     def max_quantized_layers(self) -> int:
@@ -112,7 +138,7 @@ class MorphController:
                     f"pressure ({'; '.join(triggers)}) seen {self._pressure_streak}/{persist} iterations, "
                     f"waiting for it to persist {describe(t)}"
                 )
-            decision = self._quantize_step(t, triggers, deficit)
+            decision = self._quantize_step(t, triggers, deficit, memory=self._memory_deficit(t) > 0)
             if decision.action == "quantize":
                 self._pressure_streak = 0
             return decision
@@ -143,19 +169,28 @@ class MorphController:
                             f"< {c.ttft_slack_low_s * 1e3:.0f} ms")
         return triggers, (max(deficit, 1) if triggers else 0)
 
-    def _quantize_step(self, t: Telemetry, triggers: list[str], deficit: int) -> MorphDecision:
+    def _memory_deficit(self, t: Telemetry) -> int:
+        """Blocks short: of the waiting prompts' needs, or of bringing KV usage back under ``kv_high``."""
+        deficit = max(0, t.blocks_needed_waiting - t.kv_blocks_free)
+        if t.kv_usage > self.config.kv_high:
+            deficit = max(deficit, math.ceil(t.kv_blocks_used / self.config.kv_high - 1e-9) - t.kv_blocks_total)
+        return deficit
+
+    def _quantize_step(self, t: Telemetry, triggers: list[str], deficit: int, memory: bool,
+                       always_pays: bool = False) -> MorphDecision:
         c = self.config
+        ladder = self.ladder(t)
         precision_of = t.precision_of
         chunk = t.blocks_per_layer_chunk
         room = self.max_quantized_layers - len(precision_of)
         candidates: list[int] = []
-        target, gain, what = c.ladder[0], 0, ""
+        target, milder, gain, what = ladder[0], "full", 0, ""
         if room > 0:
             candidates = [layer for layer in self.swap_order if layer not in precision_of][:room]
             gain = chunk.get(target, 0)
             what = f"{room} layer(s) left under max_quantized_fraction {c.max_quantized_fraction}"
         else:
-            for milder, target in zip(c.ladder, c.ladder[1:]):
+            for milder, target in zip(ladder, ladder[1:]):
                 candidates = [layer for layer in self.swap_order if precision_of.get(layer) == milder]
                 if candidates:
                     gain = chunk.get(target, 0) - chunk.get(milder, 0)
@@ -169,21 +204,38 @@ class MorphController:
             )
         needed = math.ceil(deficit / gain) if gain > 0 else 1
         k = min(needed, c.max_layers_per_step, len(candidates))
+        costed = ""
+        if self.costs is not None and not always_pays:
+            verdict = (cost_rule.memory_step_pays(t, self.costs, target, milder, k, gain) if memory
+                       else cost_rule.compute_step_pays(t, self.costs, target, milder, k))
+            if not verdict.pays:
+                return MorphDecision.nothing(
+                    f"pressure ({'; '.join(triggers)}) but the step does not pay on {self.costs.device}: "
+                    f"{verdict.reason} {describe(t)}")
+            costed = f", pays: {verdict.reason}"
         return MorphDecision(
             "quantize", tuple(candidates[:k]), target,
             f"pressure ({'; '.join(triggers)}) for {c.persist_iters} iteration(s): deficit {deficit} blocks, "
             f"{gain} blocks/layer -> {needed} layer(s) needed, at most {c.max_layers_per_step}/step, {what} "
-            f"-> quantize {k} to {target} {describe(t)}",
+            f"-> quantize {k} to {target}{costed} {describe(t)}",
         )
+
+    def _slow_top(self, t: Telemetry) -> bool:
+        """Cost-aware: the newest transition's precision makes this machine's steps slower."""
+        if self.costs is None or not t.quantized_layers:
+            return False
+        precision = t.quantized_layers[-1][1]
+        return cost_rule.layer_is_slower(t, self.costs, precision, self._milder_rung(precision, t))
 
     def _maybe_restore(self, t: Telemetry) -> MorphDecision:
         c = self.config
+        slow = self._slow_top(t)
         not_calm = []
         if t.num_waiting:
             not_calm.append(f"{t.num_waiting} waiting")
-        if t.kv_usage >= c.kv_low:
+        if t.kv_usage >= c.kv_low and not slow:
             not_calm.append(f"kv usage {t.kv_usage:.1%} >= kv_low {c.kv_low:.0%}")
-        if t.ttft_p95_s is not None and t.ttft_p95_s > c.ttft_slo_s:
+        if t.ttft_p95_s is not None and t.ttft_p95_s > c.ttft_slo_s and not slow:
             not_calm.append(f"ttft_p95 {t.ttft_p95_s:.3f} s > SLO {c.ttft_slo_s} s")
         if not_calm:
             self._calm_since = None
@@ -193,16 +245,16 @@ class MorphController:
         if not t.quantized_layers:
             return MorphDecision.nothing(f"calm, nothing quantized {describe(t)}")
         calm_for = t.now_s - self._calm_since
-        if calm_for < c.restore_persist_s:
-            return MorphDecision.nothing(
-                f"calm for {calm_for:.2f} s < restore_persist_s {c.restore_persist_s} s {describe(t)}"
-            )
+        persist, persist_name = (c.slow_restore_persist_s, "slow_restore_persist_s (the layer is slower here)") \
+            if slow else (c.restore_persist_s, "restore_persist_s")
+        if calm_for < persist:
+            return MorphDecision.nothing(f"calm for {calm_for:.2f} s < {persist_name} {persist} s {describe(t)}")
         layer, precision = t.quantized_layers[-1]
         if not t.pending_restore_chunk_free:
             return MorphDecision.nothing(
                 f"calm for {calm_for:.2f} s but layer {layer}'s KV chunk is still in use; restore waits {describe(t)}"
             )
-        target = self._milder_rung(precision)
+        target = self._milder_rung(precision, t)
         chunk = t.blocks_per_layer_chunk.get(precision, 0) - (t.blocks_per_layer_chunk.get(target, 0) if target else 0)
         remaining = t.kv_blocks_total - chunk
         projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
@@ -214,7 +266,7 @@ class MorphController:
         self._calm_since = t.now_s
         return MorphDecision(
             "restore", (layer,), target,
-            f"calm for {calm_for:.2f} s >= {c.restore_persist_s} s, layer {layer} ({precision}) chunk free "
+            f"calm for {calm_for:.2f} s >= {persist} s, layer {layer} ({precision}) chunk free "
             f"-> restore it to {target or 'full precision'} (LIFO), pool shrinks by {chunk} blocks to "
             f"{projected:.1%} usage {describe(t)}",
         )
@@ -227,11 +279,11 @@ class MorphController:
         if self.config.strategy != "dynamic" or deficit <= 0:
             return MorphDecision.nothing(f"no deficit to cover in mode {self.config.mode} {describe(t)}")
         return self._quantize_step(t, [f"running requests short of {deficit} KV blocks (quantize before preempt)"],
-                                   deficit)
+                                   deficit, memory=True, always_pays=True)
 
-    def _milder_rung(self, precision: str) -> str | None:
+    def _milder_rung(self, precision: str, t: Telemetry) -> str | None:
         """The rung a restore returns to: one step back on the ladder, or full precision (None)."""
-        ladder = self.config.ladder
+        ladder = self.ladder(t)
         if precision in ladder and ladder.index(precision) > 0:
             return ladder[ladder.index(precision) - 1]
         return None

@@ -58,6 +58,13 @@ class PolicyConfig:
     ttft_slo_s: float = 2.0
     critical_decodes_high: int | None = 1
     ttft_slack_low_s: float | None = 0.5
+    cost_aware: bool = False
+    """Weigh each quantize step with the measured per-precision step costs (``policy/cost_rule.py``): take it
+    only when the KV it frees pays for the slowdown; order the ladder by measured cost. Without measured
+    costs the controller behaves as the cost-blind one."""
+    slow_restore_persist_s: float = 0.5
+    """Cost-aware only: calm needed before restoring a layer whose precision makes steps slower here (nothing
+    waiting, no pressure, the pool after the shrink at most ``kv_high``): such a layer costs every step."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -98,6 +105,10 @@ class PolicyConfig:
             errors.append(f"critical_decodes_high must be an int >= 1 or None, got {c!r}")
         if self.ttft_slack_low_s is not None and not 0 <= self.ttft_slack_low_s < float("inf"):
             errors.append(f"ttft_slack_low_s must be a finite number >= 0 or None, got {self.ttft_slack_low_s!r}")
+        if not isinstance(self.cost_aware, bool):
+            errors.append(f"cost_aware must be true or false, got {self.cost_aware!r}")
+        if not self.slow_restore_persist_s >= 0:
+            errors.append(f"slow_restore_persist_s must be >= 0, got {self.slow_restore_persist_s}")
         if errors:
             raise ValueError("invalid PolicyConfig: " + "; ".join(errors))
 
@@ -112,6 +123,8 @@ class PolicyConfig:
         unknown = sorted(set(overrides) - fields)
         if unknown:
             raise ValueError(f"unknown PolicyConfig field(s) {unknown}; fields: {sorted(fields)}")
+        if isinstance(overrides.get("ladder"), list):  # --policy ladder='["int8","int4"]' parses as a JSON list
+            overrides = {**overrides, "ladder": tuple(overrides["ladder"])}  # type: ignore[arg-type]
         return dataclasses.replace(preset, **overrides)  # type: ignore[arg-type]
 
 
@@ -137,8 +150,9 @@ MODES: dict[str, PolicyConfig] = {
         critical_decodes_high=2,
         ttft_slack_low_s=0.25,
     ),
-    # The paper's evaluated configuration: INT4 (AWQ) layers, moderate hysteresis.
-    "default": PolicyConfig(mode="default"),
+    # The paper's evaluated configuration: INT4 (AWQ) layers, moderate hysteresis; each step weighed with the
+    # measured costs of this machine (--policy cost_aware=false gives the paper's cost-blind controller).
+    "default": PolicyConfig(mode="default", cost_aware=True),
     # Aggressive: act on the first sign of pressure, many layers at once, keep them longer.
     "performance": PolicyConfig(
         mode="performance",
@@ -151,6 +165,7 @@ MODES: dict[str, PolicyConfig] = {
         max_quantized_fraction=0.75,
         ladder=("int4",),
         ttft_slack_low_s=1.0,
+        cost_aware=True,
     ),
 }
 """Named presets; ``PolicyConfig.for_mode`` copies one and applies overrides."""

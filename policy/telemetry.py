@@ -51,6 +51,13 @@ class Telemetry:
     min_ttft_slack_s: float | None = None
     """SLO pressure (slai scheduler): least time left before a waiting request misses its own TTFT target
     (negative once missed); None when nothing waits or the scheduler tracks no deadlines (FCFS)."""
+    step_tokens: int = 0
+    """Tokens the last batch ran (decodes + prefill chunk tokens); 0 when unknown. The cost rule reads the
+    measured step cost at this size."""
+    step_token_budget: int = 0
+    """Most tokens one batch may run (the scheduler's token budget); 0 when unknown (no cap)."""
+    block_tokens: int = 16
+    """Tokens per KV block (turns the waiting prompts' blocks into prompt tokens for the cost rule)."""
     device_mem_used_bytes: int | None = None
     device_mem_total_bytes: int | None = None
     quantized_layers: tuple[tuple[int, str], ...] = ()
@@ -66,8 +73,10 @@ class Telemetry:
             )
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if min(self.num_running, self.num_waiting, self.blocks_needed_waiting) < 0:
-            raise ValueError("num_running, num_waiting and blocks_needed_waiting must be >= 0")
+        if min(self.num_running, self.num_waiting, self.blocks_needed_waiting, self.step_tokens,
+               self.step_token_budget) < 0 or self.block_tokens < 1:
+            raise ValueError("num_running, num_waiting, blocks_needed_waiting, step_tokens and step_token_budget "
+                             "must be >= 0, block_tokens >= 1")
         if self.critical_decodes_unscheduled < 0:
             raise ValueError(f"critical_decodes_unscheduled must be >= 0, got {self.critical_decodes_unscheduled}")
         if self.oldest_wait_s < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from bench.tiny_model import make_tiny_model  # noqa: F401 - the tests' random Llama (shared with bench.gpu_check)
 
 torch.set_num_threads(int(os.environ.get("MORPHSERVE_TEST_THREADS", "2")))
+# Measured step costs (cost-aware morph modes) go to a per-user test cache, not ~/.cache; servers inherit it.
+os.environ.setdefault("MORPHSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"morphserve-test-cache-{os.getuid()}"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

@@ -69,7 +69,7 @@ def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
     clock = FakeClock()
     e = LLMEngine(EngineConfig(num_kv_blocks=16, block_size=16, max_num_batched_tokens=512, max_num_seqs=16,
                                morph_mode="performance", max_model_len=1024,
-                               policy_overrides={"persist_iters": 1, "restore_persist_s": 1e9}),
+                               policy_overrides={"persist_iters": 1, "restore_persist_s": 1e9, "cost_aware": False}),
                   loaded=big, clock=clock)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     prompt = [(7 * j) % 1000 + 5 for j in range(250)]

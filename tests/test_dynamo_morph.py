@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(900)]
 # idle half second is "calm" (the policy's real signals, only the numbers are test-sized).
 MORPH_ARGS = ["--morph-mode", "default", "--device-memory", "600MiB", "--max-model-len", "512", "--max-num-seqs", "4",
               "--num-threads", "1", "--policy", "kv_high=0.2", "--policy", "kv_low=0.1", "--policy", "persist_iters=1",
-              "--policy", "restore_persist_s=0.5"]
+              "--policy", "restore_persist_s=0.5", "--policy", "cost_aware=false"]
 
 
 def test_morph_transitions_change_the_published_total_blocks() -> None:

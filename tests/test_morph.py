@@ -22,7 +22,8 @@ class FakeClock:
 
 
 def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, **overrides) -> LLMEngine:
-    policy = {"persist_iters": 1, "restore_persist_s": 5.0, **overrides}
+    # cost_aware off: these tests are about the swap machinery, which must not depend on this machine's kernel speed
+    policy = {"persist_iters": 1, "restore_persist_s": 5.0, "cost_aware": False, **overrides}
     if mode.startswith("static") or mode == "off":
         policy = {}
     return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,

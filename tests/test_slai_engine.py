@@ -72,7 +72,7 @@ def test_ttft_slack_reaches_the_morph_controller(tiny):
     e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=32, max_model_len=256,
                                morph_mode="performance", scheduler="slai",
                                policy_overrides={"persist_iters": 1, "queue_delay_high_s": 100.0, "kv_high": 0.99,
-                                                 "kv_low": 0.98}),
+                                                 "kv_low": 0.98, "cost_aware": False}),
                   loaded=tiny, clock=clock)
     e.add_request(list(range(1, 5)), SamplingParams(max_tokens=4), request_id="tight",
                   slo=RequestSLO(ttft_s=0.5), arrival_time=clock.t)

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import defaults
+from bench.repeats import repeated_table
 from bench.triton.report import _num, _pct, check_targets, results_markdown, write_json
 from bench.triton.requests import make_probes, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, add_quality, assemble_result, parse_params, run_mode
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quality-threads", type=int, default=None, help="torch threads for the offline quality engines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per mode, interleaved by mode; the median run (by P95 TTFT) is reported per mode and "
+                        "repeats.md gives every figure as median [min-max] (default: %(default)s)")
     add_trace_arguments(p)
     add_slo_arguments(p)
     return p
@@ -133,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.engine_dir = default_engine_dir()
         elif Path(args.engine_dir).exists():
             args.engine_dir = str(Path(args.engine_dir).resolve())
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
         if not 0 <= args.num_probes <= 8:
             raise ValueError("--num-probes must be between 0 and 8")
         parse_params(args.param)
@@ -151,20 +157,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"workload: {desc}; {len(reqs)} requests + {len(probes)} probes over {span:.1f} s; "
         f"prompts re-tokenize exactly for {retok['exact']}/{retok['requests']} (max |diff| {retok['max_abs_diff']})")
     progress = Progress(not args.quiet)
-    results: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     interrupted = False
-    for mode in modes:
-        log(f"== mode {mode}: starting tritonserver (log {out_dir / f'server-{mode}.log'})")
-        records, info = run_mode(mode, all_reqs, args, out_dir, num_layers, block_size, progress)
-        results[mode] = assemble_result(mode, desc, records, info, args, num_layers, block_size, retok)
-        write_json(out_dir / f"{mode}.json", results[mode])
-        r = results[mode]
-        log(f"== mode {mode}: {r['status']}, completed {r['completed']}/{r['num_requests']}, P95 TTFT "
-            f"{_num(r['ttft_s']['p95'])} s, SLO violations {_pct(r['slo']['violation_rate'])}"
-            + (f"; error: {str(r['error']).splitlines()[0]}" if r.get("error") else ""))
-        if info.get("interrupted"):
-            interrupted = True
+    for rep in range(args.repeat):
+        for mode in modes:
+            log(f"== mode {mode} (run {rep + 1}/{args.repeat}): starting tritonserver "
+                f"(log {out_dir / f'server-{mode}.log'})")
+            records, info = run_mode(mode, all_reqs, args, out_dir, num_layers, block_size, progress)
+            r = assemble_result(mode, desc, records, info, args, num_layers, block_size, retok)
+            runs[mode].append(r)
+            write_json(out_dir / (f"{mode}.json" if args.repeat == 1 else f"{mode}-run{rep + 1}.json"), r)
+            log(f"== mode {mode}: {r['status']}, completed {r['completed']}/{r['num_requests']}, P95 TTFT "
+                f"{_num(r['ttft_s']['p95'])} s, SLO violations {_pct(r['slo']['violation_rate'])}"
+                + (f"; error: {str(r['error']).splitlines()[0]}" if r.get("error") else ""))
+            if info.get("interrupted"):
+                interrupted = True
+                break
+        if interrupted:
             break
+    results = {mode: median_run(rs) for mode, rs in runs.items() if rs}
+    if args.repeat > 1:
+        (out_dir / "repeats.md").write_text(f"medians of {args.repeat} runs per mode, [min-max]\n\n" + repeated_table(runs))
     if not args.no_quality and not interrupted:
         try:
             add_quality(results, args, tokenizer, num_layers, log)
@@ -191,6 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                       for m, r in results.items()}})
     print(md)
     return 130 if interrupted else (0 if all(r.get("status") == "ok" for r in results.values()) else 1)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose P95 TTFT is the median of the mode's runs (the one the single-run report shows)."""
+    def key(r: dict) -> float:
+        p95 = (r.get("ttft_s") or {}).get("p95")
+        return p95 if p95 is not None else float("inf")
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 if __name__ == "__main__":

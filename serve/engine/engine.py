@@ -93,6 +93,7 @@ class LLMEngine:
         self.morph: MorphRuntime | None = None
         if self.memory.bank is not None and plan is not None:
             self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock)
+            self.morph.step_token_budget = config.max_num_batched_tokens
         self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = make_scheduler(config, self.pool, self.clock)
         self.executor = TorchExecutor(self.model, self.kv)
@@ -249,6 +250,8 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
+            if self.morph is not None:
+                self.morph.last_step_tokens = sum(c.num_tokens for c in sched.chunks)
             produced: list[tuple[Sequence, RequestOutput]] = []
             if sched.chunks:
                 now = self.clock()
@@ -520,4 +523,4 @@ def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | 
     loaded, ed = open_model(config.model)
     if ed is None:
         return loaded, None
-    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant)
+    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, engine_dir=ed.root)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from policy import FULL, MorphController, MorphDecision, PolicyConfig, Telemetry, signature
+from policy import FULL, MorphController, MorphDecision, PolicyConfig, StepCosts, Telemetry, signature
 from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
@@ -62,9 +62,12 @@ class MorphStats:
 class MorphRuntime:
     def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
                  ledger: MemoryLedger, kv: PagedKVCache, block_size: int, window_s: float = 10.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None) -> None:
         self.config = config
-        self.controller = MorphController(config, swap_order)
+        self.costs = costs
+        self.controller = MorphController(config, swap_order, costs)
+        self.last_step_tokens = 0  # tokens in the last batch, set by the engine; the cost rule reads it
+        self.step_token_budget = 0  # the scheduler's token budget per batch, set by the engine
         self.bank = bank
         self.pool = pool
         self.ledger = ledger
@@ -130,6 +133,7 @@ class MorphRuntime:
             oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
             critical_decodes_unscheduled=critical_unscheduled, min_ttft_slack_s=ttft_slack,
+            step_tokens=self.last_step_tokens, step_token_budget=self.step_token_budget, block_tokens=self.block_size,
             ttft_p95_s=self._window(self._ttfts, now, 95), tbt_p99_s=self._window(self._gaps, now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,

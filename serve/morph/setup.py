@@ -10,24 +10,31 @@ every region's head at the smallest variant); nothing is allocated for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
+
+import time
 
 import torch
 
-from policy import FULL, PolicyConfig
+from policy import FULL, PolicyConfig, StepCosts
 from serve.config import EngineConfig, parse_size
 from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, resolve_budget
 from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
-from serve.model.linear import LinearOp
-from serve.model.llama import LlamaModel
+from serve.model.linear import DenseLinear, LinearOp
+from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
+from serve.model.step_costs import load_or_measure
 from serve.morph.layer_bank import LayerBank, host_copy, quantized_layer
 from serve.morph.placement import arena_nbytes, remap
 from serve.morph.runtime import MorphRuntime
 from serve.morph.scheduler_view import IdleSchedulerView
+from serve.logging_setup import get_logger
+
+log = get_logger("morphserve.morph")
 
 VariantSource = Callable[[int, str], Mapping[str, LinearOp]]
 
@@ -40,6 +47,7 @@ class MorphPlan:
     precisions: list[str]
     swap_order: list[int]
     variant_source: VariantSource
+    engine_dir: Path | None = None  # where step_costs.json may already hold this machine's measured costs
 
 
 @dataclass
@@ -147,12 +155,37 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
     return EngineMemory(arena, pool, ledger, kv, bank, base_range)
 
 
+def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, DecoderLayer], tuple[int, int, int], LinearOp]:
+    """What step costs are measured on: layer 0 at every precision the bank holds (the very objects the
+    engine serves, fused as it fuses them), the linears' input widths, and the LM head."""
+    cfg = model.config
+    shape = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    layers = {p: bank.host[0][p] for p in (FULL, *sorted(bank.precisions))}
+    return layers, shape, DenseLinear(model.lm_head)
+
+
+def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> StepCosts:
+    """This machine's per-precision layer step costs for the cost-aware controller: from the engine
+    directory's step_costs.json or the per-machine cache when they match this machine, else measured now
+    (short) and cached."""
+    layers, shape, head = cost_inputs(model, bank)
+    t0 = time.perf_counter()
+    costs, source = load_or_measure(layers, shape, model.device, model.dtype, head=head, engine_dir=engine_dir)
+    log.info("step_costs", source=source, seconds=round(time.perf_counter() - t0, 3), device=costs.device,
+             ratios={p: [round(costs.ratio(p, n), 3) for n in costs.token_counts] for p in costs.precisions},
+             token_counts=list(costs.token_counts))
+    return costs
+
+
 def build_runtime(policy: PolicyConfig, plan: MorphPlan, memory: EngineMemory, block_size: int,
-                  clock=None) -> MorphRuntime:
+                  clock=None, costs: StepCosts | None = None) -> MorphRuntime:
+    """The morph runtime; a cost-aware dynamic mode gets this machine's step costs (``costs`` or looked up)."""
     kwargs = {"clock": clock} if clock is not None else {}
     assert memory.bank is not None
+    if costs is None and policy.cost_aware and policy.strategy == "dynamic":
+        costs = step_costs(memory.bank.model, memory.bank, plan.engine_dir)
     runtime = MorphRuntime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv, block_size,
-                           **kwargs)
+                           costs=costs, **kwargs)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)

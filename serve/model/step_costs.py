@@ -1,0 +1,184 @@
+"""Measure what each precision's decoder layer costs per step on this device, and cache it per machine.
+
+The controller's cost rule (policy/cost_rule.py) needs, for full precision and each quantized variant,
+the time one layer's linear projections take at decode batch sizes and prefill chunk sizes. Only the
+linears differ between precisions (attention, norms and RoPE do not), so those are what is timed, on the
+very layer objects the engine serves (fused as the engine fuses them), precisions interleaved within each
+repetition so a noisy neighbour hits them alike; the fastest repetition is kept (as timeit advises: slower
+ones measure the neighbours, not the kernel).
+
+Cache: ``step_costs.json`` beside an engine directory's manifest (written by ``make build-engines``) and a
+per-user cache (``$MORPHSERVE_CACHE_DIR`` or ``~/.cache/morphserve``), both keyed by the machine: device
+name and instruction set, torch version, threads, dtype, layer shape and a fingerprint of the kernel
+sources. A faster kernel (a new extension, a torch upgrade) changes the key, so it is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from policy.costs import StepCosts
+from serve.model.linear import LinearOp
+from serve.model.llama import DecoderLayer
+
+DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
+PREFILL_CHUNKS: tuple[int, ...] = (128, 512)
+TOKEN_COUNTS: tuple[int, ...] = DECODE_BATCHES + PREFILL_CHUNKS
+COSTS_FILE = "step_costs.json"
+_KERNEL_SUFFIXES = (".cpp", ".cc", ".cu", ".so", ".pyd")
+_KERNEL_FILES = ("linear.py", "quantized_linear.py", "rtn.py")
+
+
+def device_name(device: torch.device) -> str:
+    """GPU name, or the CPU model with the SIMD level the kernels dispatch on (AVX-512 or not matters)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+            if model and flags:
+                break
+    except OSError:
+        pass
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2" if flags else "?"
+    return f"{model} ({isa}, {os.cpu_count()} cpus)"
+
+
+def kernel_fingerprint() -> str:
+    """Hash of the kernel sources and any compiled extension in serve/model: a new kernel means new costs."""
+    here = Path(__file__).parent
+    files = sorted(p for p in here.rglob("*") if p.is_file() and (p.name in _KERNEL_FILES or p.suffix in _KERNEL_SUFFIXES))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def machine_key(device: torch.device, dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
+    return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "dtype": str(dtype).removeprefix("torch."), "layer_shape": list(shape), "kernels": kernel_fingerprint()}
+
+
+def key_id(key: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _ops(layer: DecoderLayer) -> list[tuple[LinearOp, int]]:
+    """(op, input width) for the layer's linears, in forward order."""
+    return [(layer.qkv, 0), (layer.o, 1), (layer.gate_up, 0), (layer.down, 2)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
+            head: LinearOp | None = None, token_counts: Sequence[int] = TOKEN_COUNTS, repeats: int = 7,
+            min_sample_s: float = 2e-3) -> StepCosts:
+    """Time each precision's layer linears at each token count. ``shape`` = (hidden, attention width,
+    intermediate): the input widths of qkv/gate_up, o and down. ``head`` (the LM head) times the part of the
+    step no morph changes."""
+    widths = list(shape)
+    inputs = {n: [torch.randn(n, w, device=device, dtype=dtype) for w in widths] for n in token_counts}
+    runs: dict[str, Any] = {p: (lambda n, layer=layer: [op(inputs[n][w]) for op, w in _ops(layer)])
+                            for p, layer in layers.items()}
+    if head is not None:
+        runs["rest"] = lambda n: head(inputs[n][0])
+    inner: dict[tuple[str, int], int] = {}
+    for name, run in runs.items():  # warm-up, and calls per sample so one sample lasts >= min_sample_s
+        for n in token_counts:
+            once = []
+            for _ in range(3):
+                _sync(device)
+                t0 = time.perf_counter()
+                run(n)
+                _sync(device)
+                once.append(time.perf_counter() - t0)
+            inner[name, n] = max(1, min(64, int(min_sample_s / max(min(once), 1e-7))))
+    samples: dict[tuple[str, int], list[float]] = {k: [] for k in inner}
+    for _ in range(repeats):
+        for n in token_counts:
+            for name, run in runs.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(inner[name, n]):
+                    run(n)
+                _sync(device)
+                samples[name, n].append((time.perf_counter() - t0) / inner[name, n])
+    med = {k: min(v) for k, v in samples.items()}
+    return StepCosts(device=device_name(device), token_counts=tuple(token_counts),
+                     layer_s={p: tuple(med[p, n] for n in token_counts) for p in layers},
+                     rest_s=tuple(med["rest", n] for n in token_counts) if head is not None else (),
+                     meta={"repeats": repeats, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def lookup(path: Path, key: Mapping[str, Any], precisions: Sequence[str]) -> StepCosts | None:
+    """The entry for this machine in a costs file, if it has every precision asked for."""
+    entry = _read(path).get(key_id(key))
+    if not entry:
+        return None
+    try:
+        costs = StepCosts.from_dict(entry)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return costs if all(p in costs.layer_s for p in precisions) else None
+
+
+def store(path: Path, key: Mapping[str, Any], costs: StepCosts) -> None:
+    """Add or replace this machine's entry (write to a temp file, then rename)."""
+    data = _read(path)
+    data[key_id(key)] = {**costs.to_dict(), "meta": {**costs.meta, "key": dict(key)}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
+def cache_path() -> Path:
+    root = os.environ.get("MORPHSERVE_CACHE_DIR") or Path.home() / ".cache" / "morphserve"
+    return Path(root) / COSTS_FILE
+
+
+def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
+                    head: LinearOp | None = None, engine_dir: Path | None = None,
+                    repeats: int = 3) -> tuple[StepCosts, str]:
+    """This machine's costs and where they came from: the engine directory's file, the per-user cache, or a
+    fresh (short) measurement, then stored in the cache."""
+    key = machine_key(device, dtype, shape)
+    precisions = list(layers)
+    places = ([engine_dir / COSTS_FILE] if engine_dir is not None else []) + [cache_path()]
+    for path in places:
+        found = lookup(path, key, precisions)
+        if found is not None:
+            return found, str(path)
+    costs = measure(layers, shape, device, dtype, head=head, repeats=repeats)
+    try:
+        store(cache_path(), key, costs)
+    except OSError:
+        return costs, "measured at start (cache not writable)"
+    return costs, f"measured at start, cached in {cache_path()}"
