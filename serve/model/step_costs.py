@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from policy.costs import StepCosts
+from serve.model import kernels as qkernels
 from serve.model.linear import LinearOp
 from serve.model.llama import DecoderLayer
 
@@ -71,7 +72,8 @@ def kernel_fingerprint() -> str:
 
 def machine_key(device: torch.device, dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "dtype": str(dtype).removeprefix("torch."), "layer_shape": list(shape), "kernels": kernel_fingerprint()}
+            "dtype": str(dtype).removeprefix("torch."), "layer_shape": list(shape), "kernels": kernel_fingerprint(),
+            "cpu_kernels": "morphserve" if device.type == "cpu" and qkernels.ops() is not None else "torch"}
 
 
 def key_id(key: Mapping[str, Any]) -> str:
