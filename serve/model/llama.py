@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from serve.model.kv_cache import KVIndex, PagedKVCache
 from serve.model.linear import DenseLinear, LinearOp
 from serve.model.model_config import ModelConfig
-from serve.model.rope import RotaryEmbedding
+from serve.model.rope import RotaryEmbedding, rotate
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,16 +64,19 @@ class ForwardBatch:
 
 @dataclass
 class _BatchKV:
-    """The batch's KV locations, computed once per forward and shared by every layer."""
+    """The batch's KV locations and RoPE tables, computed once per forward and shared by every layer."""
 
     new: KVIndex
     decode: KVIndex | None
     prefills: list[KVIndex]
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     @staticmethod
-    def locate(batch: ForwardBatch, kv: PagedKVCache) -> _BatchKV:
+    def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding) -> _BatchKV:
         decode = kv.locate(batch.decode_slots) if batch.num_decodes else None
-        return _BatchKV(kv.locate(batch.slot_mapping), decode, [kv.locate(pc.context_slots) for pc in batch.prefills])
+        return _BatchKV(kv.locate(batch.slot_mapping), decode, [kv.locate(pc.context_slots) for pc in batch.prefills],
+                        *rope.tables(batch.positions))
 
 
 def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
@@ -116,7 +119,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = F.embedding(batch.input_ids, self.embed)
-        where = _BatchKV.locate(batch, kv)
+        where = _BatchKV.locate(batch, kv, self.rope)
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, batch, kv, where)
         if batch.sample_indices is not None:
@@ -130,11 +133,11 @@ class LlamaModel:
         x = self.rms_norm(h, layer.input_norm)
         qkv = layer.qkv(x)
         T = x.shape[0]
-        q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
+        # q and k rotated together (one pass over [T, heads + kv_heads, head_dim]; elementwise, so identical)
+        qk = rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                    where.cos, where.sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        q = self.rope.apply(q, batch.positions)
-        k = self.rope.apply(k, batch.positions)
         kv.write(i, where.new, k, v)
         attn = self._attention(i, q, batch, kv, where)
         h = h + layer.o(attn)
