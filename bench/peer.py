@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from bench.engine_throughput import decode_weight_bytes
+from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
@@ -54,20 +53,6 @@ def workloads(vocab: int, seed: int = 0) -> dict[str, dict]:
         "32 prompts x 128 new tokens": {"prompts": [prompt(32) for _ in range(32)], "max_tokens": [128] * 32},
         "64 mixed requests (16-256 in, 16-128 out)": {"prompts": [prompt(n) for n in lens_in], "max_tokens": lens_out},
     }
-
-
-def gemv_read_gbs(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Read rate of a matrix-vector product: one token's row against an fp32 [N, 2048] matrix of nbytes."""
-    k = 2048
-    w = torch.randn(nbytes // 4 // k, k)
-    x = torch.randn(1, k)
-    F.linear(x, w)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        F.linear(x, w)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def make_engine(mode: str, threads: int, model: str) -> LLMEngine:
@@ -173,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             result["llamacpp"] = run_llamacpp(args.llamacpp_python, embedded_model_path("smollm2-135m"),
                                               wl[b1_name]["prompts"][0], wl[b1_name]["max_tokens"][0], args.runs,
                                               args.threads, work)
-    print(to_markdown(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    return emit(result, to_markdown(result), args.json)
 
 
 if __name__ == "__main__":
