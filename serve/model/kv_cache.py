@@ -53,6 +53,9 @@ class PagedKVCache:
         self.v = [storage[:, 1, layer] for layer in range(config.num_layers)]
         self.rows = storage.view(-1, config.num_kv_heads, config.head_dim)  # the flat row view (docstring)
         self.slot_rows = 2 * config.num_layers * block_size
+        # one (slot, K|V, layer) block of block_size contiguous rows per entry: decode gathers whole blocks
+        self.blocks = storage.view(-1, block_size, config.num_kv_heads, config.head_dim)
+        self.num_layers = config.num_layers
         self.v_rows = config.num_layers * block_size
         self.bytes_per_block = kv_bytes_per_block(config, block_size, storage.dtype)
         self.max_blocks = max_logical_blocks
@@ -91,6 +94,15 @@ class PagedKVCache:
         k_rows = where.row + layer * self.block_size
         self.rows.index_copy_(0, k_rows, k)
         self.rows.index_copy_(0, k_rows + self.v_rows, v)
+
+    def read_blocks(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, nb * block_size, kv_heads, head_dim]`` of the physical slots ``[B, nb]``: whole blocks
+        (contiguous runs of block_size rows) in one ``index_select`` each, 16x fewer index entries than rows."""
+        b, nb = slots.shape
+        base = slots.reshape(-1) * (2 * self.num_layers) + layer
+        shape = (b, nb * self.block_size, *self.blocks.shape[2:])
+        return (self.blocks.index_select(0, base).view(shape),
+                self.blocks.index_select(0, base + self.num_layers).view(shape))
 
     def read(self, layer: int, where: KVIndex) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[*where.shape, kv_heads, head_dim]``."""
