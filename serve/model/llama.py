@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from serve.model.kv_cache import KVIndex, PagedKVCache
 from serve.model.linear import DenseLinear, LinearOp
 from serve.model.model_config import ModelConfig
-from serve.model.rope import RotaryEmbedding
+from serve.model.rope import RotaryEmbedding, rotate
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,16 +64,28 @@ class ForwardBatch:
 
 @dataclass
 class _BatchKV:
-    """The batch's KV locations, computed once per forward and shared by every layer."""
+    """The batch's KV locations and RoPE tables, computed once per forward and shared by every layer."""
 
     new: KVIndex
-    decode: KVIndex | None
+    decode_blocks: torch.Tensor | None   # [B, nb] physical slots of the decodes' blocks
+    decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool, None when nothing is padding
     prefills: list[KVIndex]
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     @staticmethod
-    def locate(batch: ForwardBatch, kv: PagedKVCache) -> _BatchKV:
-        decode = kv.locate(batch.decode_slots) if batch.num_decodes else None
-        return _BatchKV(kv.locate(batch.slot_mapping), decode, [kv.locate(pc.context_slots) for pc in batch.prefills])
+    def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding) -> _BatchKV:
+        blocks = mask = None
+        if batch.num_decodes:
+            bs, slots = kv.block_size, batch.decode_slots  # position 0 of every row starts a block
+            blocks = kv.block_map[slots[:, ::bs] // bs]
+            width = blocks.shape[1] * bs
+            if batch.decode_mask is not None or width != slots.shape[1]:
+                lens = (batch.decode_mask.view(slots.shape[0], -1).sum(1) if batch.decode_mask is not None
+                        else torch.full((slots.shape[0],), slots.shape[1], device=slots.device))
+                mask = (torch.arange(width, device=slots.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
+        return _BatchKV(kv.locate(batch.slot_mapping), blocks, mask,
+                        [kv.locate(pc.context_slots) for pc in batch.prefills], *rope.tables(batch.positions))
 
 
 def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
@@ -116,7 +128,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = F.embedding(batch.input_ids, self.embed)
-        where = _BatchKV.locate(batch, kv)
+        where = _BatchKV.locate(batch, kv, self.rope)
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, batch, kv, where)
         if batch.sample_indices is not None:
@@ -130,11 +142,11 @@ class LlamaModel:
         x = self.rms_norm(h, layer.input_norm)
         qkv = layer.qkv(x)
         T = x.shape[0]
-        q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
+        # q and k rotated together (one pass over [T, heads + kv_heads, head_dim]; elementwise, so identical)
+        qk = rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                    where.cos, where.sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        q = self.rope.apply(q, batch.positions)
-        k = self.rope.apply(k, batch.positions)
         kv.write(i, where.new, k, v)
         attn = self._attention(i, q, batch, kv, where)
         h = h + layer.o(attn)
@@ -150,9 +162,9 @@ class LlamaModel:
         B = batch.num_decodes
         if B:
             qd = q[:B].view(B, kvh, group, hd)
-            kd, vd = kv.read(i, where.decode)
+            kd, vd = kv.read_blocks(i, where.decode_blocks)
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, kvh, L, hd]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=where.decode_mask, scale=self.scale)
             out[:B] = o.reshape(B, cfg.q_size)
         for pc, ctx in zip(batch.prefills, where.prefills):
             n = pc.num_tokens

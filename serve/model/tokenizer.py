@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 from tokenizers import Tokenizer as HFTokenizer
 
 # llama.cpp's pre-tokenizer names whose HF counterpart splits digits one by one before byte-level BPE.
@@ -101,7 +102,9 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
 
     Text that could still be the start of a stop string is held back until it is known not to be one,
-    so a client never sees part of a stop string.
+    so a client never sees part of a stop string. Each token is decoded once (``tokenizers.DecodeStream``
+    keeps the few tokens of context a byte-level decoder needs), so a request's detokenization is linear in
+    its length, not quadratic; the final delta re-decodes the whole output once, as before.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False) -> None:
@@ -113,13 +116,16 @@ class IncrementalDetokenizer:
         self.text = ""          # full decoded text so far (stable part)
         self.emitted = 0        # characters already handed out
         self.stopped_by: str | None = None
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def add(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):
-            return  # an incomplete multi-byte character: wait for the next token
-        self.text = text
+        if self.stopped_by is not None:
+            return
+        chunk = self._stream.step(self.tokenizer.backend, token_id)
+        if not chunk:
+            return  # an incomplete multi-byte character (or a skipped special token): wait for the next token
+        self.text += chunk
         if self.stop and self.stopped_by is None:
             search_from = max(0, self.emitted - self.hold)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]

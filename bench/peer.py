@@ -1,0 +1,165 @@
+"""`make bench-peer`: the engine side by side with vLLM (CPU build) at full precision and with llama.cpp at
+4 bits, in one run, on the same token-id prompts (greedy, ignore_eos, every output length forced).
+
+  .venv/bin/python -m bench.peer --vllm-python PEERS/vllm-venv/bin/python \\
+      --llamacpp-python PEERS/llamacpp-venv/bin/python --runs 3 [--json results/bench_peer.json]
+
+Rows (output tok/s, medians of --runs with min-max spread):
+- fp32, ours (morph mode off) vs vLLM offline `LLM.generate`: batch-1 decode (128 tokens after a 32-token
+  prompt), 32 prompts x 128 new tokens, 64 mixed requests (16-256 in, 16-128 out);
+- 4 bits, batch-1 decode: ours in static-int4 and static-int8 vs llama.cpp on the GGUF Q4_1 file the project
+  embeds (the same file our fp32 weights are dequantized from);
+- batch-1 decode as a fraction of the memory-bandwidth bound: weight bytes read per token / the read rate
+  of a GEMV-shaped read (``F.linear`` of one row against a 256 MiB fp32 matrix, the access pattern of a
+  decode step), not ``sum()``, which streams faster than any matrix-vector product does here.
+vLLM needs an HF directory: it is exported from the engine's own weights (serve.model.loader.save_hf_directory).
+Each peer runs in a venv of its own (the Makefile makes them), as a subprocess, one after the other.
+The server comparison (both servers under AIPerf at a fixed request rate) is not part of this script yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
+from serve.config import EngineConfig
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+from serve.model.loader import embedded_model_path, load_model, save_hf_directory
+
+PEERS_DIR = Path(__file__).resolve().parent / "peers"
+
+
+def workloads(vocab: int, seed: int = 0) -> dict[str, dict]:
+    """The three offline workloads, as token ids (both engines get exactly these)."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+    lens_in = [rng.randint(16, 256) for _ in range(64)]
+    lens_out = [rng.randint(16, 128) for _ in range(64)]
+    return {
+        "batch-1 decode, 128 tokens after a 32-token prompt": {"prompts": [prompt(32)], "max_tokens": [128]},
+        "32 prompts x 128 new tokens": {"prompts": [prompt(32) for _ in range(32)], "max_tokens": [128] * 32},
+        "64 mixed requests (16-256 in, 16-128 out)": {"prompts": [prompt(n) for n in lens_in], "max_tokens": lens_out},
+    }
+
+
+def make_engine(mode: str, threads: int, model: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, morph_mode=mode, max_num_seqs=64, max_num_batched_tokens=512,
+                                  num_threads=threads))
+
+
+def ours(engine: LLMEngine, wl: dict[str, dict], runs: int) -> dict[str, list[float]]:
+    engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    out: dict[str, list[float]] = {}
+    for name, w in wl.items():
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in w["max_tokens"]]
+        out[name] = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            engine.generate(w["prompts"], params)
+            out[name].append(sum(w["max_tokens"]) / (time.perf_counter() - t0))
+    return out
+
+
+def run_vllm(python: str, hf_dir: Path, wl: dict, runs: int, threads: int, work: Path) -> dict:
+    (work / "workloads.json").write_text(json.dumps(wl))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run([python, str(PEERS_DIR / "vllm_offline.py"), "--model", str(hf_dir), "--workloads",
+                    str(work / "workloads.json"), "--out", str(work / "vllm.json"), "--runs", str(runs)],
+                   env=env, check=True)
+    return json.loads((work / "vllm.json").read_text())
+
+
+def run_llamacpp(python: str, gguf: Path, prompt: list[int], new: int, runs: int, threads: int, work: Path) -> list[float]:
+    subprocess.run([python, str(PEERS_DIR / "llamacpp_decode.py"), "--gguf", str(gguf), "--prompt-ids",
+                    ",".join(map(str, prompt)), "--new", str(new), "--runs", str(runs), "--threads", str(threads),
+                    "--out", str(work / "llamacpp.json")], check=True)
+    return json.loads((work / "llamacpp.json").read_text())["decode_tok_s"]
+
+
+def _cell(values: list[float] | None) -> str:
+    if not values:
+        return "n/a"
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def _ratio(a: list[float] | None, b: list[float] | None) -> str:
+    return f"{statistics.median(a) / statistics.median(b):.2f}x" if a and b else "n/a"
+
+
+def to_markdown(r: dict) -> str:
+    lines = ["| workload (fp32, output tok/s, median (min-max)) | ours (mode off) | vLLM CPU | ours / vLLM |",
+             "|---|---:|---:|---:|"]
+    for name, values in r["ours_fp32"].items():
+        peer = r.get("vllm", {}).get(name)
+        lines.append(f"| {name} | {_cell(values)} | {_cell(peer)} | {_ratio(values, peer)} |")
+    if "vllm" in r:
+        lines.append(f"| startup to first request (s) | {r['ours_startup_s']:.1f} | {r['vllm']['startup_s']:.0f} | |")
+    lines += ["", "| batch-1 decode at low precision, tok/s | ours | llama.cpp (GGUF Q4_1) | ours / llama.cpp |",
+              "|---|---:|---:|---:|"]
+    b1 = next(iter(r["ours_fp32"]))
+    for mode, values in r["ours_quantized"].items():
+        lines.append(f"| {mode} | {_cell(values)} | {_cell(r.get('llamacpp'))} | {_ratio(values, r.get('llamacpp'))} |")
+    b = r["bound"]
+    fp32 = statistics.median(r["ours_fp32"][b1])
+    lines.append(f"\nBatch-1 fp32 decode: {fp32:.1f} tok/s = {fp32 / b['bound_tok_s']:.0%} of the bound "
+                 f"{b['bound_tok_s']:.1f} tok/s ({b['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token, "
+                 f"GEMV read rate {b['gemv_read_gbs']:.1f} GB/s).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="embedded model name, .gguf, HF dir or engine dir")
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (row skipped when absent)")
+    p.add_argument("--llamacpp-python", default=None, help="python of llama-cpp-python's venv (row skipped when absent)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantized-modes", default="static-int4,static-int8")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    engine = make_engine("off", args.threads, args.model)
+    startup = time.perf_counter() - t0
+    wl = workloads(engine.model_config.vocab_size)
+    b1_name = next(iter(wl))
+    fp32 = ours(engine, wl, args.runs)
+    bw = gemv_read_gbs()
+    wbytes = decode_weight_bytes(engine)
+    result: dict = {"threads": args.threads, "ours_fp32": fp32, "ours_startup_s": startup,
+                    "bound": {"gemv_read_gbs": bw, "weight_bytes_per_token": wbytes, "bound_tok_s": bw * 1e9 / wbytes}}
+    engine.shutdown()
+    result["ours_quantized"] = {}
+    for mode in filter(None, args.quantized_modes.split(",")):
+        qe = make_engine(mode, args.threads, args.model)
+        result["ours_quantized"][mode] = ours(qe, {b1_name: wl[b1_name]}, args.runs)[b1_name]
+        qe.shutdown()
+    with tempfile.TemporaryDirectory(prefix="morphserve-peer-") as tmp:
+        work = Path(tmp)
+        if args.vllm_python:
+            hf_dir = save_hf_directory(load_model(args.model), work / "hf")
+            result["vllm"] = run_vllm(args.vllm_python, hf_dir, wl, args.runs, args.threads, work)
+        if args.llamacpp_python:
+            result["llamacpp"] = run_llamacpp(args.llamacpp_python, embedded_model_path("smollm2-135m"),
+                                              wl[b1_name]["prompts"][0], wl[b1_name]["max_tokens"][0], args.runs,
+                                              args.threads, work)
+    return emit(result, to_markdown(result), args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
