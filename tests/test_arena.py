@@ -213,7 +213,7 @@ def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_w
 
 # ---- fault injection: a weight copy that fails half-way ---------------------------------------------
 
-def _failing_copies(bank, monkeypatch, failures: int) -> list[int]:
+def _failing_copies(bank, monkeypatch, failures: int) -> None:
     """Make the next ``failures`` asynchronous copies write half of their layer's tensors and then raise."""
     from concurrent.futures import Future
 
@@ -242,7 +242,6 @@ def _failing_copies(bank, monkeypatch, failures: int) -> list[int]:
         return layer_bank.CopyJob(None, future=future)
 
     monkeypatch.setattr(bank, "copy_async", copy_async)
-    return left
 
 
 def test_a_quantize_whose_copy_fails_half_way_leaves_the_layer_and_the_pool_as_they_were(tiny, monkeypatch):
