@@ -333,7 +333,8 @@ def test_trtllm_metric_families_have_trtllm_meanings(server) -> None:
     run_client(server, "ensemble", client_inputs(PROMPT, 2, False), False)  # one queue-time sample at least
     for _ in range(100):  # idle: the metrics thread refreshes within its interval
         m = scrape_metrics(server.metrics_url)
-        if _series(m, "nv_trt_llm_request_metrics", "request_type").get("active") == 0:
+        idle = _series(m, "nv_trt_llm_request_metrics", "request_type")
+        if idle.get("active") == idle.get("waiting") == idle.get("scheduled") == 0:  # each gauge is its own update
             break
         threading.Event().wait(0.05)
     kv = _series(m, "nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type")
