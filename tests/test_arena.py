@@ -8,6 +8,9 @@ being preempted.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import pytest
 from conftest import make_tiny_model
 from test_kv_accounting import assert_exact_accounting
@@ -21,6 +24,10 @@ from serve.morph.placement import weight_tensors
 
 
 def _rss_bytes() -> int:
+    """Resident bytes of this process after glibc returns its free heap pages to the OS (malloc_trim), so the
+    figure counts live memory, not what the allocator keeps cached from earlier activations."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
@@ -62,8 +69,9 @@ def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the
 
 
 def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
-    """KV written into swap chunks costs no new memory: RSS after a burst of swaps, restores and requests
-    that fill the grown pool stays within a small constant of RSS before it (measured and printed)."""
+    """KV written into swap chunks costs no new memory: with three layers quantized and the grown pool full of
+    KV, resident memory is within a small constant of what it was before the swaps (measured and printed).
+    KV allocated outside the arena would show as growth of about the KV gained (23 MiB here)."""
     big = make_tiny_model(seed=3, tokenizer=tiny.tokenizer, vocab_size=1024, hidden_size=512, intermediate_size=1024,
                           num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64)
     clock = FakeClock()
@@ -74,25 +82,24 @@ def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     prompt = [(7 * j) % 1000 + 5 for j in range(250)]
     capacity0 = e.pool.num_blocks
-    rss0 = 0
-    for rounds in range(2):  # round 0 warms up (activations, allocator pools, the swap thread's malloc arena)
-        if rounds == 1:
-            rss0 = _rss_bytes()
+    growth: list[int] = []
+    for _ in range(3):  # the first round warms up (activations, allocator pools, the swap thread's malloc arena)
+        rss0 = _rss_bytes()
         for layer in e.morph.controller.swap_order[:3]:
             e.morph.apply_now(MorphDecision("quantize", (layer,), "int4", "burst"))
         grown = e.pool.num_blocks
         fill = (grown * 16) // 260  # requests that together write KV into (nearly) every block of the grown pool
         outs = e.generate([prompt] * fill, params)
         assert all(len(o["token_ids"]) == 4 for o in outs)
+        growth.append(_rss_bytes() - rss0)  # at the peak: swapped layers, grown pool written
         for layer in reversed(e.morph.controller.swap_order[:3]):
             e.morph.apply_now(MorphDecision("restore", (layer,), None, "burst"))
         assert e.pool.num_blocks == capacity0
-    growth = _rss_bytes() - rss0
     kv_gained = (grown - capacity0) * e.bytes_per_block
-    print(f"\nRSS growth across the burst: {growth / 2**20:.1f} MiB while the KV cache grew by "
-          f"{kv_gained / 2**20:.1f} MiB (arena {e.memory.arena.nbytes / 2**20:.1f} MiB)")
+    print(f"\nRSS growth at the peak of each burst: {[round(g / 2**20, 1) for g in growth]} MiB while the KV cache "
+          f"grew by {kv_gained / 2**20:.1f} MiB (arena {e.memory.arena.nbytes / 2**20:.1f} MiB)")
     assert kv_gained > 12 * 2**20
-    assert growth < 8 * 2**20, f"resident memory grew {growth / 2**20:.1f} MiB"
+    assert max(growth[1:]) < 8 * 2**20, f"resident memory grew {[g / 2**20 for g in growth]} MiB"
 
 
 @pytest.mark.parametrize("mode", ["performance", "accuracy"])
