@@ -1,4 +1,4 @@
-"""Our AVX2 int8 / int4 CPU kernels (serve.model.kernels) against a float64 reference of the same weights.
+"""Our AVX2 int8 / int4 / fp32 CPU kernels (serve.model.kernels) against a float64 reference of the same weights.
 
 Reference: the dequantized weight (integer codes times bf16 scales, plus zero points, exactly as stored)
 times x, in float64. The kernels accumulate in fp32, so the allowed error per output is a few fp32 units
@@ -17,7 +17,7 @@ import torch
 
 from serve.model import kernels
 from serve.model import quantized_linear as ql
-from serve.model.linear import ConcatLinear
+from serve.model.linear import FP32_KERNEL_MAX_ROWS, ConcatLinear, DenseLinear, linear
 from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly, pack_int4_blocked, unpack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
 
@@ -61,6 +61,56 @@ def test_int8_kernel_matches_float_reference(n: int, k: int, m: int) -> None:
     x = torch.randn(m, k, generator=g)
     y = OPS.int8_linear(x, q, scales)
     _check_close(y, x, q.float() * scales.float()[:, None])
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k", [(1, 8), (3, 13), (17, 48), (130, 576), (33, 1537)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 32, 61])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_kernel_matches_float_reference(n: int, k: int, m: int, with_bias: bool) -> None:
+    """Every register tile (4 x 3 and the 1-3 row / 1-2 column remainders) and the masked K tail."""
+    g = _gen(n * 7919 + k * 31 + m)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    y = OPS.fp32_linear(x, w, bias)
+    _check_close(y - (bias if bias is not None else 0.0), x, w)
+
+
+@needs_ops
+def test_fp32_kernel_rejects_bad_operands() -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        OPS.fp32_linear(torch.randn(2, 15), w)
+    with pytest.raises(RuntimeError, match="w must be"):
+        OPS.fp32_linear(torch.randn(2, 16), w.double())
+    with pytest.raises(RuntimeError, match="bias must be"):
+        OPS.fp32_linear(torch.randn(2, 16), w, torch.randn(7))
+
+
+@needs_ops
+@pytest.mark.parametrize("m", [1, FP32_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS + 1])
+def test_dense_linear_uses_the_kernel_up_to_its_row_limit(m: int, monkeypatch) -> None:
+    """Up to FP32_KERNEL_MAX_ROWS rows DenseLinear calls our kernel (counted), above it F.linear; both agree
+    with the float64 reference, and bf16 operands never reach the fp32 kernel."""
+    calls: list[int] = []
+    real = OPS.fp32_linear
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(OPS, name)
+
+        @staticmethod
+        def fp32_linear(x, w, b=None):
+            calls.append(x.shape[0])
+            return real(x, w, b)
+
+    monkeypatch.setattr(kernels, "ops", lambda: Counting())
+    g = _gen(m)
+    x, w = torch.randn(m, 96, generator=g), torch.randn(40, 96, generator=g)
+    _check_close(DenseLinear(w)(x), x, w)
+    assert calls == ([m] if m <= FP32_KERNEL_MAX_ROWS else [])
+    linear(x.bfloat16(), w.bfloat16())
+    assert len(calls) == (1 if m <= FP32_KERNEL_MAX_ROWS else 0)
 
 
 @needs_ops

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from serve.model.kv_cache import KVIndex, PagedKVCache
-from serve.model.linear import DenseLinear, LinearOp
+from serve.model.linear import DenseLinear, LinearOp, linear
 from serve.model.model_config import ModelConfig
 from serve.model.rope import RotaryEmbedding, rotate
 
@@ -134,7 +134,7 @@ class LlamaModel:
         if batch.sample_indices is not None:
             h = h.index_select(0, batch.sample_indices)
         h = self.rms_norm(h, self.norm)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
                where: _BatchKV) -> torch.Tensor:

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from serve.model import kernels
+from serve.model.linear import linear
 
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 """Group sizes accepted by ``aten._weight_int4pack_mm_for_cpu``."""
@@ -279,7 +279,7 @@ def _run_cpu_kernel(x2: torch.Tensor, gemv, dequantize) -> torch.Tensor:
     xf = x2.to(device="cpu", dtype=torch.float32).contiguous()
     if xf.shape[0] <= SMALL_BATCH:
         return gemv(xf)
-    return F.linear(xf, dequantize())
+    return linear(xf, dequantize())
 
 
 def _pack_int4_cuda(codes: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ from types import ModuleType
 import torch
 
 _log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("qlinear_avx2.cpp")
-_NAME = "morphserve_qlinear_avx2"
+_SOURCES = [Path(__file__).with_name(name) for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "bindings.cpp")]
+_NAME = "morphserve_cpu_kernels"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
 
 _lock = threading.Lock()
@@ -85,7 +85,7 @@ def build(verbose: bool = False) -> ModuleType:
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+    module = cpp_extension.load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
                                 extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
     seconds = time.perf_counter() - t0
     if seconds > 2.0:  # a real compile, not a cache hit

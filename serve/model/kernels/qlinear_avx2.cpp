@@ -235,9 +235,3 @@ torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& 
   });
   return w;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
-  m.def("int4_linear", &int4_linear, "y = x @ ((c - 8) * s + z)^T, blocked int4 codes, fp32 accumulation");
-  m.def("int4_dequantize", &int4_dequantize, "fp32 [N, K] from blocked int4 codes");
-}

@@ -1,0 +1,16 @@
+// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp) and the fp32 linear
+// (linear_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
+#include <torch/extension.h>
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
+torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
+  m.def("int4_linear", &int4_linear, "y = x @ ((c - 8) * s + z)^T, blocked int4 codes, fp32 accumulation");
+  m.def("int4_dequantize", &int4_dequantize, "fp32 [N, K] from blocked int4 codes");
+  m.def("fp32_linear", &fp32_linear, "y = x @ w^T (+ bias), fp32, register-tiled for small row counts",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+}
