@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -104,8 +105,9 @@ def run_vllm(args: argparse.Namespace, hf_dir: Path, reqs: Sequence[PreparedRequ
         srv.complete(WARMUP_PROMPT, 4)
         cmd = completions_command(args.aiperf, srv.url, trace, tokenizer_dir, out / "artifacts", len(reqs),
                                   args.output_len)
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}  # as bench.aiperf
         with (out / "aiperf.log").open("w") as log:
-            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
+            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
     path = profile_json(out / "artifacts")
     return {**parse_aiperf(path), **token_counts(path), "startup_s": startup,
             "command": " ".join(shlex.quote(c) for c in cmd)}
