@@ -23,7 +23,7 @@ ROUTER_MODE ?= least-loaded
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine bench-peer gpu-check soak clean help
+.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -38,6 +38,8 @@ help:
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
 	@echo "make bench-peer     the engine vs vLLM (fp32) and llama.cpp (4 bits) in one run; peers in PEERS_DIR=$(PEERS_DIR)"
+	@echo "make bench-peer-servers  our Triton server vs vLLM's OpenAI server under AIPerf at a fixed request rate"
+	@echo "                    (TTFT/TPOT medians; SERVER_PEER_ARGS, default: $(SERVER_PEER_ARGS))"
 	@echo "make soak           mixed load, cancellations, bad inputs for SOAK_S seconds (default 600); not in make test"
 
 install: $(VENV)/.installed $(DYNAMO_VENV)/.installed
@@ -121,6 +123,7 @@ PEERS_DIR ?= $(abspath ..)/peers
 VLLM_VERSION ?= 0.32.0
 LLAMACPP_VERSION ?= 0.3.36
 PEER_ARGS ?= --runs 3
+SERVER_PEER_ARGS ?= --num-requests 32 --request-rate 1.0 --runs 3
 
 $(PEERS_DIR)/vllm-venv/.installed:
 	$(PYTHON) -m venv $(PEERS_DIR)/vllm-venv
@@ -138,3 +141,9 @@ $(PEERS_DIR)/llamacpp-venv/.installed:
 bench-peer: install $(PEERS_DIR)/vllm-venv/.installed $(PEERS_DIR)/llamacpp-venv/.installed
 	$(PY) -m bench.peer --vllm-python $(PEERS_DIR)/vllm-venv/bin/python \
 	  --llamacpp-python $(PEERS_DIR)/llamacpp-venv/bin/python $(PEER_ARGS)
+
+# the servers side by side: vLLM's OpenAI server and ours (mode off), the same AIPerf trace at a fixed rate
+bench-peer-servers: install $(AIPERF_VENV)/bin/aiperf $(PEERS_DIR)/vllm-venv/.installed
+	$(PY) -m bench.peer_servers --vllm-python $(PEERS_DIR)/vllm-venv/bin/python \
+	  --aiperf $(AIPERF_VENV)/bin/aiperf --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) \
+	  $(SERVER_PEER_ARGS)

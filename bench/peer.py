@@ -14,7 +14,8 @@ Rows (output tok/s, medians of --runs with min-max spread):
   decode step), not ``sum()``, which streams faster than any matrix-vector product does here.
 vLLM needs an HF directory: it is exported from the engine's own weights (serve.model.loader.save_hf_directory).
 Each peer runs in a venv of its own (the Makefile makes them), as a subprocess, one after the other.
-The server comparison (both servers under AIPerf at a fixed request rate) is not part of this script yet.
+The server comparison (both servers under AIPerf at a fixed request rate) is bench.peer_servers
+(`make bench-peer-servers`).
 """
 
 from __future__ import annotations
