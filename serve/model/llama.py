@@ -148,14 +148,16 @@ class LlamaModel:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         kv.write(i, where.new, k, v)
-        attn = self._attention(i, q, batch, kv, where)
+        attn = self._attention(i, q, k, v, batch, kv, where)
         h = h + layer.o(attn)
         x = self.rms_norm(h, layer.post_attention_norm)
         gu = layer.gate_up(x)
         inter = gu.shape[-1] // 2
         return h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
 
-    def _attention(self, i: int, q: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache, where: _BatchKV) -> torch.Tensor:
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                   kv: PagedKVCache, where: _BatchKV) -> torch.Tensor:
+        """q ``[T, heads, hd]``; k, v ``[T, kv_heads, hd]``: this forward's tokens, already written to ``kv``."""
         cfg = self.config
         kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
@@ -167,14 +169,17 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=where.decode_mask, scale=self.scale)
             out[:B] = o.reshape(B, cfg.q_size)
         for pc, ctx in zip(batch.prefills, where.prefills):
-            n = pc.num_tokens
-            qp = q[pc.token_start: pc.token_start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
+            n, t0 = pc.num_tokens, pc.token_start
+            if pc.mask is None:  # a whole prompt: its K/V are this forward's, no gather from the cache needed
+                o = F.scaled_dot_product_attention(
+                    q[t0: t0 + n].transpose(0, 1).unsqueeze(0), k[t0: t0 + n].transpose(0, 1).unsqueeze(0),
+                    v[t0: t0 + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale, enable_gqa=True)
+                out[t0: t0 + n] = o[0].transpose(0, 1).reshape(n, cfg.q_size)
+                continue
+            # a chunk after cached tokens: gather the context, each query head group's rows under one mask
+            qp = q[t0: t0 + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
             kp, vp = kv.read(i, ctx)
             kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
-            if pc.mask is None and group == 1:
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale)
-            else:
-                mask = pc.mask if pc.mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.repeat(group, 1), scale=self.scale)
-            out[pc.token_start: pc.token_start + n] = o.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, cfg.q_size)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pc.mask.repeat(group, 1), scale=self.scale)
+            out[t0: t0 + n] = o.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, cfg.q_size)
         return out
