@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from serve.model import kernels
 from serve.model import quantized_linear as ql
+from serve.model.kv_cache import PagedKVCache, block_shape
 from serve.model.linear import FP32_KERNEL_MAX_ROWS, ConcatLinear, DenseLinear, linear
 from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly, pack_int4_blocked, unpack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
@@ -111,6 +113,40 @@ def test_dense_linear_uses_the_kernel_up_to_its_row_limit(m: int, monkeypatch) -
     assert calls == ([m] if m <= FP32_KERNEL_MAX_ROWS else [])
     linear(x.bfloat16(), w.bfloat16())
     assert len(calls) == (1 if m <= FP32_KERNEL_MAX_ROWS else 0)
+
+
+@needs_ops
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("lens", [[1], [16], [17, 5, 40], [3, 64, 33, 16, 1]])
+def test_paged_decode_attention_matches_sdpa_over_gathered_blocks(group: int, lens: list[int]) -> None:
+    """The kernel reads K/V where they lie (scattered physical slots, layer 1 of 2) and equals SDPA over the
+    same rows gathered densely, per row only its own ``len`` tokens (float64 reference)."""
+    g = _gen(group * 100 + sum(lens))
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64, kv_size=128)
+    bs, B, heads = 16, len(lens), 2 * group
+    nb = max(-(-n // bs) for n in lens)
+    storage = torch.randn(3 * B * nb, *block_shape(cfg, bs), generator=g)
+    kv = PagedKVCache(cfg, bs, storage, storage.shape[0])
+    perm = torch.randperm(storage.shape[0], generator=g)[: B * nb].view(B, nb)  # physical slots, scattered
+    q = torch.randn(B, heads * 64, generator=g)
+    y = OPS.paged_decode_attention(q, kv.blocks, kv.block_entries(1, perm), kv.num_layers, torch.tensor(lens), 0.125)
+    kd, vd = kv.read_blocks(1, perm)  # [B, nb * bs, kvh, hd]
+    for b, n in enumerate(lens):
+        qb = q[b].view(2, group, 1, 64).double()
+        kb, vb = kd[b, :n].transpose(0, 1).double()[:, None], vd[b, :n].transpose(0, 1).double()[:, None]
+        ref = torch.softmax((qb @ kb.transpose(-1, -2)) * 0.125, -1) @ vb
+        assert torch.allclose(y[b].double(), ref.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+@needs_ops
+def test_paged_decode_attention_rejects_bad_lengths_and_indices() -> None:
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8, kv_size=8)
+    kv = PagedKVCache.standalone(cfg, 2, 4, torch.device("cpu"), torch.float32)
+    q, idx = torch.randn(1, 8), torch.tensor([[0]])
+    with pytest.raises(RuntimeError, match="lens"):
+        OPS.paged_decode_attention(q, kv.blocks, idx, 1, torch.tensor([5]), 1.0)  # one block holds 4 tokens
+    with pytest.raises(RuntimeError, match="out of range"):
+        OPS.paged_decode_attention(q, kv.blocks, torch.tensor([[3]]), 1, torch.tensor([2]), 1.0)
 
 
 @needs_ops

@@ -95,11 +95,15 @@ class PagedKVCache:
         self.rows.index_copy_(0, k_rows, k)
         self.rows.index_copy_(0, k_rows + self.v_rows, v)
 
+    def block_entries(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Entries of ``self.blocks`` holding layer ``layer``'s K for the physical slots ``slots`` (V: + num_layers)."""
+        return slots * (2 * self.num_layers) + layer
+
     def read_blocks(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[B, nb * block_size, kv_heads, head_dim]`` of the physical slots ``[B, nb]``: whole blocks
         (contiguous runs of block_size rows) in one ``index_select`` each, 16x fewer index entries than rows."""
         b, nb = slots.shape
-        base = slots.reshape(-1) * (2 * self.num_layers) + layer
+        base = self.block_entries(layer, slots.reshape(-1))
         shape = (b, nb * self.block_size, *self.blocks.shape[2:])
         return (self.blocks.index_select(0, base).view(shape),
                 self.blocks.index_select(0, base + self.num_layers).view(shape))

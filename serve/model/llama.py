@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from serve.model import kernels
 from serve.model.kv_cache import KVIndex, PagedKVCache
 from serve.model.linear import DenseLinear, LinearOp, linear
 from serve.model.model_config import ModelConfig
@@ -69,22 +70,23 @@ class _BatchKV:
     new: KVIndex
     decode_blocks: torch.Tensor | None   # [B, nb] physical slots of the decodes' blocks
     decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool, None when nothing is padding
+    decode_lens: torch.Tensor | None     # [B] context length of each decode (its new token included)
     prefills: list[KVIndex]
     cos: torch.Tensor
     sin: torch.Tensor
 
     @staticmethod
     def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding) -> _BatchKV:
-        blocks = mask = None
+        blocks = mask = lens = None
         if batch.num_decodes:
             bs, slots = kv.block_size, batch.decode_slots  # position 0 of every row starts a block
             blocks = kv.block_map[slots[:, ::bs] // bs]
             width = blocks.shape[1] * bs
+            lens = (batch.decode_mask.view(slots.shape[0], -1).sum(1) if batch.decode_mask is not None
+                    else torch.full((slots.shape[0],), slots.shape[1], device=slots.device))
             if batch.decode_mask is not None or width != slots.shape[1]:
-                lens = (batch.decode_mask.view(slots.shape[0], -1).sum(1) if batch.decode_mask is not None
-                        else torch.full((slots.shape[0],), slots.shape[1], device=slots.device))
                 mask = (torch.arange(width, device=slots.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
-        return _BatchKV(kv.locate(batch.slot_mapping), blocks, mask,
+        return _BatchKV(kv.locate(batch.slot_mapping), blocks, mask, lens,
                         [kv.locate(pc.context_slots) for pc in batch.prefills], *rope.tables(batch.positions))
 
 
@@ -162,7 +164,12 @@ class LlamaModel:
         kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
         B = batch.num_decodes
-        if B:
+        paged = kernels.ops() if q.dtype == torch.float32 and q.device.type == "cpu" and hd % 8 == 0 else None
+        if B and paged is not None:  # straight over the paged blocks, no dense K/V copies (attention_avx2.cpp)
+            entries = kv.block_entries(i, where.decode_blocks)
+            out[:B] = paged.paged_decode_attention(q[:B].reshape(B, cfg.q_size).contiguous(), kv.blocks, entries, kv.num_layers,
+                                                   where.decode_lens, self.scale)
+        elif B:
             qd = q[:B].view(B, kvh, group, hd)
             kd, vd = kv.read_blocks(i, where.decode_blocks)
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, kvh, L, hd]

@@ -1,4 +1,5 @@
-"""Our CPU kernels for weight-only int8 / int4 linears (AVX2 + FMA), built from ``qlinear_avx2.cpp``.
+"""Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp``), the fp32 linear
+(``linear_avx2.cpp``) and paged decode attention (``attention_avx2.cpp``), one extension module.
 
 torch's own CPU kernels (``aten._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) are fast on
 AVX-512 but slower than fp32 on AVX2-only CPUs; these are memory-bound GEMVs with fp32 activations and
@@ -14,6 +15,7 @@ use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchma
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -24,7 +26,7 @@ from types import ModuleType
 import torch
 
 _log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(name) for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "bindings.cpp")]
 _NAME = "morphserve_cpu_kernels"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
 
@@ -85,8 +87,14 @@ def build(verbose: bool = False) -> ModuleType:
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    module = cpp_extension.load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
-                                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+    # torch's own build baton is a plain "lock" file that every later load waits on forever when a build was
+    # killed half-way (seen: a test's subprocess killed on timeout hung every engine start after it). An
+    # flock dies with its process, so under it any leftover baton is stale and is removed.
+    with (directory / "build.flock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        module = cpp_extension.load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
     seconds = time.perf_counter() - t0
     if seconds > 2.0:  # a real compile, not a cache hit
         _log.warning("built the quantized CPU kernels in %.0f s (cached in %s)", seconds, directory)

@@ -1,11 +1,13 @@
-// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp) and the fp32 linear
-// (linear_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
+// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp), the fp32 linear
+// (linear_avx2.cpp) and paged decode attention (attention_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
+                                     int64_t v_offset, const torch::Tensor& lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
@@ -13,4 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &int4_dequantize, "fp32 [N, K] from blocked int4 codes");
   m.def("fp32_linear", &fp32_linear, "y = x @ w^T (+ bias), fp32, register-tiled for small row counts",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query token per sequence against its paged K/V blocks, fp32 (attention_avx2.cpp)");
 }
