@@ -8,7 +8,7 @@ fp32 accumulation over the same integer weights and bf16 scales (README "Quantiz
 The extension is compiled once per machine with ``torch.utils.cpp_extension.load`` (gcc + ninja, ~30-60 s)
 into a cache directory: ``make install`` builds it (``python -m serve.model.kernels --build``), otherwise the
 first quantized layer built on CPU does and logs it. ``MORPHSERVE_KERNEL_CACHE`` overrides the directory
-(default ``~/.cache/morphserve/kernels/<torch version>``). When the CPU lacks AVX2/FMA, the compiler is
+(default ``~/.cache/morphserve/kernels/<torch version>``; one subdirectory per content hash of the sources). When the CPU lacks AVX2/FMA, the compiler is
 missing or the build fails, one warning is logged and :func:`ops` returns None: the quantized layers then
 use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchmarks compare the two).
 """
@@ -16,6 +16,7 @@ use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchma
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import threading
@@ -26,7 +27,8 @@ from types import ModuleType
 import torch
 
 _log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(name) for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "bindings.cpp")]
 _NAME = "morphserve_cpu_kernels"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
 
@@ -80,12 +82,40 @@ def _load() -> ModuleType | None:
         return None
 
 
+def build_dir() -> Path:
+    """The build directory of these exact sources and flags: ``cache_dir() / <content hash>``.
+
+    ninja rebuilds whenever a source's path or command line changes, so one directory shared by copies of the
+    package at different paths (a checkout, a pip-installed deployment) would recompile on every switch
+    (~100 s, seen as timeouts in make test). Keyed by content, each version builds once and is reused."""
+    h = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for p in _SOURCES:
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return cache_dir() / h.hexdigest()[:16]
+
+
+def _staged_sources(into: Path) -> list[Path]:
+    """Copies of the sources under the build directory, so every copy of the package compiles the same paths
+    (written only when missing: unchanged mtimes keep ninja's cached objects valid)."""
+    into.mkdir(parents=True, exist_ok=True)
+    staged = []
+    for p in _SOURCES:
+        target = into / p.name
+        if not target.exists() or target.read_bytes() != p.read_bytes():
+            tmp = target.with_suffix(".tmp")
+            tmp.write_bytes(p.read_bytes())
+            tmp.replace(target)
+        staged.append(target)
+    return staged
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension; raises when it cannot be built."""
     from torch.utils import cpp_extension
 
-    directory = cache_dir()
+    directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    sources = _staged_sources(directory / "src")
     t0 = time.perf_counter()
     # torch's own build baton is a plain "lock" file that every later load waits on forever when a build was
     # killed half-way (seen: a test's subprocess killed on timeout hung every engine start after it). An
@@ -93,7 +123,7 @@ def build(verbose: bool = False) -> ModuleType:
     with (directory / "build.flock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
-        module = cpp_extension.load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
+        module = cpp_extension.load(name=_NAME, sources=[str(p) for p in sources], extra_cflags=_CFLAGS,
                                     extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
     seconds = time.perf_counter() - t0
     if seconds > 2.0:  # a real compile, not a cache hit

@@ -10,4 +10,4 @@ from serve.model import kernels
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"quantized CPU kernels: {kernels.describe()} (cache: {kernels.cache_dir()})")
+    print(f"quantized CPU kernels: {kernels.describe()} (build: {kernels.build_dir()})")
