@@ -99,6 +99,11 @@ def parse_aiperf(path: Path) -> dict:
     return out
 
 
+def aiperf_env() -> dict[str, str]:
+    """The environment AIPerf runs in: ours without the Hugging Face offline switches."""
+    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
 def run_aiperf(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: Path, tokenizer_dir: Path) -> dict:
     from serve.triton.client import GrpcStream  # noqa: PLC0415
     from serve.triton.server import TritonServer  # noqa: PLC0415
@@ -112,9 +117,8 @@ def run_aiperf(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: P
         with contextlib.suppress(Exception), GrpcStream(srv.grpc_url) as s:
             s.generate("Warm-up request: hello", max_tokens=4, stream=True, ignore_eos=True)
         cmd = aiperf_command(args, srv.http_url, trace, tokenizer_dir, template, out / "artifacts", len(reqs))
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
         with (out / "aiperf.log").open("w") as log:
-            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
+            subprocess.run(cmd, check=True, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, timeout=3600)
     found = sorted((out / "artifacts").rglob("profile_export_aiperf.json"))
     if not found:
         raise RuntimeError(f"AIPerf wrote no profile_export_aiperf.json; see {out / 'aiperf.log'}")

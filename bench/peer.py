@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
+from bench.vllm_server import vllm_env
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
@@ -76,8 +76,7 @@ def ours(engine: LLMEngine, wl: dict[str, dict], runs: int) -> dict[str, list[fl
 
 def run_vllm(python: str, hf_dir: Path, wl: dict, runs: int, threads: int, work: Path) -> dict:
     (work / "workloads.json").write_text(json.dumps(wl))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = vllm_env(threads)
     subprocess.run([python, str(PEERS_DIR / "vllm_offline.py"), "--model", str(hf_dir), "--workloads",
                     str(work / "workloads.json"), "--out", str(work / "vllm.json"), "--runs", str(runs)],
                    env=env, check=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bench.aiperf import build_parser as aiperf_parser
-from bench.aiperf import export_mooncake, export_tokenizer, parse_aiperf, run_aiperf
+from bench.aiperf import aiperf_env, export_mooncake, export_tokenizer, parse_aiperf, run_aiperf
 from bench.repeats import cell
 from bench.triton.__main__ import default_engine_dir
 from bench.triton.requests import PreparedRequest, prepare_requests
@@ -105,9 +104,8 @@ def run_vllm(args: argparse.Namespace, hf_dir: Path, reqs: Sequence[PreparedRequ
         srv.complete(WARMUP_PROMPT, 4)
         cmd = completions_command(args.aiperf, srv.url, trace, tokenizer_dir, out / "artifacts", len(reqs),
                                   args.output_len)
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}  # as bench.aiperf
         with (out / "aiperf.log").open("w") as log:
-            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
+            subprocess.run(cmd, check=True, env=aiperf_env(), stdout=log, stderr=subprocess.STDOUT, timeout=3600)
     path = profile_json(out / "artifacts")
     return {**parse_aiperf(path), **token_counts(path), "startup_s": startup,
             "command": " ".join(shlex.quote(c) for c in cmd)}

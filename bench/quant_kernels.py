@@ -3,7 +3,8 @@
   .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,64,512] [--threads 2] [--repeats 3]
 
 Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
-down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear``; torch's int8 / int4 weight-only
+down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear`` (MKL) and our fp32 kernel
+(``fp32_linear``, what full-precision layers use up to ``FP32_KERNEL_MAX_ROWS`` rows); torch's int8 / int4 weight-only
 kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``) and ours as dequantize + fp32
 GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats`` rounds of
 the median of 50 calls; the rounds interleave the kernels.
@@ -38,7 +39,7 @@ def _median_us(fn, calls: int = 50) -> float:
 
 def _candidates(m: int, ops) -> dict[str, list]:
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, list] = {"fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
+    out: dict[str, list] = {"fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
                             "ours int4 dequant+GEMM": []}
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.05
@@ -54,6 +55,7 @@ def _candidates(m: int, ops) -> dict[str, list]:
         out["torch int4"].append(lambda xb=xb, p=tpacked, g=g, sz=sz:
                                  torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz))
         if ops is not None:
+            out["ours fp32"].append(lambda x=x, w=w: ops.fp32_linear(x, w))
             out["ours int8"].append(lambda x=x, q=q8: ops.int8_linear(x, q.weight, q.scales))
             out["ours int4"].append(lambda x=x, p=packed, g=g, sz=sz: ops.int4_linear(x, p, sz, g))
             out["ours int4 dequant+GEMM"].append(

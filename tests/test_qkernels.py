@@ -20,7 +20,7 @@ from serve.model import kernels
 from serve.model import quantized_linear as ql
 from serve.model.kv_cache import PagedKVCache, block_shape
 from serve.model.linear import FP32_KERNEL_MAX_ROWS, ConcatLinear, DenseLinear, linear
-from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly, pack_int4_blocked, unpack_int4_blocked
+from serve.model.quantized_linear import Int4WeightOnly, pack_int4_blocked, unpack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
 
 torch.set_num_threads(2)  # the kernels split rows over torch's threads: exercise the split
@@ -129,7 +129,7 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_blocks(group: int, le
     kv = PagedKVCache(cfg, bs, storage, storage.shape[0])
     perm = torch.randperm(storage.shape[0], generator=g)[: B * nb].view(B, nb)  # physical slots, scattered
     q = torch.randn(B, heads * 64, generator=g)
-    y = OPS.paged_decode_attention(q, kv.blocks, kv.block_entries(1, perm), kv.num_layers, torch.tensor(lens), 0.125)
+    y = OPS.paged_decode_attention(q, kv.blocks, kv.block_entries(0, perm), 1, kv.num_layers, torch.tensor(lens), 0.125)
     kd, vd = kv.read_blocks(1, perm)  # [B, nb * bs, kvh, hd]
     for b, n in enumerate(lens):
         qb = q[b].view(2, group, 1, 64).double()
@@ -144,9 +144,9 @@ def test_paged_decode_attention_rejects_bad_lengths_and_indices() -> None:
     kv = PagedKVCache.standalone(cfg, 2, 4, torch.device("cpu"), torch.float32)
     q, idx = torch.randn(1, 8), torch.tensor([[0]])
     with pytest.raises(RuntimeError, match="lens"):
-        OPS.paged_decode_attention(q, kv.blocks, idx, 1, torch.tensor([5]), 1.0)  # one block holds 4 tokens
+        OPS.paged_decode_attention(q, kv.blocks, idx, 0, 1, torch.tensor([5]), 1.0)  # one block holds 4 tokens
     with pytest.raises(RuntimeError, match="out of range"):
-        OPS.paged_decode_attention(q, kv.blocks, torch.tensor([[3]]), 1, torch.tensor([2]), 1.0)
+        OPS.paged_decode_attention(q, kv.blocks, torch.tensor([[3]]), 0, 1, torch.tensor([2]), 1.0)
 
 
 @needs_ops

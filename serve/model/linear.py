@@ -4,7 +4,7 @@ Every linear op is a callable x[T, K] -> y[T, N] with an exact `nbytes`, so the 
 for device memory whatever precision a layer runs at.
 
 fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``FP32_KERNEL_MAX_ROWS`` rows:
-torch's F.linear goes through MKL, which takes a slow generic path on AMD CPUs (README "fp32 kernels").
+torch's F.linear goes through MKL, which takes a slow generic path on AMD CPUs (README "fp32 kernels and paged decode attention").
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from serve.model import kernels
 
 FP32_KERNEL_MAX_ROWS = 128
-"""Rows (tokens) up to which fp32 CPU linears use our kernel. Measured on the 2-core AMD EPYC (AVX2): 1.5-4x
-faster than F.linear from 1 to 64 rows, about even at 128-256 rows except on the tied LM head (1.3-1.7x);
-above this MKL's blocked GEMM (prefill chunks) is kept."""
+"""Rows (tokens) up to which fp32 CPU linears use our kernel. On the 2-core AMD EPYC (AVX2) a decoder layer's
+projections run 2x / 4.3x / 1.4x / 1.0x / 0.9x as fast as F.linear at 1 / 4 / 32 / 128 / 512 rows
+(`python -m bench.quant_kernels`), so above this MKL's blocked GEMM (prefill chunks) is kept."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,9 +69,10 @@ class _BatchKV:
 
     new: KVIndex
     decode_blocks: torch.Tensor | None   # [B, nb] physical slots of the decodes' blocks
+    decode_entries: torch.Tensor | None  # [B, nb] their layer-0 K entries in kv.blocks (layer i: + i)
     decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool, None when nothing is padding
     decode_lens: torch.Tensor | None     # [B] context length of each decode (its new token included)
-    prefills: list[KVIndex]
+    prefills: list[KVIndex | None]      # None for a whole prompt (attends over its own fresh K/V)
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -86,8 +87,10 @@ class _BatchKV:
                     else torch.full((slots.shape[0],), slots.shape[1], device=slots.device))
             if batch.decode_mask is not None or width != slots.shape[1]:
                 mask = (torch.arange(width, device=slots.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
-        return _BatchKV(kv.locate(batch.slot_mapping), blocks, mask, lens,
-                        [kv.locate(pc.context_slots) for pc in batch.prefills], *rope.tables(batch.positions))
+        entries = kv.block_entries(0, blocks) if blocks is not None else None
+        return _BatchKV(kv.locate(batch.slot_mapping), blocks, entries, mask, lens,
+                        [None if pc.mask is None else kv.locate(pc.context_slots) for pc in batch.prefills],
+                        *rope.tables(batch.positions))
 
 
 def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
@@ -117,6 +120,10 @@ class LlamaModel:
         self.layers = [build_decoder_layer(weights, i, device, dtype) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config, max_positions, device, dtype)
         self.scale = config.head_dim ** -0.5
+        group = config.num_heads // config.num_kv_heads
+        # decode attention over the paged blocks (attention_avx2.cpp) where the kernel applies: fp32 on CPU
+        self.paged_attention = (kernels.ops() if dtype == torch.float32 and device.type == "cpu"
+                                and config.head_dim % 8 == 0 and group <= 16 else None)
 
     @property
     def non_layer_nbytes(self) -> int:
@@ -164,11 +171,10 @@ class LlamaModel:
         kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
         B = batch.num_decodes
-        paged = kernels.ops() if q.dtype == torch.float32 and q.device.type == "cpu" and hd % 8 == 0 else None
-        if B and paged is not None:  # straight over the paged blocks, no dense K/V copies (attention_avx2.cpp)
-            entries = kv.block_entries(i, where.decode_blocks)
-            out[:B] = paged.paged_decode_attention(q[:B].reshape(B, cfg.q_size).contiguous(), kv.blocks, entries, kv.num_layers,
-                                                   where.decode_lens, self.scale)
+        if B and self.paged_attention is not None:  # straight over the paged blocks, no dense K/V copies
+            out[:B] = self.paged_attention.paged_decode_attention(
+                q[:B].reshape(B, cfg.q_size).contiguous(), kv.blocks, where.decode_entries, i, kv.num_layers,
+                where.decode_lens, self.scale)
         elif B:
             qd = q[:B].view(B, kvh, group, hd)
             kd, vd = kv.read_blocks(i, where.decode_blocks)

@@ -5,8 +5,8 @@
 // the copy again. Here each (sequence, kv head) task reads its K and V rows once, where they lie.
 //
 // Layout (serve/model/kv_cache.py): `blocks` is the storage viewed as [entries, block_size, kv_heads, hd];
-// the K block of a sequence's j-th block in this layer is entry k_index[b, j], its V block entry
-// k_index[b, j] + v_offset. The query heads of kv head h are h * group ... h * group + group - 1 (GQA, as HF).
+// the K block of a sequence's j-th block in this layer is entry k_index[b, j] + layer (k_index: the layer-0
+// entries, computed once per forward), its V block that entry + v_offset. The query heads of kv head h are h * group ... h * group + group - 1 (GQA, as HF).
 //
 // Math per query head: s_t = scale * q . k_t for t < len, p = softmax(s), out = sum_t p_t v_t, in fp32
 // (scores kept per task, max subtracted before exp): the same function as SDPA, summed in another order.
@@ -30,13 +30,14 @@ inline float hsum(__m256 v) {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled per task
 
-// One (sequence, kv head): `q` points at the group's G query rows (G * hd floats), `out` likewise.
-void attend(const float* q, float* out, const float* blocks, const int64_t* kidx, int64_t v_offset, int64_t len,
+// One (sequence, kv head): `q` points at the group's G query rows (G * hd floats), `out` likewise; `layer`
+// is added to every entry of `kidx`.
+void attend(const float* q, float* out, const float* blocks, const int64_t* kidx, int64_t layer, int64_t v_offset, int64_t len,
             int64_t bs, int64_t row_stride, int64_t hd, int64_t G, float scale, std::vector<float>& scores) {
   scores.assign(static_cast<size_t>(G * len), 0.0f);
   const int64_t vecs = hd / 8;
   for (int64_t t = 0; t < len; ++t) {
-    const float* k = blocks + (kidx[t / bs] * bs + t % bs) * row_stride;
+    const float* k = blocks + ((kidx[t / bs] + layer) * bs + t % bs) * row_stride;
     for (int64_t g = 0; g < G; ++g) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t j = 0; j < vecs; ++j)
@@ -64,7 +65,7 @@ void attend(const float* q, float* out, const float* blocks, const int64_t* kidx
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       const float* p = scores.data() + g * len;
       for (int64_t t = 0; t < len; ++t) {
-        const float* v = blocks + ((kidx[t / bs] + v_offset) * bs + t % bs) * row_stride + 8 * j0;
+        const float* v = blocks + ((kidx[t / bs] + layer + v_offset) * bs + t % bs) * row_stride + 8 * j0;
         const __m256 pt = _mm256_set1_ps(p[t]);
         for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
       }
@@ -77,7 +78,7 @@ void attend(const float* q, float* out, const float* blocks, const int64_t* kidx
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
-                                     int64_t v_offset, const torch::Tensor& lens, double scale) {
+                                     int64_t layer, int64_t v_offset, const torch::Tensor& lens, double scale) {
   TORCH_CHECK(blocks.dim() == 4 && blocks.scalar_type() == torch::kFloat32 && blocks.is_contiguous() &&
                   blocks.device().is_cpu(), "blocks must be a contiguous fp32 CPU tensor [entries, block_size, kv_heads, hd]");
   const int64_t bs = blocks.size(1), kvh = blocks.size(2), hd = blocks.size(3);
@@ -97,8 +98,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * bs, "lens[", b, "] = ", lp[b], " outside 1..", nb * bs);
     for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(kp[b * nb + j] >= 0 && kp[b * nb + j] + v_offset < entries && kp[b * nb + j] + v_offset >= 0,
-                  "k_index[", b, ", ", j, "] out of range");
+      TORCH_CHECK(kp[b * nb + j] + layer >= 0 && kp[b * nb + j] + layer + v_offset < entries &&
+                  kp[b * nb + j] + layer + v_offset >= 0, "k_index[", b, ", ", j, "] + layer out of range");
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -110,7 +111,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / kvh, h = task % kvh;
       const int64_t off = b * q.size(1) + h * G * hd;
-      attend(qp + off, op + off, bp + h * hd, kp + b * nb, v_offset, lp[b], bs, kvh * hd, hd, G, sc, scores);
+      attend(qp + off, op + off, bp + h * hd, kp + b * nb, layer, v_offset, lp[b], bs, kvh * hd, hd, G, sc, scores);
     }
   });
   return out;

@@ -7,7 +7,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
-                                     int64_t v_offset, const torch::Tensor& lens, double scale);
+                                     int64_t layer, int64_t v_offset, const torch::Tensor& lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");

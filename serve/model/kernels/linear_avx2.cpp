@@ -1,8 +1,8 @@
 // Full-precision (fp32) linear for x86 CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
-// Why not F.linear: torch's CPU build calls MKL's sgemm, which on AMD CPUs takes a generic path. Measured on
-// the project's 2-core AMD EPYC (AVX2, no AVX-512): a batch-1 GEMV reads weights at 8-10 GB/s through
-// F.linear and at 15-21 GB/s here; at 4 activation rows MKL drops to ~4.3 GB/s (README "fp32 kernels").
+// Why not F.linear: torch's CPU build calls MKL's sgemm, which on AMD CPUs takes a generic path. On the
+// project's 2-core AMD EPYC (AVX2, no AVX-512) this is 2x as fast at 1 row and 4.3x at 4 rows
+// (python -m bench.quant_kernels; README "fp32 kernels and paged decode attention").
 // Above a measured number of rows (kernels/__init__.py: fp32_max_rows) MKL's blocked GEMM is used again.
 //
 // A register tile of R weight rows x C activation rows keeps R * C fp32 accumulators (8 lanes each) in
