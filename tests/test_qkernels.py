@@ -116,23 +116,24 @@ def test_dense_linear_uses_the_kernel_up_to_its_row_limit(m: int, monkeypatch) -
 
 
 @needs_ops
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("lens", [[1], [16], [17, 5, 40], [3, 64, 33, 16, 1]])
-def test_paged_decode_attention_matches_sdpa_over_gathered_blocks(group: int, lens: list[int]) -> None:
+@pytest.mark.parametrize(("group", "hd"), [(1, 64), (3, 64), (4, 72), (7, 32)])
+@pytest.mark.parametrize("lens", [[1], [16], [17, 5, 40], [3, 64, 33, 16, 1], [9] * 5])
+def test_paged_decode_attention_matches_sdpa_over_gathered_blocks(group: int, hd: int, lens: list[int]) -> None:
     """The kernel reads K/V where they lie (scattered physical slots, layer 1 of 2) and equals SDPA over the
-    same rows gathered densely, per row only its own ``len`` tokens (float64 reference)."""
-    g = _gen(group * 100 + sum(lens))
-    cfg = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=64, kv_size=128)
+    same rows gathered densely, per row only its own ``len`` tokens (float64 reference). Group sizes and head
+    dims cover every register-tile remainder; five sequences of two kv heads split across threads by sequence."""
+    g = _gen(group * 100 + sum(lens) + hd)
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=hd, kv_size=2 * hd)
     bs, B, heads = 16, len(lens), 2 * group
     nb = max(-(-n // bs) for n in lens)
     storage = torch.randn(3 * B * nb, *block_shape(cfg, bs), generator=g)
     kv = PagedKVCache(cfg, bs, storage, storage.shape[0])
     perm = torch.randperm(storage.shape[0], generator=g)[: B * nb].view(B, nb)  # physical slots, scattered
-    q = torch.randn(B, heads * 64, generator=g)
+    q = torch.randn(B, heads * hd, generator=g)
     y = OPS.paged_decode_attention(q, kv.blocks, kv.block_entries(0, perm), 1, kv.num_layers, torch.tensor(lens), 0.125)
     kd, vd = kv.read_blocks(1, perm)  # [B, nb * bs, kvh, hd]
     for b, n in enumerate(lens):
-        qb = q[b].view(2, group, 1, 64).double()
+        qb = q[b].view(2, group, 1, hd).double()
         kb, vb = kd[b, :n].transpose(0, 1).double()[:, None], vd[b, :n].transpose(0, 1).double()[:, None]
         ref = torch.softmax((qb @ kb.transpose(-1, -2)) * 0.125, -1) @ vb
         assert torch.allclose(y[b].double(), ref.reshape(-1), atol=1e-5, rtol=1e-5)
@@ -147,6 +148,39 @@ def test_paged_decode_attention_rejects_bad_lengths_and_indices() -> None:
         OPS.paged_decode_attention(q, kv.blocks, idx, 0, 1, torch.tensor([5]), 1.0)  # one block holds 4 tokens
     with pytest.raises(RuntimeError, match="out of range"):
         OPS.paged_decode_attention(q, kv.blocks, torch.tensor([[3]]), 0, 1, torch.tensor([2]), 1.0)
+
+
+@needs_ops
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 576), (300, 64), (3, 13)])
+def test_rms_norm_kernels_match_the_float64_formula(rows: int, hidden: int) -> None:
+    """rms_norm and add_rms_norm_ (h += delta in place, then the norm) against HF's formula in float64;
+    300 rows split over the threads, hidden 13 has a tail past the last 8-wide vector."""
+    g = _gen(rows * 7 + hidden)
+    h, delta, w = (torch.randn(rows, hidden, generator=g) * 3, torch.randn(rows, hidden, generator=g),
+                   torch.randn(hidden, generator=g))
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        x = x.double()
+        return w.double() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    assert torch.allclose(OPS.rms_norm(h, w, 1e-5).double(), reference(h), rtol=1e-6, atol=1e-6)
+    expected_h = h + delta
+    y = OPS.add_rms_norm_(h, delta, w, 1e-5)
+    assert torch.equal(h, expected_h), "the residual add is done in place, in fp32, exactly"
+    assert torch.allclose(y.double(), reference(expected_h), rtol=1e-6, atol=1e-6)
+
+
+@needs_ops
+def test_rms_norm_kernels_reject_bad_inputs() -> None:
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="weight"):
+        OPS.rms_norm(x, torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        OPS.rms_norm(x.t(), torch.randn(2), 1e-5)
+    with pytest.raises(RuntimeError, match="delta"):
+        OPS.add_rms_norm_(x, torch.randn(3, 8), w, 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        OPS.add_rms_norm_(x.bfloat16(), x, w, 1e-5)
 
 
 @needs_ops

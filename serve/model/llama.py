@@ -124,31 +124,44 @@ class LlamaModel:
         # decode attention over the paged blocks (attention_avx2.cpp) where the kernel applies: fp32 on CPU
         self.paged_attention = (kernels.ops() if dtype == torch.float32 and device.type == "cpu"
                                 and config.head_dim % 8 == 0 and group <= 16 else None)
+        # RMSNorm, fused with the residual add before it (norm_avx2.cpp): fp32 on CPU
+        self.fused_norm = kernels.ops() if dtype == torch.float32 and device.type == "cpu" else None
 
     @property
     def non_layer_nbytes(self) -> int:
         tied = self.lm_head is self.embed
         return self.embed.nbytes + self.norm.nbytes + (0 if tied else self.lm_head.nbytes) + self.rope.cos.nbytes * 2
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.config.rms_norm_eps)
+    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the residual stream ``h``, after ``h += delta`` (in place) when a delta is given."""
+        eps = self.config.rms_norm_eps
+        if self.fused_norm is not None:
+            if delta is None:
+                return self.fused_norm.rms_norm(h, weight, eps)
+            return self.fused_norm.add_rms_norm_(h, delta.contiguous(), weight, eps)
+        if delta is not None:
+            h.add_(delta)
+        return rms_norm(h, weight, eps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = F.embedding(batch.input_ids, self.embed)
         where = _BatchKV.locate(batch, kv, self.rope)
+        delta = None  # each layer's MLP output, added to h by the next norm
         for i, layer in enumerate(self.layers):
-            h = self._layer(i, layer, h, batch, kv, where)
+            h, delta = self._layer(i, layer, h, delta, batch, kv, where)
         if batch.sample_indices is not None:
             h = h.index_select(0, batch.sample_indices)
-        h = self.rms_norm(h, self.norm)
+            delta = None if delta is None else delta.index_select(0, batch.sample_indices)
+        h = self.rms_norm(h, self.norm, delta)
         return linear(h, self.lm_head).float()
 
-    def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
-               where: _BatchKV) -> torch.Tensor:
+    def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, batch: ForwardBatch,
+               kv: PagedKVCache, where: _BatchKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after this layer's attention, and its MLP output (added by the next norm)."""
         cfg = self.config
-        x = self.rms_norm(h, layer.input_norm)
+        x = self.rms_norm(h, layer.input_norm, delta)
         qkv = layer.qkv(x)
         T = x.shape[0]
         # q and k rotated together (one pass over [T, heads + kv_heads, head_dim]; elementwise, so identical)
@@ -158,11 +171,10 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         kv.write(i, where.new, k, v)
         attn = self._attention(i, q, k, v, batch, kv, where)
-        h = h + layer.o(attn)
-        x = self.rms_norm(h, layer.post_attention_norm)
+        x = self.rms_norm(h, layer.post_attention_norm, layer.o(attn))
         gu = layer.gate_up(x)
         inter = gu.shape[-1] // 2
-        return h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        return h, layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                    kv: PagedKVCache, where: _BatchKV) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp``), the fp32 linear
-(``linear_avx2.cpp``) and paged decode attention (``attention_avx2.cpp``), one extension module.
+(``linear_avx2.cpp``), paged decode attention (``attention_avx2.cpp``) and RMSNorm (``norm_avx2.cpp``), one
+extension module.
 
 torch's own CPU kernels (``aten._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) are fast on
 AVX-512 but slower than fp32 on AVX2-only CPUs; these are memory-bound GEMVs with fp32 activations and
@@ -28,7 +29,8 @@ import torch
 
 _log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "bindings.cpp")]
+            for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "norm_avx2.cpp",
+                         "bindings.cpp")]
 _NAME = "morphserve_cpu_kernels"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
 

@@ -9,7 +9,8 @@
 // entries, computed once per forward), its V block that entry + v_offset. The query heads of kv head h are h * group ... h * group + group - 1 (GQA, as HF).
 //
 // Math per query head: s_t = scale * q . k_t for t < len, p = softmax(s), out = sum_t p_t v_t, in fp32
-// (scores kept per task, max subtracted before exp): the same function as SDPA, summed in another order.
+// (scores kept per task, max subtracted before exp, a polynomial exp good to about 1e-7): the same function
+// as SDPA, summed in another order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,49 +29,133 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The eight lane sums of a[0..7], as one vector.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes' expf range reduction and polynomial (about 1e-7
+// relative error); below -87 (and for the -inf padding) it returns 0, where expf gives at most 1.6e-38.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, x), x, x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
 constexpr int kMaxGroup = 16;  // query heads per kv head handled per task
+constexpr int kVecs = 4;       // 8-lane vectors of the head dimension per P.V register tile
+
+// out[g] (g < GC) += sum_t p[g][t] * v_t over NV vectors of the head from lane 8 * j0: GC * NV
+// accumulators stay in registers while every V row is read once.
+template <int GC, int NV>
+void weighted_rows(const float* p, int64_t lenp, int64_t len, const float* const* vrow,
+                   int64_t j0, const float* inv, float* out, int64_t hd) {
+  __m256 acc[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m256 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = _mm256_loadu_ps(vrow[t] + 8 * (j0 + j));
+    for (int g = 0; g < GC; ++g) {
+      const __m256 pt = _mm256_broadcast_ss(p + g * lenp + t);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_fmadd_ps(pt, v[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j)
+      _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
+}
+
+template <int GC>
+void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const float* const* vrow, int64_t j0, int64_t nv,
+                       const float* inv, float* out, int64_t hd) {
+  switch (nv) {
+    case 1: weighted_rows<GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 2: weighted_rows<GC, 2>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 3: weighted_rows<GC, 3>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    default: weighted_rows<GC, kVecs>(p, lenp, len, vrow, j0, inv, out, hd); break;
+  }
+}
+
+struct Scratch {
+  std::vector<float> scores;         // [G, lenp]: scaled scores, then their exps
+  std::vector<const float*> krow;    // [lenp]: each token's K row of this kv head (padding repeats row 0)
+  std::vector<const float*> vrow;    // [len]
+};
 
 // One (sequence, kv head): `q` points at the group's G query rows (G * hd floats), `out` likewise; `layer`
 // is added to every entry of `kidx`.
-void attend(const float* q, float* out, const float* blocks, const int64_t* kidx, int64_t layer, int64_t v_offset, int64_t len,
-            int64_t bs, int64_t row_stride, int64_t hd, int64_t G, float scale, std::vector<float>& scores) {
-  scores.assign(static_cast<size_t>(G * len), 0.0f);
+void attend(const float* q, float* out, const float* blocks, const int64_t* kidx, int64_t layer, int64_t v_offset,
+            int64_t len, int64_t bs, int64_t row_stride, int64_t hd, int64_t G, float scale, Scratch& sc) {
+  const int64_t lenp = (len + 7) & ~int64_t{7};
   const int64_t vecs = hd / 8;
+  sc.scores.resize(static_cast<size_t>(G * lenp));
+  sc.krow.resize(static_cast<size_t>(lenp));
+  sc.vrow.resize(static_cast<size_t>(len));
   for (int64_t t = 0; t < len; ++t) {
-    const float* k = blocks + ((kidx[t / bs] + layer) * bs + t % bs) * row_stride;
+    const int64_t row = (kidx[t / bs] + layer) * bs + t % bs;
+    sc.krow[t] = blocks + row * row_stride;
+    sc.vrow[t] = blocks + (row + v_offset * bs) * row_stride;
+  }
+  for (int64_t t = len; t < lenp; ++t) sc.krow[t] = sc.krow[0];
+  float* scores = sc.scores.data();
+  // Scores, eight tokens at a time: eight independent FMA chains per query head, reduced together.
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t0 = 0; t0 < lenp; t0 += 8) {
+    const float* const* k = sc.krow.data() + t0;
+    const __m256 pad = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(len - t0 - 1))));
     for (int64_t g = 0; g < G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t j = 0; j < vecs; ++j)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + 8 * j), _mm256_loadu_ps(k + 8 * j), acc);
-      scores[g * len + t] = hsum(acc) * scale;
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < vecs; ++j) {
+        const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * j);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + 8 * j), acc[i]);
+      }
+      const __m256 s = _mm256_mul_ps(hsum8(acc), vscale);
+      _mm256_storeu_ps(scores + g * lenp + t0, _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), pad));
     }
   }
   float inv[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * len;
-    const float m = *std::max_element(s, s + len);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
+    float* s = scores + g * lenp;
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < lenp; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < lenp; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
+      _mm256_storeu_ps(s + t, e);
+      sum = _mm256_add_ps(sum, e);
     }
-    inv[g] = 1.0f / sum;
+    inv[g] = 1.0f / hsum(sum);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < hd; ++j) out[g * hd + j] = 0.0f;
-  // out_g += p_gt * v_t, four vectors (32 lanes) of the head at a time for every query of the group
-  for (int64_t j0 = 0; j0 < vecs; j0 += 4) {
-    const int64_t nv = std::min<int64_t>(4, vecs - j0);
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      const float* p = scores.data() + g * len;
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = blocks + ((kidx[t / bs] + layer + v_offset) * bs + t % bs) * row_stride + 8 * j0;
-        const __m256 pt = _mm256_set1_ps(p[t]);
-        for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), acc[j]);
-      }
-      const __m256 norm = _mm256_set1_ps(inv[g]);
-      for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[j], norm));
+  // out_g = inv_g * sum_t p_gt v_t: up to three query heads x four vectors of the head per register tile
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int64_t gc = std::min<int64_t>(3, G - g0);
+    for (int64_t j0 = 0; j0 < vecs; j0 += kVecs) {
+      const int64_t nv = std::min<int64_t>(kVecs, vecs - j0);
+      const float* p = scores + g0 * lenp;
+      float* o = out + g0 * hd;
+      if (gc == 3) weighted_rows_any<3>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
+      else if (gc == 2) weighted_rows_any<2>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
+      else weighted_rows_any<1>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
     }
   }
 }
@@ -106,12 +191,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const float* bp = blocks.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * kvh, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+  // A sequence's kv heads share its K/V rows' cache lines, so with enough sequences for every thread they
+  // go to one thread together; a small batch splits them to keep both cores busy.
+  const int64_t grain = B >= 2 * at::get_num_threads() ? kvh : 1;
+  at::parallel_for(0, B * kvh, grain, [&](int64_t t0, int64_t t1) {
+    Scratch scratch;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / kvh, h = task % kvh;
       const int64_t off = b * q.size(1) + h * G * hd;
-      attend(qp + off, op + off, bp + h * hd, kp + b * nb, layer, v_offset, lp[b], bs, kvh * hd, hd, G, sc, scores);
+      attend(qp + off, op + off, bp + h * hd, kp + b * nb, layer, v_offset, lp[b], bs, kvh * hd, hd, G, sc, scratch);
     }
   });
   return out;

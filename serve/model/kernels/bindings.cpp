@@ -1,5 +1,5 @@
 // The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp), the fp32 linear
-// (linear_avx2.cpp) and paged decode attention (attention_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
+// (linear_avx2.cpp), paged decode attention (attention_avx2.cpp) and RMSNorm (norm_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
@@ -8,6 +8,8 @@ torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& 
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
                                      int64_t layer, int64_t v_offset, const torch::Tensor& lens, double scale);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor add_rms_norm_(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
@@ -17,4 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per sequence against its paged K/V blocks, fp32 (attention_avx2.cpp)");
+  m.def("rms_norm", &rms_norm, "Llama RMSNorm of fp32 rows: w * (x / sqrt(mean(x^2) + eps))");
+  m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then rms_norm(h, w, eps)");
 }
