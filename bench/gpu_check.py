@@ -5,8 +5,9 @@
 1. the device (torch, CUDA, name, compute capability, memory, driver);
 2. the CUDA-marked tests (tests/test_cuda.py: tokens vs transformers, quantized kernels, int4 layouts,
    device generators, NVML, the bf16 morphing engine with flat device memory, state preservation);
-3. per-precision step cost on this GPU for a random Llama (decode at batch 1 / 8 / 32, prefill 512):
-   what a quantized layer costs here, the controller's missing input;
+3. per-precision step cost on this GPU for a random Llama: the table the cost-aware controller reads
+   (serve/model/step_costs.py's measurement, the same code `make build-engines` runs), and whole-model
+   decode at batch 1 / 8 / 32 and prefill 512 per static mode, the end-to-end check of that table;
 4. swap cost on this GPU (variant copy on the copy stream + in-place install) and restore;
 5. a short bursty replay, morph mode off vs default at a budget where full precision runs out of KV.
 
@@ -95,6 +96,28 @@ def _timed(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _precisions() -> str:
+    return "int8,int4" if _capability() >= (8, 0) else "int8"
+
+
+def layer_costs(model) -> dict:
+    """The per-precision layer costs the cost-aware controller would read on this device: measured by
+    serve/model/step_costs.py on the layers a default-mode engine serves (as bench.step_costs does)."""
+    from serve.model.step_costs import measure  # noqa: PLC0415
+    from serve.morph.setup import cost_inputs  # noqa: PLC0415
+
+    e = _engine(model, "default", num_kv_blocks=64, morph_precisions=_precisions(),
+                policy_overrides={"cost_aware": False})  # cost_aware would look the table up (or measure) at start
+    try:
+        assert e.morph is not None
+        layers, shape, head = cost_inputs(e.model, e.morph.bank)
+        costs = measure(layers, shape, e.model.device, e.model.dtype, head=head, repeats=5)
+    finally:
+        e.shutdown()
+    return {"device": costs.device, "token_counts": list(costs.token_counts), "table": costs.table(),
+            "ratios": {p: [round(costs.ratio(p, n), 3) for n in costs.token_counts] for p in costs.precisions}}
+
+
 def step_costs(model) -> list[dict]:
     """Decode tok/s at batch 1/8/32 and prefill tok/s, the whole model at each precision (static modes)."""
     from serve.engine.sampling_params import SamplingParams  # noqa: PLC0415
@@ -124,7 +147,7 @@ def step_costs(model) -> list[dict]:
 def swap_costs(model) -> list[dict]:
     from policy import MorphDecision  # noqa: PLC0415
 
-    e = _engine(model, "default", num_kv_blocks=64, morph_precisions="int8,int4" if _capability() >= (8, 0) else "int8")
+    e = _engine(model, "default", num_kv_blocks=64, morph_precisions=_precisions())
     m = e.morph
     rows = []
     for precision in sorted(m.bank.precisions):
@@ -182,8 +205,11 @@ def to_markdown(report: dict) -> str:
     if t:
         lines += [f"## CUDA tests: exit code {t['exit_code']} in {t['seconds']} s (`{t['command']}`)", "", "```",
                   *t["summary"], "```", ""]
+    if report.get("layer_costs"):
+        lines += ["## Layer step cost per precision: the cost-aware controller's table (serve/model/step_costs.py)", "",
+                  report["layer_costs"]["table"], ""]
     if report.get("step_costs"):
-        lines += ["## Step cost per precision (random 16-layer Llama, hidden 1024, bf16 activations)", "",
+        lines += ["## Whole-model decode and prefill per static mode (random 16-layer Llama, hidden 1024, bf16 activations)", "",
                   "| precision | decode b1 tok/s | decode b8 | decode b32 | prefill 512 tok/s |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {r['precision']} | {r['decode_b1_tok_s']} | {r['decode_b8_tok_s']} | {r['decode_b32_tok_s']} | "
                   f"{r['prefill_512_tok_s']} |" for r in report["step_costs"]]
@@ -236,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tests: exit {report['tests']['exit_code']}", file=sys.stderr, flush=True)
         (args.out / "gpu-check-tests.log").write_text(report["tests"]["tail"])
     model = make_tiny_model(seed=11, **MODEL_SHAPE)
-    for name, fn in (("step_costs", lambda: step_costs(model)), ("swap_costs", lambda: swap_costs(model)),
+    for name, fn in (("layer_costs", lambda: layer_costs(model)), ("step_costs", lambda: step_costs(model)),
+                     ("swap_costs", lambda: swap_costs(model)),
                      ("replay", lambda: replay_modes(model, args.replay_seconds))):
         t0 = time.perf_counter()
         try:

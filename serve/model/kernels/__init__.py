@@ -16,12 +16,14 @@ use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchma
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -111,6 +113,28 @@ def _staged_sources(into: Path) -> list[Path]:
     return staged
 
 
+@contextlib.contextmanager
+def _project_ninja_first() -> Iterator[None]:
+    """PATH with the ninja of the project's own ``ninja`` package first, while building.
+
+    torch runs whichever ``ninja`` is first on PATH, and two ninja versions keep incompatible build logs: seen
+    here, a system ninja 1.11 (processes started without the venv on PATH, e.g. pytest) and the venv's 1.13
+    (tritonserver's Python stub) each discarded the other's log and recompiled everything (~100-160 s) on
+    every switch. One binary for every process keeps the cached build valid."""
+    try:
+        import ninja  # noqa: PLC0415 - the pip package pyproject depends on
+        bin_dir = str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        yield
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension; raises when it cannot be built."""
     from torch.utils import cpp_extension
@@ -122,7 +146,7 @@ def build(verbose: bool = False) -> ModuleType:
     # torch's own build baton is a plain "lock" file that every later load waits on forever when a build was
     # killed half-way (seen: a test's subprocess killed on timeout hung every engine start after it). An
     # flock dies with its process, so under it any leftover baton is stale and is removed.
-    with (directory / "build.flock").open("w") as held:
+    with (directory / "build.flock").open("w") as held, _project_ninja_first():
         fcntl.flock(held, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
         module = cpp_extension.load(name=_NAME, sources=[str(p) for p in sources], extra_cflags=_CFLAGS,
