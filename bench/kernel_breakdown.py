@@ -1,0 +1,129 @@
+"""Where a `make bench-peer` workload spends its time, per CPU kernel, and A/B of one kernel path in one process.
+
+  .venv/bin/python -m bench.kernel_breakdown --mode off --workload 32 [--ab fused_norm --rounds 4]
+
+Runs one of bench.peer's offline workloads (name prefix: "batch-1", "32", "64") through the engine in
+``--mode`` and times every call of our CPU kernels (the extension's functions, wrapped for the run) and of
+torch's SDPA: seconds and calls per function against the wall time of the workload (the rest: small torch
+ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
+(``fused_norm`` or ``paged_attention``) between on and off (None: the torch path) for ``--rounds`` rounds, the
+order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
+kind this noisy 2-core machine can tell apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch.nn.functional as F
+
+from bench.peer import make_engine, workloads
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+
+
+class _TimedOps:
+    """The kernels module with every function call timed into ``seconds`` / ``calls``."""
+
+    def __init__(self, ops, seconds: dict[str, float], calls: collections.Counter) -> None:
+        self._ops, self._seconds, self._calls = ops, seconds, calls
+
+    def __getattr__(self, name: str) -> Callable:
+        return _timed(getattr(self._ops, name), name, self._seconds, self._calls)
+
+
+def _timed(fn: Callable, name: str, seconds: dict[str, float], calls: collections.Counter) -> Callable:
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - t0
+            calls[name] += 1
+    return run
+
+
+def _workload(engine: LLMEngine, prefix: str) -> tuple[str, dict]:
+    found = {k: v for k, v in workloads(engine.model_config.vocab_size).items() if k.startswith(prefix)}
+    if len(found) != 1:
+        raise SystemExit(f"--workload {prefix!r} names {len(found)} of bench.peer's workloads")
+    return next(iter(found.items()))
+
+
+def _run(engine: LLMEngine, work: dict) -> float:
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work["max_tokens"]]
+    t0 = time.perf_counter()
+    engine.generate(work["prompts"], params)
+    return sum(work["max_tokens"]) / (time.perf_counter() - t0)
+
+
+def breakdown(mode: str, prefix: str, threads: int) -> str:
+    from serve.model import kernels  # noqa: PLC0415
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    real_ops, real_sdpa = kernels.ops, F.scaled_dot_product_attention
+    ops = real_ops()
+    kernels.ops = lambda: None if ops is None else _TimedOps(ops, seconds, calls)  # read at layer/model build and per call
+    F.scaled_dot_product_attention = _timed(real_sdpa, "torch sdpa", seconds, calls)
+    try:
+        engine = make_engine(mode, threads, "smollm2-135m")
+        name, work = _workload(engine, prefix)
+        engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        seconds.clear()
+        calls.clear()
+        t0 = time.perf_counter()
+        tok_s = _run(engine, work)
+        wall = time.perf_counter() - t0
+    finally:
+        kernels.ops, F.scaled_dot_product_attention = real_ops, real_sdpa
+    lines = [f"{name}, mode {mode}: {tok_s:.1f} tok/s, {wall:.2f} s wall", "| function | seconds | share of wall | calls |",
+             "|---|---:|---:|---:|"]
+    for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {name} | {s:.3f} | {100 * s / wall:.1f} % | {calls[name]} |")
+    rest = wall - sum(seconds.values())
+    lines.append(f"| rest (small torch ops, Python, scheduler) | {rest:.3f} | {100 * rest / wall:.1f} % | |")
+    return "\n".join(lines)
+
+
+def ab(mode: str, prefix: str, threads: int, attr: str, rounds: int) -> str:
+    engine = make_engine(mode, threads, "smollm2-135m")
+    name, work = _workload(engine, prefix)
+    engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    on = getattr(engine.model, attr)
+    if on is None:
+        raise SystemExit(f"{attr} is already off on this machine (no kernels): nothing to compare")
+    result: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        for r in range(rounds):
+            for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                setattr(engine.model, attr, on if side == "on" else None)
+                result[side].append(_run(engine, work))
+    finally:
+        setattr(engine.model, attr, on)
+    return f"{name}, mode {mode}\n" + "\n".join(f"{attr} {side}: median {statistics.median(v):.2f} tok/s ({min(v):.2f}-{max(v):.2f}), "
+                     f"{len(v)} rounds" for side, v in result.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kernel_breakdown", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="off", help="morph mode (default: %(default)s)")
+    p.add_argument("--workload", default="32", help="bench.peer workload name prefix: batch-1, 32 or 64")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ab", choices=("fused_norm", "paged_attention"), default=None,
+                   help="alternate this kernel path on/off instead of the per-kernel breakdown")
+    p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
+    args = p.parse_args(argv)
+    print(ab(args.mode, args.workload, args.threads, args.ab, args.rounds) if args.ab
+          else breakdown(args.mode, args.workload, args.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
