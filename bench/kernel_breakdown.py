@@ -6,7 +6,8 @@ Runs one of bench.peer's offline workloads (name prefix: "batch-1", "32", "64") 
 ``--mode`` and times every call of our CPU kernels (the extension's functions, wrapped for the run) and of
 torch's SDPA: seconds and calls per function against the wall time of the workload (the rest: small torch
 ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
-(``fused_norm`` or ``paged_attention``) between on and off (None: the torch path) for ``--rounds`` rounds, the
+(``fused_norm``, ``paged_attention`` or ``int8_head``) between on and off (None: the torch path), or the quantized layers'
+activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), for ``--rounds`` rounds, the
 order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
 kind this noisy 2-core machine can tell apart.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import sys
 import time
@@ -91,21 +93,38 @@ def breakdown(mode: str, prefix: str, threads: int) -> str:
     return "\n".join(lines)
 
 
+def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
+    """A function that turns ``attr`` on or off: a model kernel attribute, or ``int8_activations`` (the
+    MORPHSERVE_QACTIVATIONS setting the quantized layers read at every call)."""
+    if attr == "int8_activations":
+        before = os.environ.get("MORPHSERVE_QACTIVATIONS")
+
+        def set_acts(on: bool | None) -> None:
+            if on is None:  # restore
+                os.environ.pop("MORPHSERVE_QACTIVATIONS", None) if before is None else os.environ.update(
+                    MORPHSERVE_QACTIVATIONS=before)
+            else:
+                os.environ["MORPHSERVE_QACTIVATIONS"] = "int8" if on else "fp32"
+        return set_acts
+    kernel = getattr(engine.model, attr)
+    if kernel is None:
+        raise SystemExit(f"{attr} is already off on this machine (no kernels): nothing to compare")
+    return lambda on: setattr(engine.model, attr, None if on is False else kernel)
+
+
 def ab(mode: str, prefix: str, threads: int, attr: str, rounds: int) -> str:
     engine = make_engine(mode, threads, "smollm2-135m")
     name, work = _workload(engine, prefix)
     engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    on = getattr(engine.model, attr)
-    if on is None:
-        raise SystemExit(f"{attr} is already off on this machine (no kernels): nothing to compare")
+    switch = _switch(engine, attr)
     result: dict[str, list[float]] = {"on": [], "off": []}
     try:
         for r in range(rounds):
             for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                setattr(engine.model, attr, on if side == "on" else None)
+                switch(side == "on")
                 result[side].append(_run(engine, work))
     finally:
-        setattr(engine.model, attr, on)
+        switch(None)
     return f"{name}, mode {mode}\n" + "\n".join(f"{attr} {side}: median {statistics.median(v):.2f} tok/s ({min(v):.2f}-{max(v):.2f}), "
                      f"{len(v)} rounds" for side, v in result.items())
 
@@ -116,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="off", help="morph mode (default: %(default)s)")
     p.add_argument("--workload", default="32", help="bench.peer workload name prefix: batch-1, 32 or 64")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ab", choices=("fused_norm", "paged_attention"), default=None,
+    p.add_argument("--ab", choices=("fused_norm", "paged_attention", "int8_head", "int8_activations"), default=None,
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)

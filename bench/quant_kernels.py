@@ -1,11 +1,12 @@
 """Per-decoder-layer linear time by kernel and batch size, SmolLM2-135M shapes (random weights, RTN codes).
 
-  .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,64,512] [--threads 2] [--repeats 3]
+  .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,64,512] [--threads 2] [--repeats 3] [--head]
 
 Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear`` (MKL) and our fp32 kernel
 (``fp32_linear``, what full-precision layers use up to ``FP32_KERNEL_MAX_ROWS`` rows); torch's int8 / int4 weight-only
-kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``) and ours as dequantize + fp32
+kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``), the same with int8 activations
+(``int8_linear_q8`` / ``int4_linear_q8``, what quantized layers run by default up to ``SMALL_BATCH`` rows) and ours as dequantize + fp32
 GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats`` rounds of
 the median of 50 calls; the rounds interleave the kernels.
 """
@@ -40,7 +41,7 @@ def _median_us(fn, calls: int = 50) -> float:
 def _candidates(m: int, ops) -> dict[str, list]:
     gen = torch.Generator().manual_seed(0)
     out: dict[str, list] = {"fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
-                            "ours int4 dequant+GEMM": []}
+                            "ours int8 q8": [], "ours int4 q8": [], "ours int4 dequant+GEMM": []}
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.05
         x = torch.randn(m, k, generator=gen)
@@ -58,6 +59,8 @@ def _candidates(m: int, ops) -> dict[str, list]:
             out["ours fp32"].append(lambda x=x, w=w: ops.fp32_linear(x, w))
             out["ours int8"].append(lambda x=x, q=q8: ops.int8_linear(x, q.weight, q.scales))
             out["ours int4"].append(lambda x=x, p=packed, g=g, sz=sz: ops.int4_linear(x, p, sz, g))
+            out["ours int8 q8"].append(lambda x=x, q=q8: ops.int8_linear_q8(x, q.weight, q.scales))
+            out["ours int4 q8"].append(lambda x=x, p=packed, g=g, sz=sz: ops.int4_linear_q8(x, p, sz, g))
             out["ours int4 dequant+GEMM"].append(
                 lambda x=x, p=packed, g=g, sz=sz: F.linear(x, ops.int4_dequantize(p, sz, g)))
     return {name: fns for name, fns in out.items() if fns}
@@ -77,20 +80,49 @@ def run(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tupl
     return result
 
 
+def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tuple[float, float, float]]]:
+    """The embedded model's LM head (49152 x 576): fp32 kernel vs its exact int8 blocks (serve/model/lm_head.py)."""
+    from serve.model.lm_head import int8_blocks  # noqa: PLC0415
+    from serve.model.loader import load_model  # noqa: PLC0415
+
+    torch.set_num_threads(threads)
+    ops = kernels.ops()
+    if ops is None:
+        raise SystemExit(f"--head needs our kernels: {kernels.describe()}")
+    w = load_model("smollm2-135m").weights["model.embed_tokens.weight"]
+    blocks = int8_blocks(w)
+    if blocks is None:
+        raise SystemExit("the embedded model's head is not int8 blocks")
+    result: dict[int, dict[str, tuple[float, float, float]]] = {}
+    for m in rows:
+        x = torch.randn(m, w.shape[1])
+        cands = {"head fp32 (ours)": lambda x=x: ops.fp32_linear(x, w),
+                 "head int8 blocks": lambda x=x: ops.int8_block_linear(x, *blocks)}
+        samples: dict[str, list[float]] = {name: [] for name in cands}
+        for _ in range(repeats):
+            for name, fn in cands.items():
+                samples[name].append(_median_us(fn, calls=20))
+        result[m] = {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant_kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,32,64,512")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--head", action="store_true",
+                   help="time the embedded model's LM head (fp32 vs its int8 blocks) instead of a decoder layer")
     args = p.parse_args(argv)
-    result = run([int(r) for r in args.rows.split(",")], args.threads, args.repeats)
+    rows = [int(r) for r in args.rows.split(",")]
+    result = head_rows(rows, args.threads, args.repeats) if args.head else run(rows, args.threads, args.repeats)
     names = list(next(iter(result.values())))
     print("| rows | " + " | ".join(names) + " |")
     print("|---:|" + "---:|" * len(names))
     for m, cells in result.items():
         print(f"| {m} | " + " | ".join(f"{cells[n][0]:.0f} ({cells[n][1]:.0f}-{cells[n][2]:.0f})" for n in names) + " |")
-    print(f"\nmicroseconds per decoder layer, median (min-max) of {args.repeats}; {args.threads} threads; "
+    print(f"\nmicroseconds per {'LM head' if args.head else 'decoder layer'}, median (min-max) of {args.repeats}; {args.threads} threads; "
           f"{kernels.describe()}")
     return 0
 

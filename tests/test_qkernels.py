@@ -202,11 +202,19 @@ def test_int4_kernel_matches_float_reference(n: int, k: int, group: int, m: int,
     assert torch.equal(OPS.int4_dequantize(packed, sz, group), w), "dequantize is bit-identical to the formula"
 
 
+def _q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """The activations the int8-activation kernels multiply: x rounded to int8 blocks of 32, as fp32."""
+    q, d = OPS.q8_quantize(x.contiguous())
+    return (q.float().view(x.shape[0], -1, 32) * d.unsqueeze(-1)).view(x.shape)
+
+
 @needs_ops
 @pytest.mark.parametrize("m", [1, 5, ql.SMALL_BATCH, ql.SMALL_BATCH + 3])
-def test_layers_use_the_kernels_and_match_their_dequantized_weights(m: int) -> None:
-    """Through the layer classes: small batches (GEMV) and large ones (dequantize + GEMM), fp32 and bf16
-    activations, AWQ pre_quant_scale folded into the reference."""
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_layers_use_the_kernels_and_match_their_dequantized_weights(m: int, activations: str, monkeypatch) -> None:
+    """Through the layer classes: small batches (GEMV, int8 or fp32 activations) and large ones (dequantize +
+    GEMM, always fp32), fp32 and bf16 activations, AWQ pre_quant_scale folded into the reference."""
+    monkeypatch.setenv("MORPHSERVE_QACTIVATIONS", activations)
     g = _gen(m)
     w = torch.randn(80, 576, generator=g) * 0.05
     x = torch.randn(m, 576, generator=g)
@@ -216,12 +224,66 @@ def test_layers_use_the_kernels_and_match_their_dequantized_weights(m: int) -> N
     pqs = torch.rand(576, generator=g) + 0.5
     scales, zeros = int4.scales_and_zeros()
     awq = Int4WeightOnly.from_codes(int4.codes(), scales, 64, zeros, pre_quant_scale=pqs)
-    for layer, weight in ((int8, int8.dequantize()), (int4, int4.dequantize()), (awq, awq.dequantize_folded())):
-        _check_close(layer(x), x, weight)
+    rounded = activations == "int8" and m <= ql.SMALL_BATCH
+    for layer, weight, x_in in ((int8, int8.dequantize(), x), (int4, int4.dequantize(), x),
+                                (awq, int4.dequantize(), x * pqs)):
+        _check_close(layer(x), _q8_round_trip(x_in) if rounded else x_in, weight)
         yb = layer(x.bfloat16())
         assert yb.dtype == torch.bfloat16
         y32 = layer(x.bfloat16().float())  # the same bf16 inputs in fp32: the bf16 output is y32 rounded
         assert ((yb.float() - y32).abs() <= 2**-8 * y32.abs()).all()
+
+
+def test_int8_activations_setting_rejects_unknown_values(monkeypatch) -> None:
+    monkeypatch.setenv("MORPHSERVE_QACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="int8 or fp32"):
+        kernels.int8_activations()
+    monkeypatch.delenv("MORPHSERVE_QACTIVATIONS")
+    assert kernels.int8_activations(), "int8 activations are the default"
+
+
+@needs_ops
+@pytest.mark.parametrize("m,k", [(2, 32), (3, 576), (5, 1536)])
+def test_q8_quantize_is_the_documented_rounding(m: int, k: int) -> None:
+    """Bit for bit the formula in q8act_avx2.cpp: d = max|x| / 127, q = round-half-even(x * (127 / max|x|)),
+    all-zero blocks stay zero; the kernels' dot products use exactly these values."""
+    x = torch.randn(m, k, generator=_gen(m + k)) * torch.logspace(-3, 3, k)
+    x[0, :32] = 0.0
+    x[-1, -32:] = torch.tensor([0.5, -0.5, 1.5, 2.5] * 8) / 127  # ties round to even
+    q, d = OPS.q8_quantize(x)
+    blocks = x.view(m, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    assert torch.equal(q, torch.round(blocks * inv).to(torch.int8).view(m, k))
+    assert torch.equal(d, (amax / 127.0).view(m, -1))
+    assert q.abs().max() <= 127 and (q[0, :32] == 0).all()
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k,group", [(1, 32, 32), (17, 96, 32), (50, 576, 64), (31, 1536, 128), (16, 512, 256)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int8_activation_kernels_match_the_reference_on_their_rounded_activations(n: int, k: int, group: int, m: int,
+                                                                                 zeros: bool) -> None:
+    """int4 / int8 weights times the int8-rounded activations, within the fp32 bound of the float64 reference
+    (the integer products are exact; only the per-block scaling is fp32)."""
+    g = _gen(n * 1000 + k + m + zeros)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = torch.rand(k // group, n, generator=g) * 0.02 + 1e-3
+    zero = torch.randn(k // group, n, generator=g) * 0.01 if zeros else torch.zeros(k // group, n)
+    sz = torch.stack([scales, zero], dim=-1).bfloat16().contiguous()
+    s, z = (t.float().t().repeat_interleave(group, dim=1) for t in (sz[..., 0], sz[..., 1]))
+    x = torch.randn(m, k, generator=g)
+    xr = _q8_round_trip(x)
+    # the zero points multiply the exact fp32 sum of x (no rounding): split the reference accordingly
+    y4 = OPS.int4_linear_q8(x, pack_int4_blocked(codes), sz, group)
+    _check_close(y4 - x @ z.t(), xr, (codes.float() - 8) * s)
+    q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q8[0, :5] = -128
+    sc = (torch.rand(n, generator=g) * 0.01 + 1e-4).bfloat16()
+    _check_close(OPS.int8_linear_q8(x, q8, sc), xr, q8.float() * sc.float()[:, None])
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        OPS.int8_linear_q8(torch.randn(m, 48), torch.zeros(n, 48, dtype=torch.int8), sc)
 
 
 @needs_ops
@@ -242,7 +304,8 @@ def test_int4_concat_is_exact_and_keeps_bytes() -> None:
 @needs_ops
 def test_avx2_layout_round_trips_and_matches_torch_layout(monkeypatch) -> None:
     """Storage is the portable nibble layout whatever the kernel; the torch fallback layout gives the same
-    codes and (to bf16 rounding) the same outputs."""
+    codes and (to bf16 rounding) the same outputs (ours with fp32 activations: only torch's rounding counts)."""
+    monkeypatch.setenv("MORPHSERVE_QACTIVATIONS", "fp32")
     g = _gen(11)
     codes = torch.randint(0, 16, (48, 128), generator=g, dtype=torch.int32)
     scales = torch.rand(48, 2, generator=g) + 0.1
@@ -282,3 +345,61 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog) -> None:
     if kernels.cpu_supported():
         assert [r.levelname for r in caplog.records] == ["WARNING"]
         assert "compiler exploded" in caplog.text and "torch" in kernels.describe()
+
+
+# ------------------------------------------------------------------------------------- the int8-block LM head
+
+
+@needs_ops
+@pytest.mark.parametrize("n,k", [(1, 32), (19, 96), (100, 576)])
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
+def test_int8_block_kernel_matches_float_reference(n: int, k: int, m: int) -> None:
+    g = _gen(n + k + m)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // 32, generator=g) * 1e-2
+    w = (q.float().view(n, -1, 32) * d.unsqueeze(-1)).view(n, k)
+    x = torch.randn(m, k, generator=g)
+    _check_close(OPS.int8_block_linear(x, q, d), x, w)
+    with pytest.raises(RuntimeError, match="d must be"):
+        OPS.int8_block_linear(x, q, torch.zeros(n, k // 32 + 1))
+
+
+def test_int8_blocks_are_recovered_bit_for_bit_or_not_at_all() -> None:
+    """GGUF Q8_0 data dequantized to fp32 (what the loader holds) gives back its int8 values and scales exactly;
+    weights that were never int8 blocks, or that differ from them by one fp32 unit, are left alone."""
+    import gguf
+    import numpy as np
+
+    from serve.model.lm_head import int8_blocks
+
+    x = np.random.default_rng(0).standard_normal((70, 96)).astype(np.float32)
+    x[3, :32] = 0.0  # an all-zero block
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+    w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)))
+    blocks = int8_blocks(w)
+    assert blocks is not None
+    q, d = blocks
+    assert q.dtype == torch.int8 and d.shape == (70, 3)
+    assert torch.equal((q.float().view(70, 3, 32) * d.unsqueeze(-1)).view(70, 96), w)
+    nudged = w.clone()
+    nudged[5, 7] = torch.nextafter(nudged[5, 7], torch.tensor(float("inf")))
+    assert int8_blocks(nudged) is None
+    assert int8_blocks(torch.from_numpy(x)) is None
+    assert int8_blocks(w[:, :40].contiguous()) is None, "K not a multiple of 32"
+
+
+@needs_ops
+def test_embedded_model_runs_its_q8_0_head_from_int8_blocks(smollm) -> None:
+    """The embedded GGUF's tied embedding is Q8_0: the model keeps its int8 blocks (counted in its bytes) and
+    decode-sized logits match the fp32 head within fp32 summation error; larger batches use the fp32 head."""
+    from serve.model.llama import LlamaModel
+    from serve.model.lm_head import INT8_HEAD_MAX_ROWS
+
+    model = LlamaModel(smollm.config, smollm.weights, torch.device("cpu"), torch.float32, max_positions=64)
+    assert model.int8_head is not None
+    q, d = model.int8_head
+    assert model.non_layer_nbytes == (model.embed.nbytes + model.norm.nbytes + q.nbytes + d.nbytes
+                                      + 2 * model.rope.cos.nbytes)
+    for rows in (1, INT8_HEAD_MAX_ROWS, INT8_HEAD_MAX_ROWS + 1):
+        h = torch.randn(rows, smollm.config.hidden_size, generator=_gen(rows))
+        _check_close(model.logits(h), h, model.lm_head)

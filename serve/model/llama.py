@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from serve.model import kernels
 from serve.model.kv_cache import KVIndex, PagedKVCache
 from serve.model.linear import DenseLinear, LinearOp, linear
+from serve.model.lm_head import INT8_HEAD_MAX_ROWS, int8_blocks
 from serve.model.model_config import ModelConfig
 from serve.model.rope import RotaryEmbedding, rotate
 
@@ -126,11 +127,15 @@ class LlamaModel:
                                 and config.head_dim % 8 == 0 and group <= 16 else None)
         # RMSNorm, fused with the residual add before it (norm_avx2.cpp): fp32 on CPU
         self.fused_norm = kernels.ops() if dtype == torch.float32 and device.type == "cpu" else None
+        # the LM head as the exact int8 blocks a GGUF Q8_0 embedding holds (serve/model/lm_head.py), for decode
+        self.int8_head = int8_blocks(self.lm_head) if self.fused_norm is not None else None
 
     @property
     def non_layer_nbytes(self) -> int:
         tied = self.lm_head is self.embed
-        return self.embed.nbytes + self.norm.nbytes + (0 if tied else self.lm_head.nbytes) + self.rope.cos.nbytes * 2
+        head_blocks = 0 if self.int8_head is None else sum(t.nbytes for t in self.int8_head)
+        return (self.embed.nbytes + self.norm.nbytes + (0 if tied else self.lm_head.nbytes) + head_blocks
+                + self.rope.cos.nbytes * 2)
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of the residual stream ``h``, after ``h += delta`` (in place) when a delta is given."""
@@ -155,6 +160,13 @@ class LlamaModel:
             h = h.index_select(0, batch.sample_indices)
             delta = None if delta is None else delta.index_select(0, batch.sample_indices)
         h = self.rms_norm(h, self.norm, delta)
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final hidden states: from the int8 blocks up to INT8_HEAD_MAX_ROWS rows (same
+        weights, summed in another order), else the fp32 head."""
+        if self.int8_head is not None and h.shape[0] <= INT8_HEAD_MAX_ROWS:
+            return kernels.ops().int8_block_linear(h.contiguous(), *self.int8_head)
         return linear(h, self.lm_head).float()
 
     def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, batch: ForwardBatch,

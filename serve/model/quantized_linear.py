@@ -16,9 +16,13 @@ and ``tensors()`` / ``metadata()`` / ``from_tensors()`` for safetensors round tr
 - :class:`Fp8WeightOnly`: e4m3fn ``[N, K]`` + fp32 per-tensor or per-channel scale; correctness only on
   CPU (dequantize then fp32 matmul).
 
-Our CPU kernels (AVX2 + FMA, built once per machine; README "Quantized CPU kernels") take fp32 activations
-and accumulate in fp32 over the same integer weights and bf16 scales, so they match the dequantized weight
-to fp32 rounding; batches above :data:`SMALL_BATCH` rows dequantize to fp32 once and run one GEMM. When
+Our CPU kernels (AVX2 + FMA, built once per machine; README "Quantized CPU kernels") read the same integer
+weights and bf16 scales. By default (``MORPHSERVE_QACTIVATIONS=int8``) up to :data:`SMALL_BATCH` rows they
+round the activations to int8 blocks of 32 values, as llama.cpp does, and use AVX2 integer dot products
+(q8act_avx2.cpp: 1.5-1.6x faster per layer than fp32 activations on the 2-core AMD EPYC); results then differ
+from the dequantized weight by the activations' rounding (<= 1/254 of a block's largest value).
+``MORPHSERVE_QACTIVATIONS=fp32`` keeps fp32 activations (fp32 accumulation: equal to the dequantized weight
+to fp32 rounding). Batches above :data:`SMALL_BATCH` rows dequantize to fp32 once and run one GEMM. When
 the kernels are unavailable (no AVX2, no compiler, ``MORPHSERVE_QKERNELS=torch``), torch's int kernels
 run: they get bf16 activations (30-70x slower with fp32) and return bf16, so their outputs carry bf16
 rounding (~3e-3 relative); the result is cast back to fp32.
@@ -173,7 +177,8 @@ class Int8WeightOnly:
         x2, lead = _flatten_input(x, self.in_features)
         ops = None if _is_cuda(self.weight) else kernels.ops()
         if ops is not None:
-            y = _run_cpu_kernel(x2, lambda xf: ops.int8_linear(xf, self.weight, self.scales), self.dequantize)
+            y = _run_cpu_kernel(x2, lambda xf: ops.int8_linear(xf, self.weight, self.scales),
+                                lambda xf: ops.int8_linear_q8(xf, self.weight, self.scales), self.dequantize)
         else:
             xb = x2.to(device=self.weight.device, dtype=torch.bfloat16)
             if _is_cuda(self.weight):
@@ -274,10 +279,13 @@ def _pack_int4_for_kernel(codes: torch.Tensor, device: torch.device, layout: str
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu().contiguous(), 1)
 
 
-def _run_cpu_kernel(x2: torch.Tensor, gemv, dequantize) -> torch.Tensor:
-    """fp32 ``[M, N]``: ``gemv(x)`` for small batches, else one fp32 GEMM on the dequantized weight."""
+def _run_cpu_kernel(x2: torch.Tensor, gemv, gemv_q8, dequantize) -> torch.Tensor:
+    """fp32 ``[M, N]``: for small batches ``gemv_q8(x)`` (int8 activations, :func:`kernels.int8_activations`;
+    K a multiple of 32) or ``gemv(x)``, else one fp32 GEMM on the dequantized weight."""
     xf = x2.to(device="cpu", dtype=torch.float32).contiguous()
     if xf.shape[0] <= SMALL_BATCH:
+        if xf.shape[1] % 32 == 0 and kernels.int8_activations():
+            return gemv_q8(xf)
         return gemv(xf)
     return linear(xf, dequantize())
 
@@ -398,6 +406,7 @@ class Int4WeightOnly:
             raise RuntimeError("int4 weight packed for our AVX2 kernel, but the kernels are unavailable")
         return _run_cpu_kernel(
             x2, lambda xf: ops.int4_linear(xf, self.packed, self.scale_and_zero, self.group_size),
+            lambda xf: ops.int4_linear_q8(xf, self.packed, self.scale_and_zero, self.group_size),
             lambda: ops.int4_dequantize(self.packed, self.scale_and_zero, self.group_size))
 
     def _mm(self, xb: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp``), the fp32 linear
+"""Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp`` with fp32 activations,
+``q8act_avx2.cpp`` with int8 activations, the default: :func:`int8_activations`), the fp32 linear
 (``linear_avx2.cpp``), paged decode attention (``attention_avx2.cpp``) and RMSNorm (``norm_avx2.cpp``), one
 extension module.
 
@@ -31,7 +32,7 @@ import torch
 
 _log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("qlinear_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "norm_avx2.cpp",
+            for name in ("qlinear_avx2.cpp", "q8act_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "norm_avx2.cpp",
                          "bindings.cpp")]
 _NAME = "morphserve_cpu_kernels"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
@@ -62,11 +63,22 @@ def ops() -> ModuleType | None:
     return _state["ops"]  # type: ignore[return-value]
 
 
+def int8_activations() -> bool:
+    """Whether the quantized layers' GEMVs round their activations to int8 (q8act_avx2.cpp): the default; set
+    ``MORPHSERVE_QACTIVATIONS=fp32`` for fp32 activations (exact to the dequantized weights but ~1.5x slower
+    on AVX2). Read at every call so a benchmark or test can switch it in one process."""
+    value = os.environ.get("MORPHSERVE_QACTIVATIONS", "int8").lower()
+    if value not in ("int8", "fp32"):
+        raise ValueError(f"MORPHSERVE_QACTIVATIONS must be int8 or fp32, got {value!r}")
+    return value == "int8"
+
+
 def describe() -> str:
     """Which kernels the quantized CPU layers run on, for benchmark reports and logs."""
     module = ops()
     if module is not None:
-        return f"morphserve AVX2 ({torch.get_num_threads()} threads)"
+        acts = "int8" if int8_activations() else "fp32"
+        return f"morphserve AVX2 ({torch.get_num_threads()} threads, {acts} activations in quantized layers)"
     return f"torch aten ({_state.get('why', 'unknown')})"
 
 

@@ -1,9 +1,13 @@
-// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp), the fp32 linear
+// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp; with int8 activations q8act_avx2.cpp), the fp32 linear
 // (linear_avx2.cpp), paged decode attention (attention_avx2.cpp) and RMSNorm (norm_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
+torch::Tensor int8_linear_q8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor int4_linear_q8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
+std::tuple<torch::Tensor, torch::Tensor> q8_quantize(const torch::Tensor& x);
+torch::Tensor int8_block_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
@@ -14,6 +18,10 @@ torch::Tensor add_rms_norm_(const torch::Tensor& h, const torch::Tensor& delta, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
   m.def("int4_linear", &int4_linear, "y = x @ ((c - 8) * s + z)^T, blocked int4 codes, fp32 accumulation");
+  m.def("int8_linear_q8", &int8_linear_q8, "int8_linear with activations rounded to int8 blocks of 32 (q8act_avx2.cpp)");
+  m.def("int4_linear_q8", &int4_linear_q8, "int4_linear with activations rounded to int8 blocks of 32 (q8act_avx2.cpp)");
+  m.def("q8_quantize", &q8_quantize, "the int8 activation blocks those kernels use: (q int8 [M, K], d fp32 [M, K/32])");
+  m.def("int8_block_linear", &int8_block_linear, "y = x @ (q * d per 32 inputs)^T, Q8_0 blocks, fp32 accumulation");
   m.def("int4_dequantize", &int4_dequantize, "fp32 [N, K] from blocked int4 codes");
   m.def("fp32_linear", &fp32_linear, "y = x @ w^T (+ bias), fp32, register-tiled for small row counts",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());

@@ -4,6 +4,7 @@
 // are the ones serve/model/quantized_linear.py stores, read as they are (bf16 -> fp32 is exact):
 //   int8: W[n, k] = q[n, k] * scale[n]                      (q int8 [N, K], scale bf16 [N])
 //   int4: W[n, k] = (c[n, k] - 8) * s[g, n] + z[g, n]        (c in 0..15, g = k / group, sz bf16 [K/g, N, 2])
+//   int8 blocks: W[n, k] = q[n, k] * d[n, k / 32]             (q int8 [N, K], d fp32 [N, K/32]: GGUF Q8_0)
 // int4 codes are in the "blocked" layout (int4_pack in kernels/__init__.py): per row, each run of 32
 // inputs is 16 bytes, byte j = c[32b + j] | c[32b + 16 + j] << 4, so one 16-byte load gives two runs of
 // 16 consecutive codes with one mask and one shift.
@@ -149,6 +150,45 @@ void int4_tile(const float* x, int64_t K, const uint8_t* p, const uint16_t* sz, 
   if constexpr (T > 1) int4_tile<T - 1>(x, K, p, sz, group, y, N, n0, n1, rows);
 }
 
+// ------------------------------------------------------------------------------- int8 blocks of 32 (Q8_0)
+
+// W[n, k] = q[n, k] * d[n, k / 32]: the layout of GGUF's Q8_0 tensors (the embedded model's token embedding,
+// tied to its LM head). Per block, sum_j q_j * x_j is accumulated in fp32 and multiplied by d once.
+template <int T>
+void block8_rows(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n0,
+                 int64_t n1) {
+  const int64_t B = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = q + n * K;
+    const float* dr = d + n * B;
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      const int8_t* wb = wr + 32 * b;
+      __m256 wv[4];
+      for (int j = 0; j < 4; ++j)
+        wv[j] = i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 8 * j)));
+      const __m256 db = _mm256_broadcast_ss(dr + b);
+      for (int t = 0; t < T; ++t) {  // two chains per block: FMA latency
+        const float* xb = x + t * K + 32 * b;
+        __m256 s0 = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xb));
+        __m256 s1 = _mm256_mul_ps(wv[1], _mm256_loadu_ps(xb + 8));
+        s0 = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xb + 16), s0);
+        s1 = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xb + 24), s1);
+        acc[t] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), db, acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) y[t * N + n] = hsum(acc[t]);
+  }
+}
+
+template <int T>
+void block8_tile(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int64_t n0,
+                 int64_t n1, int64_t rows) {
+  if (rows == T) return block8_rows<T>(x, K, q, d, y, N, n0, n1);
+  if constexpr (T > 1) block8_tile<T - 1>(x, K, q, d, y, N, n0, n1, rows);
+}
+
 // at::parallel_for (OpenMP) gives each thread one contiguous range of rows; the grain only stops it from
 // splitting fewer than this many rows (rows of one int4 group share scale cache lines).
 constexpr int64_t kGrainRows = 16;
@@ -234,4 +274,24 @@ torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& 
     }
   });
   return w;
+}
+
+torch::Tensor int8_block_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) % 32 == 0,
+              "q must be contiguous int8 [N, K] with K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 2 && d.size(0) == N &&
+                  d.size(1) == K / 32, "d must be contiguous fp32 [N, K/32]");
+  check_x(x, K);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += kTile)
+      block8_tile<kTile>(xp + m * K, K, qp, dp, yp + m * N, N, n0, n1, std::min<int64_t>(kTile, M - m));
+  });
+  return y;
 }
