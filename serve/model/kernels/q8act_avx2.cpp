@@ -108,40 +108,57 @@ inline __m256i int4_codes(const uint8_t* p) {
 
 // T activation rows against weight rows [n0, n1). corr[t * G + g] = -8 * sum_{b in g} d_b * qsum_b and
 // xsum[t * G + g] = sum_{k in g} x_k are per row and group, shared by every weight row.
+// R weight rows [n, n + R) against T activation rows: each activation block is loaded once for R rows and each
+// code block once for T rows. corr[t * G + g] = -8 * sum_{b in g} d_b * qsum_b and xsum[t * G + g] =
+// sum_{k in g} x_k are per activation row and group, shared by every weight row.
+template <int T, int R>
+inline void int4_block_rows(const int8_t* xq, const float* xd, int64_t K, int64_t B, const uint8_t* packed,
+                            const uint16_t* sz, int64_t G, int64_t per_group, const float* corr, const float* xsum,
+                            float* y, int64_t N, int64_t n) {
+  // One accumulator per (row, row) pair and group: a group's chain is only group / 32 FMAs long and the next
+  // group starts a fresh register, so out-of-order execution overlaps groups (accumulator arrays are only
+  // indexed by compile-time constants: a runtime index would keep them in memory).
+  __m256 acc[R][T];
+  float extra[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) { acc[r][t] = _mm256_setzero_ps(); extra[r][t] = 0.0f; }
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 gacc[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) gacc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m256i c[R];
+      for (int r = 0; r < R; ++r) c[r] = int4_codes(packed + (n + r) * (K / 2) + b * (kBlock / 2));
+      for (int t = 0; t < T; ++t) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + b * kBlock));
+        const __m256 d = _mm256_broadcast_ss(xd + t * B + b);
+        for (int r = 0; r < R; ++r)
+          gacc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(c[r], q)), d, gacc[r][t]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* szg = sz + (g * N + n + r) * 2;
+      const float s = bf16_to_float(szg[0]), z = bf16_to_float(szg[1]);
+      for (int t = 0; t < T; ++t) {
+        acc[r][t] = _mm256_fmadd_ps(gacc[r][t], _mm256_set1_ps(s), acc[r][t]);
+        extra[r][t] += s * corr[t * G + g] + z * xsum[t * G + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * N + n + r] = hsum(acc[r][t]) + extra[r][t];
+}
+
 template <int T>
 void int4_rows(const Q8Rows& a, int64_t m, int64_t K, const uint8_t* packed, const uint16_t* sz, int64_t group,
                const float* corr, const float* xsum, float* y, int64_t N, int64_t n0, int64_t n1) {
-  // One accumulator per row and group: a group's chain is only group / 32 FMAs long and the next group
-  // starts a fresh register, so out-of-order execution overlaps groups (accumulator arrays are only ever
-  // indexed by compile-time constants: a runtime index would keep them in memory).
+  constexpr int R = T <= 2 ? 2 : 1;  // few activation rows: share their loads over two weight rows
   const int64_t B = K / kBlock, G = K / group, per_group = group / kBlock;
   const int8_t* xq = a.q.data() + m * K;
   const float* xd = a.d.data() + m * B;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = packed + n * (K / 2);
-    __m256 acc[T];
-    float extra[T];
-    for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); extra[t] = 0.0f; }
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 gacc[T];
-      for (int t = 0; t < T; ++t) gacc[t] = _mm256_setzero_ps();
-      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-        const __m256i c = int4_codes(wr + b * (kBlock / 2));
-        for (int t = 0; t < T; ++t) {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + b * kBlock));
-          const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(c, q));
-          gacc[t] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(xd + t * B + b), gacc[t]);
-        }
-      }
-      const uint16_t* szg = sz + (g * N + n) * 2;
-      const float s = bf16_to_float(szg[0]), z = bf16_to_float(szg[1]);
-      for (int t = 0; t < T; ++t) {
-        acc[t] = _mm256_fmadd_ps(gacc[t], _mm256_set1_ps(s), acc[t]);
-        extra[t] += s * corr[t * G + g] + z * xsum[t * G + g];
-      }
-    }
-    for (int t = 0; t < T; ++t) y[t * N + n] = hsum(acc[t]) + extra[t];
-  }
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) int4_block_rows<T, R>(xq, xd, K, B, packed, sz, G, per_group, corr, xsum, y, N, n);
+  for (; n < n1; ++n) int4_block_rows<T, 1>(xq, xd, K, B, packed, sz, G, per_group, corr, xsum, y, N, n);
 }
 
 // ----------------------------------------------------------------------------------------------- int8
