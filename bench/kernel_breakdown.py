@@ -100,11 +100,12 @@ def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
         before = os.environ.get("MORPHSERVE_QACTIVATIONS")
 
         def set_acts(on: bool | None) -> None:
-            if on is None:  # restore
-                os.environ.pop("MORPHSERVE_QACTIVATIONS", None) if before is None else os.environ.update(
-                    MORPHSERVE_QACTIVATIONS=before)
-            else:
+            if on is not None:
                 os.environ["MORPHSERVE_QACTIVATIONS"] = "int8" if on else "fp32"
+            elif before is None:  # restore
+                os.environ.pop("MORPHSERVE_QACTIVATIONS", None)
+            else:
+                os.environ["MORPHSERVE_QACTIVATIONS"] = before
         return set_acts
     kernel = getattr(engine.model, attr)
     if kernel is None:

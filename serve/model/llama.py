@@ -128,7 +128,8 @@ class LlamaModel:
         # RMSNorm, fused with the residual add before it (norm_avx2.cpp): fp32 on CPU
         self.fused_norm = kernels.ops() if dtype == torch.float32 and device.type == "cpu" else None
         # the LM head as the exact int8 blocks a GGUF Q8_0 embedding holds (serve/model/lm_head.py), for decode
-        self.int8_head = int8_blocks(self.lm_head) if self.fused_norm is not None else None
+        on_cpu_fp32 = dtype == torch.float32 and device.type == "cpu" and kernels.ops() is not None
+        self.int8_head = int8_blocks(self.lm_head) if on_cpu_fp32 else None
 
     @property
     def non_layer_nbytes(self) -> int:

@@ -34,6 +34,7 @@ _log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("qlinear_avx2.cpp", "q8act_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "norm_avx2.cpp",
                          "bindings.cpp")]
+_HEADERS = [Path(__file__).with_name("avx2_common.h")]  # included by the sources: staged and hashed, not compiled
 _NAME = "morphserve_cpu_kernels"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
 
@@ -66,11 +67,18 @@ def ops() -> ModuleType | None:
 def int8_activations() -> bool:
     """Whether the quantized layers' GEMVs round their activations to int8 (q8act_avx2.cpp): the default; set
     ``MORPHSERVE_QACTIVATIONS=fp32`` for fp32 activations (exact to the dequantized weights but ~1.5x slower
-    on AVX2). Read at every call so a benchmark or test can switch it in one process."""
-    value = os.environ.get("MORPHSERVE_QACTIVATIONS", "int8").lower()
-    if value not in ("int8", "fp32"):
-        raise ValueError(f"MORPHSERVE_QACTIVATIONS must be int8 or fp32, got {value!r}")
-    return value == "int8"
+    on AVX2). Called per layer call, so a benchmark or test can switch it in one process: the value is parsed
+    only when it changes, and :func:`ops` checks it once at start, so a bad value fails before any request."""
+    raw = os.environ.get("MORPHSERVE_QACTIVATIONS", "int8")
+    if _acts_cache[0] != raw:
+        value = raw.lower()
+        if value not in ("int8", "fp32"):
+            raise ValueError(f"MORPHSERVE_QACTIVATIONS must be int8 or fp32, got {raw!r}")
+        _acts_cache[:] = [raw, value == "int8"]
+    return _acts_cache[1]
+
+
+_acts_cache: list = [None, True]  # [the raw setting last parsed, its meaning]
 
 
 def describe() -> str:
@@ -83,6 +91,7 @@ def describe() -> str:
 
 
 def _load() -> ModuleType | None:
+    int8_activations()  # a bad MORPHSERVE_QACTIVATIONS fails here, at the first model build
     if os.environ.get("MORPHSERVE_QKERNELS", "").lower() == "torch":
         _state["why"] = "MORPHSERVE_QKERNELS=torch"
         return None
@@ -105,7 +114,7 @@ def build_dir() -> Path:
     package at different paths (a checkout, a pip-installed deployment) would recompile on every switch
     (~100 s, seen as timeouts in make test). Keyed by content, each version builds once and is reused."""
     h = hashlib.sha256(" ".join(_CFLAGS).encode())
-    for p in _SOURCES:
+    for p in _SOURCES + _HEADERS:
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     return cache_dir() / h.hexdigest()[:16]
 
@@ -115,13 +124,14 @@ def _staged_sources(into: Path) -> list[Path]:
     (written only when missing: unchanged mtimes keep ninja's cached objects valid)."""
     into.mkdir(parents=True, exist_ok=True)
     staged = []
-    for p in _SOURCES:
+    for p in _SOURCES + _HEADERS:
         target = into / p.name
         if not target.exists() or target.read_bytes() != p.read_bytes():
             tmp = target.with_suffix(".tmp")
             tmp.write_bytes(p.read_bytes())
             tmp.replace(target)
-        staged.append(target)
+        if p in _SOURCES:
+            staged.append(target)
     return staged
 
 

@@ -15,19 +15,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The eight lane sums of a[0..7], as one vector.
 inline __m256 hsum8(const __m256* a) {

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -22,13 +24,6 @@ namespace {
 constexpr int kRows = 4;        // weight rows per register tile
 constexpr int kCols = 3;        // activation rows per register tile (4 x 3 = 12 accumulators + 4 loads)
 constexpr int64_t kGrain = 16;  // at::parallel_for splits no finer than this many weight rows
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // y[m + c, n + r] for r < R, c < C; tail: the mask of the last K % 8 lanes (all zero when K % 8 == 0).
 // next: when not null, the R weight rows after this tile's (the next register tile's), prefetched into

@@ -11,19 +11,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t kGrain = 256;  // rows per thread at least: decode batches run inline, without a fork
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // y = norm(x) * w for one row of D floats; with ADD, x += delta first (x is written back).
 template <bool ADD>

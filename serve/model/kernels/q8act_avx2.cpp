@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,20 +33,6 @@ namespace {
 constexpr int64_t kBlock = 32;      // activation values per int8 block (one 256-bit register)
 constexpr int kTile = 4;            // activation rows per pass over a weight row
 constexpr int64_t kGrainRows = 16;  // at::parallel_for splits no finer than this many weight rows
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The int8 blocks of M activation rows: q [M, K], d [M, K / 32] and each block's sum of q [M, K / 32].
 struct Q8Rows {

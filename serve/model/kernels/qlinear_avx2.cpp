@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -26,20 +28,6 @@
 namespace {
 
 constexpr int kTile = 4;  // activation rows per pass over a weight row
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline __m256 i8x8_to_ps(__m128i v) {  // the low 8 signed bytes of v -> 8 floats
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
