@@ -228,6 +228,9 @@ def test_layers_use_the_kernels_and_match_their_dequantized_weights(m: int, acti
     for layer, weight, x_in in ((int8, int8.dequantize(), x), (int4, int4.dequantize(), x),
                                 (awq, int4.dequantize(), x * pqs)):
         _check_close(layer(x), _q8_round_trip(x_in) if rounded else x_in, weight)
+        # 2-D contiguous fp32 decode inputs take the short path (_q8_gemv_input), a 3-D view the general one
+        assert ql._q8_gemv_input(x, 576) == rounded
+        assert torch.equal(layer(x), layer(x[None])[0])
         yb = layer(x.bfloat16())
         assert yb.dtype == torch.bfloat16
         y32 = layer(x.bfloat16().float())  # the same bf16 inputs in fp32: the bf16 output is y32 rounded

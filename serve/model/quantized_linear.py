@@ -111,6 +111,15 @@ def _flatten_input(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, tup
     return x.reshape(-1, in_features), tuple(x.shape[:-1])
 
 
+def _q8_gemv_input(x: torch.Tensor, in_features: int) -> bool:
+    """Whether ``x`` goes straight to an int8-activation kernel: a contiguous fp32 CPU ``[M, in_features]``
+    with M <= SMALL_BATCH, in_features a multiple of 32, int8 activations on. Such calls (every decode step)
+    skip the general path's reshapes, casts and closures: they cost about as much as the int4 kernel
+    itself at one row (tens of microseconds, 120 layer calls per decoded token)."""
+    return (x.dim() == 2 and x.shape[0] <= SMALL_BATCH and x.shape[1] == in_features and in_features % 32 == 0
+            and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous() and kernels.int8_activations())
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % _INT8_ALIGN == 0 else t.clone()
@@ -174,8 +183,10 @@ class Int8WeightOnly:
         return _tensor_bytes(self.weight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2, lead = _flatten_input(x, self.in_features)
         ops = None if _is_cuda(self.weight) else kernels.ops()
+        if ops is not None and _q8_gemv_input(x, self.in_features):
+            return ops.int8_linear_q8(x, self.weight, self.scales)
+        x2, lead = _flatten_input(x, self.in_features)
         if ops is not None:
             y = _run_cpu_kernel(x2, lambda xf: ops.int8_linear(xf, self.weight, self.scales),
                                 lambda xf: ops.int8_linear_q8(xf, self.weight, self.scales), self.dequantize)
@@ -390,6 +401,11 @@ class Int4WeightOnly:
         return _tensor_bytes(self.packed, self.scale_and_zero, self.pre_quant_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "avx2" and _q8_gemv_input(x, self.in_features):
+            ops = kernels.ops()
+            if ops is not None:
+                xs = x if self.pre_quant_scale is None else x * self.pre_quant_scale
+                return ops.int4_linear_q8(xs, self.packed, self.scale_and_zero, self.group_size)
         x2, lead = _flatten_input(x, self.in_features)
         x2 = x2.to(self.packed.device)
         if self.pre_quant_scale is not None:
