@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from policy import FULL, MorphDecision
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
+from serve.morph.runtime import percentile
 
 
 class FakeClock:
@@ -260,3 +262,10 @@ def test_a_multi_layer_decision_stages_one_copy_at_a_time(tiny):
     assert not m.pending and not m.queued
     assert [t.layer for t in m.stack] == [1, 0]
     assert_memory_exact(e)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e3, allow_nan=False), min_size=1, max_size=300),
+       st.sampled_from([0, 50, 95, 99, 100]))
+def test_runtime_percentile_is_numpys_linear_percentile(values: list[float], pct: float) -> None:
+    """The TTFT / TBT window percentiles the controller sees are numpy's default ones, without numpy's cost."""
+    assert percentile(values, pct) == pytest.approx(float(np.percentile(values, pct)), rel=1e-12, abs=1e-12)
