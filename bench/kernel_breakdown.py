@@ -7,7 +7,8 @@ Runs one of bench.peer's offline workloads (name prefix: "batch-1", "32", "64") 
 torch's SDPA: seconds and calls per function against the wall time of the workload (the rest: small torch
 ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
 (``fused_norm``, ``paged_attention`` or ``int8_head``) between on and off (None: the torch path), or the quantized layers'
-activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), for ``--rounds`` rounds, the
+activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or their short path for decode
+inputs (``q8_short_path``: the direct kernel call vs the general path), for ``--rounds`` rounds, the
 order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
 kind this noisy 2-core machine can tell apart.
 """
@@ -94,8 +95,17 @@ def breakdown(mode: str, prefix: str, threads: int) -> str:
 
 
 def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
-    """A function that turns ``attr`` on or off: a model kernel attribute, or ``int8_activations`` (the
-    MORPHSERVE_QACTIVATIONS setting the quantized layers read at every call)."""
+    """A function that turns ``attr`` on or off: a model kernel attribute, ``int8_activations`` (the
+    MORPHSERVE_QACTIVATIONS setting the quantized layers read at every call) or ``q8_short_path`` (the quantized
+    layers' direct kernel call for decode inputs; off: every call takes the general path)."""
+    if attr == "q8_short_path":
+        from serve.model import quantized_linear  # noqa: PLC0415
+
+        short = quantized_linear._q8_gemv_input
+
+        def set_short(on: bool | None) -> None:
+            quantized_linear._q8_gemv_input = short if on is not False else (lambda x, in_features: False)
+        return set_short
     if attr == "int8_activations":
         before = os.environ.get("MORPHSERVE_QACTIVATIONS")
 
@@ -136,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="off", help="morph mode (default: %(default)s)")
     p.add_argument("--workload", default="32", help="bench.peer workload name prefix: batch-1, 32 or 64")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ab", choices=("fused_norm", "paged_attention", "int8_head", "int8_activations"), default=None,
+    p.add_argument("--ab", default=None,
+                   choices=("fused_norm", "paged_attention", "int8_head", "int8_activations", "q8_short_path"),
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)

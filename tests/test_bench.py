@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
+from bench import qactivations_quality as qaq
 from bench.latency import summarize
 from bench.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
 from bench.summary import (
@@ -30,6 +32,7 @@ from bench.triton.requests import (
     timing_from_chunks,
 )
 from bench.triton.run import assemble_result
+from serve.model import kernels
 
 # --------------------------------------------------------------------------------------------------
 # Metric aggregation
@@ -299,3 +302,29 @@ def test_bench_writes_json_when_the_server_fails(tmp_path):
     assert r["status"] == "error" and r["error"]  # the model cannot load: no room for the KV cache
     assert (r["num_requests"], r["completed"], r["failed"]) == (3, 0, 3)
     assert r["slo"]["violation_rate"] == 1.0
+
+
+def test_qactivations_quality_switches_the_setting_per_side_and_restores_it(monkeypatch, capsys):
+    """measure() evaluates every signature once under fp32 and once under int8 activations (the setting the
+    quantized layers read per call), clears the evaluator's per-signature memo between sides, and restores
+    the environment; the table's change column is int8 over fp32; windows above SMALL_BATCH are refused."""
+    class Evaluator:  # records which setting each evaluation saw, as the real layers would read it
+        def __init__(self) -> None:
+            self._nll: dict[str, float] = {"stale": 1.0}
+            self.seen: list[tuple[str, bool, int]] = []
+
+        def perplexity(self, sig: str) -> float:
+            self.seen.append((sig, kernels.int8_activations(), len(self._nll)))
+            self._nll[sig] = 0.0
+            return 100.0 + (1.0 if kernels.int8_activations() else 0.0)
+
+    monkeypatch.setenv("MORPHSERVE_QACTIVATIONS", "fp32")
+    ev = Evaluator()
+    out = qaq.measure(ev, {"a": "ff", "b": "44"})
+    assert ev.seen == [("ff", False, 0), ("44", False, 1), ("ff", True, 0), ("44", True, 1)]
+    assert out == {"fp32": {"a": 100.0, "b": 100.0}, "int8": {"a": 101.0, "b": 101.0}}
+    assert os.environ["MORPHSERVE_QACTIVATIONS"] == "fp32"
+    assert "| a | 100.000 | 101.000 | +1.00 % |" in qaq.to_markdown({"ppl": out})
+    with pytest.raises(SystemExit):
+        qaq.main(["--window", "64"])
+    assert "--window must be 2..32" in capsys.readouterr().err
