@@ -114,8 +114,8 @@ def _flatten_input(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, tup
 def _q8_gemv_input(x: torch.Tensor, in_features: int) -> bool:
     """Whether ``x`` goes straight to an int8-activation kernel: a contiguous fp32 CPU ``[M, in_features]``
     with M <= SMALL_BATCH, in_features a multiple of 32, int8 activations on. Such calls (every decode step)
-    skip the general path's reshapes, casts and closures: they cost about as much as the int4 kernel
-    itself at one row (tens of microseconds, 120 layer calls per decoded token)."""
+    skip the general path's reshapes, casts, device moves and closures, which cost 25-45 us per call against
+    a 30-110 us kernel at one row on the 2-core AMD EPYC (120 layer calls per decoded token)."""
     return (x.dim() == 2 and x.shape[0] <= SMALL_BATCH and x.shape[1] == in_features and in_features % 32 == 0
             and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous() and kernels.int8_activations())
 
