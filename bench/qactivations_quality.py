@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 from bench.quality import QualityEvaluator
 from serve.model import kernels
@@ -30,19 +31,13 @@ SETTINGS = ("fp32", "int8")
 
 def measure(ev: QualityEvaluator, signatures: dict[str, str]) -> dict[str, dict[str, float]]:
     """Perplexity per signature name under each activation setting (the environment restored afterwards)."""
-    before = os.environ.get("MORPHSERVE_QACTIVATIONS")
     out: dict[str, dict[str, float]] = {s: {} for s in SETTINGS}
-    try:
+    with mock.patch.dict(os.environ):
         for setting in SETTINGS:
             os.environ["MORPHSERVE_QACTIVATIONS"] = setting
-            ev._nll.clear()  # memoized per signature; the activation setting is not part of the signature
+            ev.forget()  # memoized per signature; the activation setting is not part of the signature
             for name, sig in signatures.items():
                 out[setting][name] = ev.perplexity(sig)
-    finally:
-        if before is None:
-            os.environ.pop("MORPHSERVE_QACTIVATIONS", None)
-        else:
-            os.environ["MORPHSERVE_QACTIVATIONS"] = before
     return out
 
 

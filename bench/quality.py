@@ -169,6 +169,10 @@ class QualityEvaluator:
     def perplexity(self, signature: str) -> float:
         return math.exp(self.nll(signature))
 
+    def forget(self) -> None:
+        """Drop the memoized results: for a setting the signature does not name (e.g. MORPHSERVE_QACTIVATIONS)."""
+        self._nll.clear()
+
     def _window_nll(self, ids: list[int]) -> tuple[float, int]:
         from serve.model.llama import ForwardBatch, PrefillChunk  # noqa: PLC0415
 

@@ -313,6 +313,9 @@ def test_qactivations_quality_switches_the_setting_per_side_and_restores_it(monk
             self._nll: dict[str, float] = {"stale": 1.0}
             self.seen: list[tuple[str, bool, int]] = []
 
+        def forget(self) -> None:
+            self._nll.clear()
+
         def perplexity(self, sig: str) -> float:
             self.seen.append((sig, kernels.int8_activations(), len(self._nll)))
             self._nll[sig] = 0.0

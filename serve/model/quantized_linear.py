@@ -111,13 +111,20 @@ def _flatten_input(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, tup
     return x.reshape(-1, in_features), tuple(x.shape[:-1])
 
 
+def _q8_activations(x2: torch.Tensor) -> bool:
+    """Whether the CPU kernels round this ``[M, K]`` input's activations to int8 (q8act_avx2.cpp): a GEMV-sized
+    batch (M <= SMALL_BATCH), K a multiple of 32, and int8 activations on (:func:`kernels.int8_activations`)."""
+    return x2.shape[0] <= SMALL_BATCH and x2.shape[1] % 32 == 0 and kernels.int8_activations()
+
+
 def _q8_gemv_input(x: torch.Tensor, in_features: int) -> bool:
-    """Whether ``x`` goes straight to an int8-activation kernel: a contiguous fp32 CPU ``[M, in_features]``
-    with M <= SMALL_BATCH, in_features a multiple of 32, int8 activations on. Such calls (every decode step)
-    skip the general path's reshapes, casts, device moves and closures, which cost 25-45 us per call against
-    a 30-110 us kernel at one row on the 2-core AMD EPYC (120 layer calls per decoded token)."""
-    return (x.dim() == 2 and x.shape[0] <= SMALL_BATCH and x.shape[1] == in_features and in_features % 32 == 0
-            and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous() and kernels.int8_activations())
+    """Whether ``x`` goes straight to an int8-activation kernel, skipping the general path: a contiguous fp32
+    CPU ``[M, in_features]`` that :func:`_q8_activations` accepts. Every decode step's calls qualify. The
+    general path's reshapes, casts, device moves and closures cost 25-45 us per call against a 30-110 us
+    kernel at one row (an ad-hoc timeit of one SmolLM2 layer on the 2-core AMD EPYC), at 120 layer calls
+    per decoded token."""
+    return (x.dim() == 2 and x.shape[1] == in_features and x.dtype == torch.float32 and not x.is_cuda
+            and x.is_contiguous() and _q8_activations(x))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -291,13 +298,11 @@ def _pack_int4_for_kernel(codes: torch.Tensor, device: torch.device, layout: str
 
 
 def _run_cpu_kernel(x2: torch.Tensor, gemv, gemv_q8, dequantize) -> torch.Tensor:
-    """fp32 ``[M, N]``: for small batches ``gemv_q8(x)`` (int8 activations, :func:`kernels.int8_activations`;
-    K a multiple of 32) or ``gemv(x)``, else one fp32 GEMM on the dequantized weight."""
+    """fp32 ``[M, N]``: for small batches ``gemv_q8(x)`` when :func:`_q8_activations` accepts x, else
+    ``gemv(x)``; above SMALL_BATCH rows one fp32 GEMM on the dequantized weight."""
     xf = x2.to(device="cpu", dtype=torch.float32).contiguous()
     if xf.shape[0] <= SMALL_BATCH:
-        if xf.shape[1] % 32 == 0 and kernels.int8_activations():
-            return gemv_q8(xf)
-        return gemv(xf)
+        return gemv_q8(xf) if _q8_activations(xf) else gemv(xf)
     return linear(xf, dequantize())
 
 

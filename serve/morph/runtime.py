@@ -31,8 +31,8 @@ log = get_logger("morphserve.morph")
 
 def percentile(values: list[float], pct: float) -> float:
     """numpy's default (linear) percentile of a non-empty list. The runtime asks for two at every iteration
-    boundary; np.percentile costs ~200 us on a few hundred values (a few % of a batch-1 decode step), sorting
-    them ~25 us."""
+    boundary; np.percentile took ~200 us on 300 values (a few % of a batch-1 decode step), sorting them ~25 us
+    (timeit, 2-core AMD EPYC)."""
     s = sorted(values)
     k = (len(s) - 1) * pct / 100.0
     lo = int(k)

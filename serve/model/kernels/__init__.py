@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -69,16 +70,15 @@ def int8_activations() -> bool:
     ``MORPHSERVE_QACTIVATIONS=fp32`` for fp32 activations (exact to the dequantized weights but ~1.5x slower
     on AVX2). Called per layer call, so a benchmark or test can switch it in one process: the value is parsed
     only when it changes, and :func:`ops` checks it once at start, so a bad value fails before any request."""
-    raw = os.environ.get("MORPHSERVE_QACTIVATIONS", "int8")
-    if _acts_cache[0] != raw:
-        value = raw.lower()
-        if value not in ("int8", "fp32"):
-            raise ValueError(f"MORPHSERVE_QACTIVATIONS must be int8 or fp32, got {raw!r}")
-        _acts_cache[:] = [raw, value == "int8"]
-    return _acts_cache[1]
+    return _parse_activations(os.environ.get("MORPHSERVE_QACTIVATIONS", "int8"))
 
 
-_acts_cache: list = [None, True]  # [the raw setting last parsed, its meaning]
+@functools.lru_cache(maxsize=8)
+def _parse_activations(raw: str) -> bool:
+    value = raw.lower()
+    if value not in ("int8", "fp32"):
+        raise ValueError(f"MORPHSERVE_QACTIVATIONS must be int8 or fp32, got {raw!r}")
+    return value == "int8"
 
 
 def describe() -> str:
