@@ -32,6 +32,7 @@ class EngineConfig:
     kv_cache_memory: str = "1GiB"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a prompt prefix seen before (vLLM's APC)
     max_model_len: int | None = None   # default: the model's context length
     max_num_waiting: int | None = None  # admitted, not yet running; past it add_request raises EngineOverloaded
                                         # (None: unbounded, for offline replays; the Triton model sets 256)

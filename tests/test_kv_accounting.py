@@ -1,6 +1,9 @@
-"""Randomized arrivals, aborts and tight KV pools: block accounting stays exact after every step."""
+"""Randomized arrivals, aborts, shared prompt prefixes and tight KV pools: block accounting stays exact after
+every step (a block shared through the prefix cache is held once per sequence that uses it)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,10 +17,12 @@ from serve.engine.sampling_params import SamplingParams
 def assert_exact_accounting(engine: LLMEngine) -> None:
     pool, sched = engine.pool, engine.scheduler
     pool.check_invariants()
-    owned = [b for s in sched.running for b in s.block_ids] + [b for s in sched.waiting for b in s.block_ids]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
-    assert len(owned) == pool.num_used, "used blocks are not exactly the blocks sequences own"
-    assert not set(owned) & pool._free_set, "an owned block is also free"
+    holders = Counter(b for s in [*sched.running, *sched.waiting] for b in s.block_ids)
+    for s in [*sched.running, *sched.waiting]:
+        assert len(s.block_ids) == len(set(s.block_ids)), "a sequence holds a block twice"
+    assert dict(holders) == pool._refs, "the pool's holds are not exactly the sequences' blocks"
+    assert len(holders) == pool.num_used, "used blocks are not exactly the blocks sequences own"
+    assert not holders.keys() & pool._free_set, "an owned block is also free"
     for s in sched.running:
         assert len(s.block_ids) * engine.config.block_size >= s.num_computed_tokens
     assert len(sched.running) <= engine.config.max_num_seqs
@@ -52,7 +57,8 @@ def test_accounting_exact_under_random_load(engines, reqs, blocks, budget, max_s
         while plan and plan[0][0] <= step:
             _, i = plan.pop(0)
             n_prompt, max_tokens, _, _ = reqs[i]
-            prompt = [(seed + 31 * i + 7 * j) % 5000 + 10 for j in range(n_prompt)]
+            # requests with an even index share their first tokens (prefix-cache hits, shared blocks)
+            prompt = [(seed + (31 * i if i % 2 else 0) + 7 * j) % 5000 + 10 for j in range(n_prompt)]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed + i, ignore_eos=True)
             rids[i] = engine.add_request(prompt, params,
                                          callback=lambda o: o.finished and finished.__setitem__(o.request_id, o.finish_reason.value))

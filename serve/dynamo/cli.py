@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     e.add_argument("--slo-ttft-s", type=float, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes seen before (default: on, as in vLLM)")
     e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
     e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -67,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _ENGINE_FIELDS = ("model", "morph_mode", "device_memory", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
-                  "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s")
+                  "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
+                  "enable_prefix_caching")
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:

@@ -79,6 +79,10 @@ _GAUGES = (
     ("morphserve_swaps_total", "counter", "layer swaps to a quantized variant", "swaps_total"),
     ("morphserve_restores_total", "counter", "layer restores to a milder variant", "restores_total"),
     ("morphserve_num_preemptions_total", "counter", "sequences preempted (recomputed later)", "num_preemptions"),
+    ("morphserve_prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
+     "prefix_cache_queries"),
+    ("morphserve_prefix_cache_hits_total", "counter", "prompt tokens served from the prefix cache (not recomputed)",
+     "prefix_cache_hits"),
     ("morphserve_generation_tokens_total", "counter", "tokens generated", "num_generated_tokens"),
 )
 PRECISIONS = ("int8", "int4", "fp8")

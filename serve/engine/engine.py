@@ -468,6 +468,11 @@ class LLMEngine:
                 break
         return [results[r] for r in rids]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``); running requests keep their KV."""
+        with self._lock:
+            self.pool.clear_cache()
+
     def stats(self) -> dict:
         with self._lock:
             return {
@@ -478,6 +483,9 @@ class LLMEngine:
                 "num_waiting": self.num_waiting(),
                 "failed_iterations": self.faults.failed_iterations,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.scheduler.prefix_queried_tokens,
+                "prefix_cache_hits": self.scheduler.prefix_hit_tokens,
+                "kv_blocks_cached": self.pool.num_cached,
                 "scheduler": self.config.scheduler,
                 "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),
                 # the last iteration's batch; 0 once the engine is idle
@@ -514,8 +522,10 @@ def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float]) -> Sc
     if config.scheduler == "slai":
         slai = SlaiConfig(theta=config.slai_theta, theta_low=config.slai_theta_low, theta_high=config.slai_theta_high,
                           kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes)
-        return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai)
-    return Scheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai,
+                             prefix_caching=config.enable_prefix_caching)
+    return Scheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                     prefix_caching=config.enable_prefix_caching)
 
 
 def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:

@@ -4,6 +4,8 @@ Shape of vLLM v1's scheduler: running sequences first (decodes and unfinished pr
 then admission of waiting ones, all within a per-iteration token budget and a cap on running sequences.
 Prompts longer than the budget are prefilled in chunks. When KV blocks run out the newest running
 sequence is preempted: its blocks are freed and it is recomputed later (its generated tokens are kept).
+With prefix caching, a sequence that starts (or restarts) takes the longest run of its full blocks already
+in the pool's prefix cache and computes only the rest; blocks it fills are registered for others.
 The scheduler allocates and frees blocks (that is part of deciding); it never runs the model.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.memory.block_pool import BlockPool
+from serve.memory.prefix_hash import extend_block_hashes
 
 
 @dataclass
@@ -39,8 +42,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool = False) -> None:
         self.pool = pool
+        self.prefix_caching = prefix_caching
+        self.prefix_queried_tokens = 0   # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0       # of which found there (not computed again)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,17 +79,45 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                blocks = self.pool.allocate(seq.blocks_needed(n, self.block_size))
-                if blocks is None:
+                n = self._claim_blocks(seq, budget)
+                if n is None:
                     break  # FCFS: do not let later requests overtake the head of the queue
-                seq.block_ids.extend(blocks)
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
         return out
+
+    def _claim_blocks(self, seq: Sequence, budget: int) -> int | None:
+        """Blocks for the first chunk of a waiting sequence: its cached prefix (when it starts from scratch and
+        prefix caching is on), then new blocks for at most ``budget`` more tokens. Returns the chunk's token
+        count, or None with nothing taken when the pool cannot hold it."""
+        hits: list[int] = []
+        looked_up = self.prefix_caching and seq.num_computed_tokens == 0 and not seq.block_ids
+        if looked_up:
+            if seq.hash_epoch != self.pool.cache_epoch:
+                seq.block_hashes, seq.hash_epoch = [], self.pool.cache_epoch
+            # at least the last token is computed: its logits give the next token
+            full = (seq.num_tokens - 1) // self.block_size
+            hits = self.pool.lookup(extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full,
+                                                        seq.hash_epoch)[:full])
+            self.pool.take(hits)
+            seq.block_ids = list(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        blocks = self.pool.allocate(seq.blocks_needed(n, self.block_size))
+        if blocks is None:
+            if hits:
+                self.pool.free(hits)
+                seq.block_ids, seq.num_computed_tokens = [], 0
+            return None
+        seq.block_ids.extend(blocks)
+        if looked_up:
+            seq.num_cached_tokens = len(hits) * self.block_size
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached_tokens
+        return n
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
         needed = seq.blocks_needed(n, self.block_size)
@@ -108,8 +143,19 @@ class Scheduler:
         self.num_preemptions += 1
 
     def on_executed(self, out: SchedulerOutput) -> None:
+        bs = self.block_size
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            seq = chunk.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += chunk.num_tokens
+            full = seq.num_computed_tokens // bs
+            # blocks this chunk filled hold KV for a known prefix: register them (only while the epoch the
+            # sequence started computing in is current, so every block of the chain came from the same weights)
+            if (self.prefix_caching and full > before // bs and seq.hash_epoch == self.pool.cache_epoch
+                    and seq.status is SequenceStatus.RUNNING):
+                hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, bs, full, seq.hash_epoch)
+                for j in range(before // bs, full):
+                    self.pool.register(seq.block_ids[j], hashes[j])
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

@@ -55,8 +55,8 @@ class SlaiConfig:
 
 class SlaiScheduler(Scheduler):
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float], config: SlaiConfig | None = None) -> None:
-        super().__init__(pool, block_size, max_num_seqs, max_num_batched_tokens)
+                 clock: Callable[[], float], config: SlaiConfig | None = None, prefix_caching: bool = False) -> None:
+        super().__init__(pool, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
         self.clock = clock
         self.config = config or SlaiConfig()
         self.max_decodes = self.config.max_decodes or max_num_seqs
@@ -133,11 +133,9 @@ class SlaiScheduler(Scheduler):
         for seq in order:
             if budget < 1 or len(self.running) >= self.max_num_seqs:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            blocks = self.pool.allocate(seq.blocks_needed(n, self.block_size))
-            if blocks is None:
+            n = self._claim_blocks(seq, budget)
+            if n is None:
                 break  # a later (longer or lower-tier) prompt must not overtake this one
-            seq.block_ids.extend(blocks)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

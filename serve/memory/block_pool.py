@@ -4,11 +4,19 @@ The base chunk holds ids [0, base). A chunk added later (e.g. the bytes freed by
 the next ids above everything present. Allocation always takes the lowest free ids, so the base pool
 fills before any extra chunk, and extra chunks drain first as load falls. Chunks leave in LIFO order and
 only when all their blocks are free: no migration of in-use blocks (MorphServe section 4).
+
+Prefix caching (vLLM's automatic prefix caching, same semantics): a full block whose KV is known by a content
+hash (``register``) stays *cached* when its last holder frees it: it counts as free and is handed out again
+only after the never-cached free blocks are gone, least recently freed first, and its hash is dropped then.
+Until that happens a new sequence with the same prefix can ``take`` it (``lookup``) instead of recomputing
+it; a block taken by several sequences is freed when the last one lets it go. ``clear_cache`` forgets every
+hash (the runtime calls it whenever a layer changes precision: KV computed by other weights is not reused).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -37,6 +45,11 @@ class BlockPool:
         self.chunks: list[Chunk] = [Chunk("base", 0, num_blocks)]
         self._free: list[int] = list(range(num_blocks))  # a heap; sorted list is a valid heap
         self._free_set: set[int] = set(self._free)
+        self._refs: dict[int, int] = {}            # in-use block -> number of sequences holding it
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free blocks that keep a hash, oldest first
+        self._hash_of: dict[int, bytes] = {}       # registered block (in use or cached) -> content hash
+        self._block_of: dict[bytes, int] = {}
+        self.cache_epoch = 0                       # bumped by clear_cache(); part of every hash chain
 
     @property
     def num_blocks(self) -> int:
@@ -48,11 +61,17 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks allocate() can hand out: never-cached free ones plus cached ones it may evict."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a registered prefix (reusable until evicted)."""
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
@@ -62,18 +81,80 @@ class BlockPool:
         """n lowest free block ids, or None (nothing taken) if fewer than n are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        ids = [heapq.heappop(self._free) for _ in range(n)]
+        ids = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
         self._free_set.difference_update(ids)
+        while len(ids) < n:  # evict cached prefixes, least recently freed first
+            block, _ = self._cached.popitem(last=False)
+            self._unregister(block)
+            ids.append(block)
+        for i in ids:
+            self._refs[i] = 1
         return ids
 
     def free(self, ids: list[int]) -> None:
-        for i in ids:
-            if i in self._free_set or not 0 <= i < self.num_blocks:
+        """Release one hold on each block. Walked from the end, so a sequence's tail blocks are evicted
+        before its head blocks (the head is the prefix other requests are likeliest to share)."""
+        for i in reversed(ids):
+            refs = self._refs.get(i)
+            if refs is None:
                 raise BlockPoolError(f"double free or foreign block id {i}")
+            if refs > 1:
+                self._refs[i] = refs - 1
+                continue
+            del self._refs[i]
+            if i in self._hash_of:
+                self._cached[i] = None
+            else:
+                self._free_set.add(i)
+                heapq.heappush(self._free, i)
+
+    # ---- prefix caching --------------------------------------------------------------------------
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Block ``block`` (in use, full) holds the KV of the prefix ``block_hash`` names. The first block
+        registered for a hash keeps it; a block keeps its first hash."""
+        if block not in self._refs:
+            raise BlockPoolError(f"block {block} is not in use")
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._hash_of[block] = block_hash
+            self._block_of[block_hash] = block
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest run of ``hashes``, from the first, that are registered (nothing taken)."""
+        found: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def take(self, ids: list[int]) -> None:
+        """Add one hold on each registered block (cached ones leave the cache and count as used again)."""
+        for i in ids:
+            if i in self._cached:
+                del self._cached[i]
+                self._refs[i] = 1
+            elif i in self._refs and i in self._hash_of:
+                self._refs[i] += 1
+            else:
+                raise BlockPoolError(f"block {i} holds no registered prefix")
+
+    def clear_cache(self) -> None:
+        """Forget every registered prefix: cached blocks become plain free blocks, in-use ones stay in use."""
+        self.cache_epoch += 1
+        for i in self._cached:
             self._free_set.add(i)
             heapq.heappush(self._free, i)
+        self._cached.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    def _unregister(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
 
     def add_chunk(self, owner: str, n: int) -> Chunk:
         if n <= 0:
@@ -91,7 +172,7 @@ class BlockPool:
 
     def chunk_is_free(self, owner: str) -> bool:
         chunk = self._chunk(owner)
-        return all(i in self._free_set for i in range(chunk.start, chunk.end))
+        return all(i in self._free_set or i in self._cached for i in range(chunk.start, chunk.end))
 
     def remove_chunk(self, owner: str) -> Chunk:
         """Remove the most recently added chunk; it must be `owner`'s and entirely free."""
@@ -103,6 +184,9 @@ class BlockPool:
         if not self.chunk_is_free(owner):
             raise BlockPoolError(f"chunk {owner!r} still has blocks in use")
         self.chunks.pop()
+        for i in [i for i in self._cached if i >= chunk.start]:  # cached prefixes in the chunk are evicted
+            del self._cached[i]
+            self._unregister(i)
         self._free_set.difference_update(range(chunk.start, chunk.end))
         self._free = [i for i in self._free if i < chunk.start]
         heapq.heapify(self._free)
@@ -118,4 +202,8 @@ class BlockPool:
         """free + used = total, free ids unique and in range (tests call this after every step)."""
         assert len(self._free) == len(self._free_set), "free heap and set disagree"
         assert all(0 <= i < self.num_blocks for i in self._free_set), "free id out of range"
-        assert self.num_free + self.num_used == self.num_blocks
+        assert not self._free_set & self._cached.keys() and not self._free_set & self._refs.keys(), "a block is twice"
+        assert not self._cached.keys() & self._refs.keys(), "a cached block is also in use"
+        assert all(i in self._hash_of for i in self._cached), "a cached block has no hash"
+        assert len(self._free_set) + len(self._cached) + len(self._refs) == self.num_blocks, "blocks lost or invented"
+        assert all(self._block_of[h] == i for i, h in self._hash_of.items()), "hash index disagrees"

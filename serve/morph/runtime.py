@@ -226,6 +226,7 @@ class MorphRuntime:
                 self._finish_quantize(p, before, layer_obj, elapsed_ms)
             else:
                 self.bank.install(p.layer, layer_obj)
+                self.pool.clear_cache()  # cached prefixes hold KV the old weights computed
                 self.stats.restores += 1
                 self._event("restore", layer=p.layer, from_precision=before, to_precision=p.target,
                             time_ms=round(elapsed_ms, 3), reason=p.reason)
@@ -253,6 +254,7 @@ class MorphRuntime:
         old = self.bank.tail(p.layer, before)
         new = self.bank.tail(p.layer, p.target)
         self.bank.install(p.layer, self.bank.copy_now(staged, new))
+        self.pool.clear_cache()  # cached prefixes hold KV the old weights computed
         freed = SlotRange(old.start, new.start - old.start)
         self.ledger.layer_slots[p.layer] = new.num_slots
         owner = f"layer{p.layer}:{before}->{p.target}" if freed.num_slots else ""

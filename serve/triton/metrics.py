@@ -95,6 +95,11 @@ class Metrics:
         self._last_preemptions = 0.0
         self.preemptions = g("morphserve_num_preemptions_total",
                              "Running requests preempted (KV blocks freed, recomputed later).", "COUNTER")
+        self.prefix_queries = g("morphserve_prefix_cache_queries_total",
+                                "Prompt tokens looked up in the prefix cache at admission.", "COUNTER")
+        self.prefix_hits = g("morphserve_prefix_cache_hits_total",
+                             "Prompt tokens served from the prefix cache (their KV reused, not recomputed).", "COUNTER")
+        self._last_prefix = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}
         self.queue_time = _Histogram(self._pb, self._families, "morphserve_request_queue_time_seconds",
                                      "Time from arrival at the engine to first scheduling.", self._labels,
                                      _QUEUE_BUCKETS)
@@ -147,6 +152,11 @@ class Metrics:
             if preemptions > self._last_preemptions:
                 self.preemptions.increment(preemptions - self._last_preemptions)
                 self._last_preemptions = preemptions
+            for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+                value = float(stats.get(key, 0))
+                if value > self._last_prefix[key]:
+                    counter.increment(value - self._last_prefix[key])
+                    self._last_prefix[key] = value
             self._update_trtllm(stats)
 
     def _update_trtllm(self, stats: dict[str, Any]) -> None:

@@ -41,7 +41,8 @@ class ServerParams:
 MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
                      "max_prompt_bytes", "max_list_items"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
-PARAM_ALIASES = {"engine_dir": "model"}
+# enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching.
+PARAM_ALIASES = {"engine_dir": "model", "enable_kv_cache_reuse": "enable_prefix_caching"}
 
 
 def _coerce(raw: str, hint: Any, name: str) -> Any:
