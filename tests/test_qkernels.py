@@ -406,3 +406,14 @@ def test_embedded_model_runs_its_q8_0_head_from_int8_blocks(smollm) -> None:
     for rows in (1, INT8_HEAD_MAX_ROWS, INT8_HEAD_MAX_ROWS + 1):
         h = torch.randn(rows, smollm.config.hidden_size, generator=_gen(rows))
         _check_close(model.logits(h), h, model.lm_head)
+
+
+def test_the_ninja_binary_is_found_where_ninja_bin_dir_is_empty(monkeypatch) -> None:
+    """The Dynamo venv sees the project venv's packages through a .pth file, and there ``ninja.BIN_DIR`` is "":
+    the build then ran the system's ninja, whose build log the project's ninja discards (and back), so every
+    switch recompiled the extension (~3 min). The project's binary must be found there too."""
+    ninja = pytest.importorskip("ninja")
+    found = kernels.project_ninja_dir()
+    assert found is not None and os.path.isfile(os.path.join(found, "ninja"))
+    monkeypatch.setattr(ninja, "BIN_DIR", "")
+    assert kernels.project_ninja_dir() == found

@@ -135,18 +135,35 @@ def _staged_sources(into: Path) -> list[Path]:
     return staged
 
 
+def project_ninja_dir() -> str | None:
+    """The directory holding the ``ninja`` binary of the pip ``ninja`` package this process imports, or None.
+
+    ``ninja.BIN_DIR`` is empty in an interpreter whose own venv lacks the binary but sees the package through
+    another venv's site-packages (the Dynamo venv layers the project venv this way, ``.venv-dynamo``), so the
+    package's venv ``bin/`` is tried next."""
+    try:
+        import ninja  # noqa: PLC0415 - the pip package pyproject depends on
+    except ImportError:
+        return None
+    package = Path(ninja.__file__).resolve().parent   # <venv>/lib/pythonX.Y/site-packages/ninja
+    for directory in (getattr(ninja, "BIN_DIR", ""), str(package.parents[3] / "bin")):
+        if directory and (Path(directory) / "ninja").is_file():
+            return directory
+    return None
+
+
 @contextlib.contextmanager
 def _project_ninja_first() -> Iterator[None]:
     """PATH with the ninja of the project's own ``ninja`` package first, while building.
 
     torch runs whichever ``ninja`` is first on PATH, and two ninja versions keep incompatible build logs: seen
-    here, a system ninja 1.11 (processes started without the venv on PATH, e.g. pytest) and the venv's 1.13
-    (tritonserver's Python stub) each discarded the other's log and recompiled everything (~100-160 s) on
-    every switch. One binary for every process keeps the cached build valid."""
-    try:
-        import ninja  # noqa: PLC0415 - the pip package pyproject depends on
-        bin_dir = str(ninja.BIN_DIR)
-    except (ImportError, AttributeError):
+    here, a system ninja 1.11 (processes started without the venv on PATH, e.g. pytest, and the Dynamo venv's
+    workers, whose ``ninja.BIN_DIR`` was empty) and the venv's 1.13 each discarded the other's log and
+    recompiled everything (~100-185 s) on every switch. One binary for every process keeps the cached build
+    valid."""
+    bin_dir = project_ninja_dir()
+    if bin_dir is None:
+        _log.warning("the ninja package's binary was not found; building with the first ninja on PATH")
         yield
         return
     before = os.environ.get("PATH", "")
