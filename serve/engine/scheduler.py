@@ -114,9 +114,8 @@ class Scheduler:
             return None
         seq.block_ids.extend(blocks)
         if looked_up:
-            seq.num_cached_tokens = len(hits) * self.block_size
             self.prefix_queried_tokens += seq.num_tokens
-            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_hit_tokens += len(hits) * self.block_size
         return n
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:

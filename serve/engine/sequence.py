@@ -43,7 +43,6 @@ class Sequence:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: hashes of its full blocks so far
     hash_epoch: int | None = None      # the pool's cache epoch its KV is being computed in (None: not caching)
-    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache at its (last) admission
 
     def __post_init__(self) -> None:
         if not self.token_ids:

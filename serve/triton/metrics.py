@@ -90,16 +90,16 @@ class Metrics:
         self._finished_family = self._new_family("morphserve_requests_finished_total",
                                                  "Finished requests by finish reason.", "COUNTER")
         self._finished: dict[str, Any] = {}
-        self._last_swaps = 0.0
-        self._last_restores = 0.0
-        self._last_preemptions = 0.0
         self.preemptions = g("morphserve_num_preemptions_total",
                              "Running requests preempted (KV blocks freed, recomputed later).", "COUNTER")
         self.prefix_queries = g("morphserve_prefix_cache_queries_total",
                                 "Prompt tokens looked up in the prefix cache at admission.", "COUNTER")
         self.prefix_hits = g("morphserve_prefix_cache_hits_total",
                              "Prompt tokens served from the prefix cache (their KV reused, not recomputed).", "COUNTER")
-        self._last_prefix = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}
+        # engine.stats() totals mirrored into counters: stats key -> counter, and the total last seen
+        self._totals = {"swaps_total": self.swaps, "restores_total": self.restores, "num_preemptions": self.preemptions,
+                        "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
+        self._last_totals = dict.fromkeys(self._totals, 0.0)
         self.queue_time = _Histogram(self._pb, self._families, "morphserve_request_queue_time_seconds",
                                      "Time from arrival at the engine to first scheduling.", self._labels,
                                      _QUEUE_BUCKETS)
@@ -140,23 +140,11 @@ class Metrics:
                     m = self._layers[precision] = self._layers_family.Metric(
                         labels={**self._labels, "precision": str(precision)})
                 m.set(float(layers.get(precision, 0)))
-            swaps = float(stats.get("swaps_total", 0))
-            if swaps > self._last_swaps:
-                self.swaps.increment(swaps - self._last_swaps)
-                self._last_swaps = swaps
-            restores = float(stats.get("restores_total", 0))
-            if restores > self._last_restores:
-                self.restores.increment(restores - self._last_restores)
-                self._last_restores = restores
-            preemptions = float(stats.get("num_preemptions", 0))
-            if preemptions > self._last_preemptions:
-                self.preemptions.increment(preemptions - self._last_preemptions)
-                self._last_preemptions = preemptions
-            for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+            for key, counter in self._totals.items():
                 value = float(stats.get(key, 0))
-                if value > self._last_prefix[key]:
-                    counter.increment(value - self._last_prefix[key])
-                    self._last_prefix[key] = value
+                if value > self._last_totals[key]:
+                    counter.increment(value - self._last_totals[key])
+                    self._last_totals[key] = value
             self._update_trtllm(stats)
 
     def _update_trtllm(self, stats: dict[str, Any]) -> None:
