@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
-from bench.vllm_server import vllm_env
+from bench.vllm_server import peer_env, vllm_env
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ def run_vllm(python: str, hf_dir: Path, wl: dict, runs: int, warm_runs: int, thr
 def run_llamacpp(python: str, gguf: Path, prompt: list[int], new: int, runs: int, threads: int, work: Path) -> list[float]:
     subprocess.run([python, str(PEERS_DIR / "llamacpp_decode.py"), "--gguf", str(gguf), "--prompt-ids",
                     ",".join(map(str, prompt)), "--new", str(new), "--runs", str(runs), "--threads", str(threads),
-                    "--out", str(work / "llamacpp.json")], check=True)
+                    "--out", str(work / "llamacpp.json")], env=peer_env(), check=True)
     return json.loads((work / "llamacpp.json").read_text())["decode_tok_s"]
 
 

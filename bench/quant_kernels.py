@@ -1,10 +1,11 @@
 """Per-decoder-layer linear time by kernel and batch size, SmolLM2-135M shapes (random weights, RTN codes).
 
-  .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,64,512] [--threads 2] [--repeats 3] [--head]
+  .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,64,512] [--threads 2] [--repeats 3] [--head | --streamed]
 
 Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear`` (MKL) and our fp32 kernel
-(``fp32_linear``, what full-precision layers use up to ``FP32_KERNEL_MAX_ROWS`` rows); torch's int8 / int4 weight-only
+(``fp32_linear``, what full-precision layers use up to ``FP32_KERNEL_MAX_ROWS`` rows), oneDNN on the plain
+weights (what they use above it); torch's int8 / int4 weight-only
 kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``), the same with int8 activations
 (``int8_linear_q8`` / ``int4_linear_q8``, what quantized layers run by default up to ``SMALL_BATCH`` rows) and ours as dequantize + fp32
 GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats`` rounds of
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from serve.model import kernels
+from serve.model.linear import onednn_available, onednn_linear
 from serve.model.quantized_linear import pack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
 
@@ -40,7 +42,7 @@ def _median_us(fn, calls: int = 50) -> float:
 
 def _candidates(m: int, ops) -> dict[str, list]:
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, list] = {"fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
+    out: dict[str, list] = {"fp32": [], "oneDNN fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
                             "ours int8 q8": [], "ours int4 q8": [], "ours int4 dequant+GEMM": []}
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.05
@@ -52,6 +54,8 @@ def _candidates(m: int, ops) -> dict[str, list]:
         tpacked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.codes(), 1)
         sz = q4.scale_and_zero
         out["fp32"].append(lambda x=x, w=w: F.linear(x, w))
+        if onednn_available():
+            out["oneDNN fp32"].append(lambda x=x, w=w: onednn_linear(x, w))
         out["torch int8"].append(lambda xb=xb, q=q8: torch.ops.aten._weight_int8pack_mm(xb, q.weight, q.scales))
         out["torch int4"].append(lambda xb=xb, p=tpacked, g=g, sz=sz:
                                  torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, g, sz))
@@ -106,6 +110,34 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
     return result
 
 
+def streamed_rows(rows: list[int], threads: int, repeats: int, layers: int = 30) -> dict[int, dict[str, tuple[float, float, float]]]:
+    """fp32 projections of ``layers`` decoder layers with distinct weights (420 MB at 30: far beyond any cache),
+    run one layer after the other as a forward step does, so every weight comes from memory: per-layer time
+    of our kernel, oneDNN and MKL (the cache-hot table above favours whichever kernel reuses cache best)."""
+    torch.set_num_threads(threads)
+    ops = kernels.ops()
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen) * 0.05 for n, k in SHAPES] for _ in range(layers)]
+    fns = {"MKL fp32": F.linear}
+    if onednn_available():
+        fns["oneDNN fp32"] = onednn_linear
+    if ops is not None:
+        fns["ours fp32"] = lambda x, w: ops.fp32_linear(x, w)
+    result: dict[int, dict[str, tuple[float, float, float]]] = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen) for _, k in SHAPES}
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for layer in weights:
+                    for w in layer:
+                        fn(xs[w.shape[1]], w)
+                samples[name].append((time.perf_counter() - t0) / layers * 1e6)
+        result[m] = {name: (statistics.median(v[1:]), min(v[1:]), max(v[1:])) for name, v in samples.items()}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant_kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,9 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--head", action="store_true",
                    help="time the embedded model's LM head (fp32 vs its int8 blocks) instead of a decoder layer")
+    p.add_argument("--streamed", action="store_true",
+                   help="fp32 only, 30 layers of distinct weights run in turn so every weight is read from memory "
+                        "(as in a forward step) instead of the cache-hot single layer")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    result = head_rows(rows, args.threads, args.repeats) if args.head else run(rows, args.threads, args.repeats)
+    if args.head:
+        result = head_rows(rows, args.threads, args.repeats)
+    elif args.streamed:
+        result = streamed_rows(rows, args.threads, args.repeats)
+    else:
+        result = run(rows, args.threads, args.repeats)
     names = list(next(iter(result.values())))
     print("| rows | " + " | ".join(names) + " |")
     print("|---:|" + "---:|" * len(names))

@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from serve import INHERITED_OMP, OMP_DEFAULTS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -28,9 +30,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def peer_env() -> dict[str, str]:
+    """This environment without the OpenMP defaults our package set on import (serve/__init__.py): peers run
+    with their own defaults, as their users get them; values exported before we started are kept."""
+    return {k: v for k, v in os.environ.items() if k not in OMP_DEFAULTS or k in INHERITED_OMP}
+
+
 def vllm_env(threads: int) -> dict[str, str]:
     """The environment vLLM runs in, offline (bench.peer) and as a server (../shared/notes/peers-on-cpu.md explains each)."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu",
+    return {**peer_env(), "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

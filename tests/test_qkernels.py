@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from serve.model import kernels
+from serve.model import linear as linear_module
 from serve.model import quantized_linear as ql
 from serve.model.kv_cache import PagedKVCache, block_shape
 from serve.model.linear import FP32_KERNEL_MAX_ROWS, ConcatLinear, DenseLinear, linear
@@ -90,11 +91,12 @@ def test_fp32_kernel_rejects_bad_operands() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("m", [1, FP32_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS + 1])
-def test_dense_linear_uses_the_kernel_up_to_its_row_limit(m: int, monkeypatch) -> None:
-    """Up to FP32_KERNEL_MAX_ROWS rows DenseLinear calls our kernel (counted), above it F.linear; both agree
-    with the float64 reference, and bf16 operands never reach the fp32 kernel."""
-    calls: list[int] = []
+@pytest.mark.parametrize("m", [1, FP32_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_linear_uses_the_kernel_up_to_its_row_limit_and_onednn_above(m: int, with_bias: bool, monkeypatch) -> None:
+    """Up to FP32_KERNEL_MAX_ROWS rows DenseLinear calls our kernel, above it oneDNN's matmul on the plain weights
+    (both counted); each agrees with the float64 reference, and bf16 operands reach neither (F.linear)."""
+    calls: list[tuple[str, int]] = []
     real = OPS.fp32_linear
 
     class Counting:
@@ -103,16 +105,31 @@ def test_dense_linear_uses_the_kernel_up_to_its_row_limit(m: int, monkeypatch) -
 
         @staticmethod
         def fp32_linear(x, w, b=None):
-            calls.append(x.shape[0])
+            calls.append(("ours", x.shape[0]))
             return real(x, w, b)
 
+    def counting_onednn(x, w, b=None):
+        calls.append(("oneDNN", x.shape[0]))
+        return real_onednn(x, w, b)
+
+    real_onednn = linear_module.onednn_linear
     monkeypatch.setattr(kernels, "ops", lambda: Counting())
-    g = _gen(m)
+    monkeypatch.setattr(linear_module, "onednn_linear", counting_onednn)
+    g = _gen(m + with_bias)
     x, w = torch.randn(m, 96, generator=g), torch.randn(40, 96, generator=g)
-    _check_close(DenseLinear(w)(x), x, w)
-    assert calls == ([m] if m <= FP32_KERNEL_MAX_ROWS else [])
+    b = torch.randn(40, generator=g) if with_bias else None
+    y = DenseLinear(w, b)(x)
+    _check_close(y - (0 if b is None else b), x, w)
+    above = "oneDNN" if linear_module.onednn_available() else None
+    expected = [("ours", m)] if m <= FP32_KERNEL_MAX_ROWS else ([(above, m)] if above else [])
+    assert calls == expected
     linear(x.bfloat16(), w.bfloat16())
-    assert len(calls) == (1 if m <= FP32_KERNEL_MAX_ROWS else 0)
+    assert calls == expected
+
+
+def test_onednn_linear_is_available_in_the_projects_torch() -> None:
+    """The project's torch (CPU wheel) ships oneDNN's linear: prefill-sized fp32 GEMMs depend on it."""
+    assert linear_module.onednn_available()
 
 
 @needs_ops

@@ -3,12 +3,14 @@
 Every linear op is a callable x[T, K] -> y[T, N] with an exact `nbytes`, so the layer bank can account
 for device memory whatever precision a layer runs at.
 
-fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``FP32_KERNEL_MAX_ROWS`` rows:
-torch's F.linear goes through MKL, which takes a slow generic path on AMD CPUs (README "fp32 kernels and paged decode attention").
+fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``FP32_KERNEL_MAX_ROWS`` rows and
+oneDNN's matmul above that (:func:`onednn_linear`): torch's F.linear goes through MKL, which is slower than both on
+the AMD CPUs measured (README "fp32 kernels and paged decode attention").
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, Sequence
 
 import torch
@@ -17,20 +19,41 @@ import torch.nn.functional as F
 from serve.model import kernels
 
 FP32_KERNEL_MAX_ROWS = 128
-"""Rows (tokens) up to which fp32 CPU linears use our kernel. On the 2-core AMD EPYC (AVX2) a decoder layer's
-projections run 2x / 4.3x / 1.4x / 1.0x / 0.9x as fast as F.linear at 1 / 4 / 32 / 128 / 512 rows
-(`python -m bench.quant_kernels`), so above this MKL's blocked GEMM (prefill chunks) is kept."""
+"""Rows (tokens) up to which fp32 CPU linears use our kernel; above it oneDNN's matmul (or MKL's F.linear where
+torch has no oneDNN). A decoder's 30 layers of projections with their weights streamed from memory, as in a
+real step (/tmp-free: `python -m bench.quant_kernels` measures them cache-hot), on the 2-core AMD EPYC 9004
+(Zen 4, AVX-512), GFLOPS at 32 / 64 / 128 rows: ours 133 / 161 / 156, oneDNN 119 / 141 / 157, MKL 80 / 107 / 109;
+at 512 rows (cache-hot) oneDNN runs 18.2 ms per layer against MKL's 22.1 and ours 21.6 (README)."""
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether torch's oneDNN linear (``torch.ops.mkldnn._linear_pointwise``, the op torch's own CPU compiler
+    emits) exists in this build."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through oneDNN's matmul on the weight as it lies (plain ``[N, K]`` rows, no packed copy):
+    the same fp32 math as MKL's GEMM, summed in another order, and faster than it at every row count measured."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; fp32 CPU operands with ``x`` of at most FP32_KERNEL_MAX_ROWS rows run
-    our AVX2 kernel (same fp32 math, summed in another order) when it is built (``kernels.ops()``)."""
-    if (x.dim() == 2 and x.shape[0] <= FP32_KERNEL_MAX_ROWS and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-            and (bias is None or bias.dtype == torch.float32)):
-        ops = kernels.ops()
-        if ops is not None:
-            return ops.fp32_linear(x.contiguous(), weight, None if bias is None else bias.contiguous())
+    """``F.linear(x, weight, bias)``; fp32 CPU operands run our AVX2 kernel up to FP32_KERNEL_MAX_ROWS rows when
+    it is built (``kernels.ops()``) and oneDNN above (same fp32 math, summed in another order)."""
+    if (x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)):
+        bias = None if bias is None else bias.contiguous()
+        if x.shape[0] <= FP32_KERNEL_MAX_ROWS:
+            ops = kernels.ops()
+            if ops is not None:
+                return ops.fp32_linear(x.contiguous(), weight, bias)
+        if onednn_available():
+            return onednn_linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
 
