@@ -434,3 +434,54 @@ def test_the_ninja_binary_is_found_where_ninja_bin_dir_is_empty(monkeypatch) -> 
     assert found is not None and os.path.isfile(os.path.join(found, "ninja"))
     monkeypatch.setattr(ninja, "BIN_DIR", "")
     assert kernels.project_ninja_dir() == found
+
+
+@needs_ops
+@pytest.mark.parametrize(("rows", "inter"), [(1, 16), (3, 1536), (37, 13), (300, 64)])
+def test_silu_mul_is_bit_identical_to_torch(rows: int, inter: int) -> None:
+    """The fused SwiGLU equals ``F.silu(gate) * up`` bit for bit (same formula, torch's own SLEEF exp) wherever
+    torch runs its vector loop (widths that are a multiple of its vector length, as SmolLM2's 1536); torch
+    computes a ragged tail with libm's expf instead, so there they agree to an ulp or two. Values from deep
+    negative (exp underflow side) to large positive."""
+    g = _gen(rows * 7 + inter)
+    gu = torch.randn(rows, 2 * inter, generator=g) * 6
+    gu[0, :4] = torch.tensor([-100.0, -88.5, 90.0, 0.0])
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    if inter % 16 == 0:
+        assert torch.equal(OPS.silu_mul(gu), ref)
+    else:
+        torch.testing.assert_close(OPS.silu_mul(gu), ref, rtol=3e-7, atol=1e-37)
+    with pytest.raises(RuntimeError, match="gu must be"):
+        OPS.silu_mul(gu[:, :-1].contiguous())
+
+
+@needs_ops
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(9, 3, 64), (4, 4, 18), (2, 1, 6)])
+def test_rope_kv_write_is_bit_identical_to_rotate_and_index_copy(heads: int, kv_heads: int, hd: int) -> None:
+    """In place on the fused qkv rows: q and k rotated exactly as serve.model.rope.rotate does (torch ops), v left
+    as is; k and v copied to exactly the KV rows kv.write's index_copy_ fills (layer offset, V offset), and no
+    other row of the storage touched. Head dims with and without a vector body (tails of 1-3 lanes)."""
+    from serve.model.rope import rotate
+
+    g = _gen(heads * 100 + hd)
+    T, width = 11, (heads + 2 * kv_heads) * hd
+    qkv = torch.randn(T, width, generator=g)
+    pos = torch.randint(0, 500, (T,), generator=g)
+    angles = pos[:, None].float() * torch.rand(hd // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    storage = torch.randn(64, kv_heads, hd, generator=g)
+    k_rows = torch.randperm(20, generator=g)[:T]
+    layer_offset, v_offset = 3, 40
+    ref_qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(T, heads + kv_heads, hd), cos[:, None], sin[:, None])
+    ref_v = qkv[:, (heads + kv_heads) * hd:].clone()
+    ref_storage = storage.clone()
+    ref_storage.index_copy_(0, k_rows + layer_offset, ref_qk[:, heads:])
+    ref_storage.index_copy_(0, k_rows + layer_offset + v_offset, ref_v.view(T, kv_heads, hd))
+    OPS.rope_kv_write_(qkv, cos, sin, heads, kv_heads, storage, k_rows, layer_offset, v_offset)
+    assert torch.equal(qkv[:, : (heads + kv_heads) * hd], ref_qk.reshape(T, -1))
+    assert torch.equal(qkv[:, (heads + kv_heads) * hd:], ref_v)
+    assert torch.equal(storage, ref_storage)
+    with pytest.raises(RuntimeError, match="out of range"):
+        OPS.rope_kv_write_(qkv, cos, sin, heads, kv_heads, storage, k_rows, 60, v_offset)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        OPS.rope_kv_write_(qkv[:, :-1].contiguous(), cos, sin, heads, kv_heads, storage, k_rows, 0, 0)

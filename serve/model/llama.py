@@ -127,6 +127,8 @@ class LlamaModel:
                                 and config.head_dim % 8 == 0 and group <= 16 else None)
         # RMSNorm, fused with the residual add before it (norm_avx2.cpp): fp32 on CPU
         self.fused_norm = kernels.ops() if dtype == torch.float32 and device.type == "cpu" else None
+        # SwiGLU and RoPE + the KV write, one pass each (elementwise_avx2.cpp, bit-identical to the torch ops)
+        self.fused_elementwise = self.fused_norm if config.head_dim % 2 == 0 else None
         # the LM head as the exact int8 blocks a GGUF Q8_0 embedding holds (serve/model/lm_head.py), for decode
         on_cpu_fp32 = dtype == torch.float32 and device.type == "cpu" and kernels.ops() is not None
         self.int8_head = int8_blocks(self.lm_head) if on_cpu_fp32 else None
@@ -177,15 +179,25 @@ class LlamaModel:
         x = self.rms_norm(h, layer.input_norm, delta)
         qkv = layer.qkv(x)
         T = x.shape[0]
-        # q and k rotated together (one pass over [T, heads + kv_heads, head_dim]; elementwise, so identical)
-        qk = rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                    where.cos, where.sin)
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        kv.write(i, where.new, k, v)
+        fused = self.fused_elementwise
+        if fused is not None and qkv.is_contiguous():  # rotated in place, k and v copied into the cache
+            fused.rope_kv_write_(qkv, where.cos.view(T, -1), where.sin.view(T, -1), cfg.num_heads, cfg.num_kv_heads,
+                                 kv.rows, where.new.row, i * kv.block_size, kv.v_rows)
+            q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        else:
+            # q and k rotated together (one pass over [T, heads + kv_heads, head_dim]; elementwise, so identical)
+            qk = rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                        where.cos, where.sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
+            kv.write(i, where.new, k, v)
         attn = self._attention(i, q, k, v, batch, kv, where)
         x = self.rms_norm(h, layer.post_attention_norm, layer.o(attn))
         gu = layer.gate_up(x)
+        if fused is not None and gu.is_contiguous():
+            return h, layer.down(fused.silu_mul(gu))
         inter = gu.shape[-1] // 2
         return h, layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
 

@@ -1,5 +1,6 @@
 // The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp; with int8 activations q8act_avx2.cpp), the fp32 linear
-// (linear_avx2.cpp), paged decode attention (attention_avx2.cpp) and RMSNorm (norm_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
+// (linear_avx2.cpp), paged decode attention (attention_avx2.cpp), RMSNorm (norm_avx2.cpp) and the fused SwiGLU / RoPE + KV write
+// (elementwise_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
@@ -14,6 +15,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      int64_t layer, int64_t v_offset, const torch::Tensor& lens, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor add_rms_norm_(const torch::Tensor& h, const torch::Tensor& delta, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gu);
+void rope_kv_write_(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                    int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& k_rows, int64_t layer_offset,
+                    int64_t v_offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
@@ -29,4 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query token per sequence against its paged K/V blocks, fp32 (attention_avx2.cpp)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of fp32 rows: w * (x / sqrt(mean(x^2) + eps))");
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then rms_norm(h, w, eps)");
+  m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:], as torch computes it (elementwise_avx2.cpp)");
+  m.def("rope_kv_write_", &rope_kv_write_,
+        "rotate q and k of a fused qkv row in place (RoPE), then copy its k and v rows into the KV storage");
 }
