@@ -4,9 +4,9 @@
 
 Runs one of bench.peer's offline workloads (name prefix: "batch-1", "32", "64") through the engine in
 ``--mode`` and times every call of our CPU kernels (the extension's functions, wrapped for the run) and of
-torch's SDPA: seconds and calls per function against the wall time of the workload (the rest: small torch
+torch's SDPA and oneDNN's linear: seconds and calls per function against the wall time of the workload (the rest: small torch
 ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
-(``fused_norm``, ``paged_attention`` or ``int8_head``) between on and off (None: the torch path), or the quantized layers'
+(``fused_norm``, ``fused_elementwise``, ``paged_attention`` or ``int8_head``) between on and off (None: the torch path), or the quantized layers'
 activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or their short path for decode
 inputs (``q8_short_path``: the direct kernel call vs the general path), for ``--rounds`` rounds, the
 order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
@@ -70,10 +70,13 @@ def breakdown(mode: str, prefix: str, threads: int) -> str:
 
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
-    real_ops, real_sdpa = kernels.ops, F.scaled_dot_product_attention
+    from serve.model import linear  # noqa: PLC0415
+
+    real_ops, real_sdpa, real_onednn = kernels.ops, F.scaled_dot_product_attention, linear.onednn_linear
     ops = real_ops()
     kernels.ops = lambda: None if ops is None else _TimedOps(ops, seconds, calls)  # read at layer/model build and per call
     F.scaled_dot_product_attention = _timed(real_sdpa, "torch sdpa", seconds, calls)
+    linear.onednn_linear = _timed(real_onednn, "oneDNN linear (> FP32_KERNEL_MAX_ROWS rows)", seconds, calls)
     try:
         engine = make_engine(mode, threads, "smollm2-135m")
         name, work = _workload(engine, prefix)
@@ -84,7 +87,7 @@ def breakdown(mode: str, prefix: str, threads: int) -> str:
         tok_s = _run(engine, work)
         wall = time.perf_counter() - t0
     finally:
-        kernels.ops, F.scaled_dot_product_attention = real_ops, real_sdpa
+        kernels.ops, F.scaled_dot_product_attention, linear.onednn_linear = real_ops, real_sdpa, real_onednn
     lines = [f"{name}, mode {mode}: {tok_s:.1f} tok/s, {wall:.2f} s wall", "| function | seconds | share of wall | calls |",
              "|---|---:|---:|---:|"]
     for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="32", help="bench.peer workload name prefix: batch-1, 32 or 64")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ab", default=None,
-                   choices=("fused_norm", "paged_attention", "int8_head", "int8_activations", "q8_short_path"),
+                   choices=("fused_norm", "fused_elementwise", "paged_attention", "int8_head", "int8_activations",
+                            "q8_short_path"),
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)
