@@ -109,7 +109,8 @@ def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, 
     return [args.aiperf, "profile", "--model", "morphserve", "--tokenizer", str(card), "--url", url,
             "--endpoint-type", "chat", "--streaming", "--extra-inputs", "ignore_eos:true",
             "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
-            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none", "--artifact-dir", str(artifacts)]
+            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none", "--no-server-metrics",  # see bench/aiperf.py
+            "--artifact-dir", str(artifacts)]
 
 
 def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, trace: Path, n: int, out: Path) -> dict:

@@ -67,7 +67,7 @@ def completions_command(aiperf: str, url: str, trace: Path, tokenizer_dir: Path,
             "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{output_len}",
             "--extra-inputs", "temperature:0.0",
             "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
-            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none",
+            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none", "--no-server-metrics",
             "--artifact-dir", str(artifacts)]
 
 
