@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from bench.triton.__main__ import default_engine_dir, load_tokenizer
 from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, assemble_result, run_mode, server_params
 from bench.repeats import cell
+from bench.vllm_server import peer_env
 from bench.workload import build_workload
 
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, "ignore_eos": true, '
@@ -102,8 +102,9 @@ def parse_aiperf(path: Path) -> dict:
 
 
 def aiperf_env() -> dict[str, str]:
-    """The environment AIPerf runs in: ours without the Hugging Face offline switches."""
-    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    """The environment AIPerf runs in: ours without the Hugging Face offline switches and without the OpenMP
+    defaults our package sets for the servers (a client must not spin-wait on the cores the servers use)."""
+    return {k: v for k, v in peer_env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
 
 
 def run_aiperf(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: Path, tokenizer_dir: Path) -> dict:
