@@ -72,17 +72,23 @@ def export_tokenizer(tokenizer, out: Path) -> Path:
     return out
 
 
+def replay_args(trace: Path, n: int, artifacts: Path) -> list[str]:
+    """The AIPerf arguments every benchmark here shares: replay ``trace`` (Mooncake format) on its fixed
+    schedule, ``n`` requests, no UI, artifacts in ``artifacts``. Without AIPerf's optional server-metrics
+    collector: the benchmarks scrape our metrics themselves, and on the loaded 2-core VM the collector missed
+    heartbeats and turned a complete run into exit status 1."""
+    return ["--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
+            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none", "--no-server-metrics",
+            "--artifact-dir", str(artifacts)]
+
+
 def aiperf_command(args: argparse.Namespace, url: str, trace: Path, tokenizer_dir: Path, template: Path,
                    artifacts: Path, n: int) -> list[str]:
     return [args.aiperf, "profile", "--model", "morphserve", "--tokenizer", str(tokenizer_dir),
             "--url", f"http://{url}", "--endpoint-type", "template",
             "--custom-endpoint", "/v2/models/morphserve/generate_stream", "--streaming",
             "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
-            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
-            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none",
-            # our servers' metrics are scraped by the benchmarks themselves; AIPerf's optional collector of
-            # them missed heartbeats on the loaded 2-core VM and turned a complete run into exit status 1
-            "--no-server-metrics", "--artifact-dir", str(artifacts)]
+            *replay_args(trace, n, artifacts)]
 
 
 def parse_aiperf(path: Path) -> dict:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.aiperf import replay_args
 from bench.workload import PromptBuilder, add_trace_arguments, default_text_path, trace_requests
 from serve.dynamo.cluster import REPO_ROOT, Cluster, ClusterConfig, free_port
 from serve.dynamo.http import get_text, metric_values, post_json
@@ -108,9 +109,7 @@ class Sampler(threading.Thread):
 def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, artifacts: Path, n: int) -> list[str]:
     return [args.aiperf, "profile", "--model", "morphserve", "--tokenizer", str(card), "--url", url,
             "--endpoint-type", "chat", "--streaming", "--extra-inputs", "ignore_eos:true",
-            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
-            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none", "--no-server-metrics",  # see bench/aiperf.py
-            "--artifact-dir", str(artifacts)]
+            *replay_args(trace, n, artifacts)]
 
 
 def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, trace: Path, n: int, out: Path) -> dict:

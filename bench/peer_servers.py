@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bench.aiperf import build_parser as aiperf_parser
-from bench.aiperf import aiperf_env, export_mooncake, export_tokenizer, parse_aiperf, run_aiperf
+from bench.aiperf import aiperf_env, export_mooncake, export_tokenizer, parse_aiperf, replay_args, run_aiperf
 from bench.repeats import cell
 from bench.triton.__main__ import default_engine_dir
 from bench.triton.requests import PreparedRequest, prepare_requests
@@ -66,9 +66,7 @@ def completions_command(aiperf: str, url: str, trace: Path, tokenizer_dir: Path,
             "--endpoint-type", "completions", "--streaming",
             "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{output_len}",
             "--extra-inputs", "temperature:0.0",
-            "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
-            "--fixed-schedule-auto-offset", "--request-count", str(n), "--ui", "none", "--no-server-metrics",
-            "--artifact-dir", str(artifacts)]
+            *replay_args(trace, n, artifacts)]
 
 
 def token_counts(path: Path) -> dict:

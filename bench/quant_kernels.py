@@ -40,6 +40,11 @@ def _median_us(fn, calls: int = 50) -> float:
     return statistics.median(times) * 1e6
 
 
+def _spread(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """(median, min, max) of each kernel's samples."""
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
+
+
 def _candidates(m: int, ops) -> dict[str, list]:
     gen = torch.Generator().manual_seed(0)
     out: dict[str, list] = {"fp32": [], "oneDNN fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
@@ -80,7 +85,7 @@ def run(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tupl
         for _ in range(repeats):
             for name, fns in cands.items():
                 samples[name].append(sum(_median_us(f) for f in fns))
-        result[m] = {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
+        result[m] = _spread(samples)
     return result
 
 
@@ -106,7 +111,7 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
         for _ in range(repeats):
             for name, fn in cands.items():
                 samples[name].append(_median_us(fn, calls=20))
-        result[m] = {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
+        result[m] = _spread(samples)
     return result
 
 
@@ -134,7 +139,7 @@ def streamed_rows(rows: list[int], threads: int, repeats: int, layers: int = 30)
                     for w in layer:
                         fn(xs[w.shape[1]], w)
                 samples[name].append((time.perf_counter() - t0) / layers * 1e6)
-        result[m] = {name: (statistics.median(v[1:]), min(v[1:]), max(v[1:])) for name, v in samples.items()}
+        result[m] = _spread({name: v[1:] for name, v in samples.items()})
     return result
 
 
