@@ -6,11 +6,19 @@ for device memory whatever precision a layer runs at.
 fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``FP32_KERNEL_MAX_ROWS`` rows and
 oneDNN's matmul above that (:func:`onednn_linear`): torch's F.linear goes through MKL, which is slower than both on
 the AMD CPUs measured (README "fp32 kernels and paged decode attention").
+
+A decoder's fp32 projections go one step further (:meth:`DenseLinear.blocked`): their one copy of the weight is
+stored in the blocked layout oneDNN's matmul reads fastest (:class:`BlockedLayout`), and oneDNN runs on those very
+bytes through a non-owning view, so batched steps get prepacked-weight speed without a second copy the morph
+runtime would have to account for; one or two rows run our kernel for that layout (blocked_linear_avx2.cpp),
+which streams it faster than any plain-layout GEMV measured here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -37,8 +45,9 @@ def onednn_available() -> bool:
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` through oneDNN's matmul on the weight as it lies (plain ``[N, K]`` rows, no packed copy):
-    the same fp32 math as MKL's GEMM, summed in another order, and faster than it at every row count measured."""
+    """``F.linear`` through oneDNN's matmul on the weight as it lies (plain ``[N, K]`` rows, or the MKLDNN view of
+    a blocked weight, :meth:`BlockedLayout.onednn_view`): the same fp32 math as MKL's GEMM, summed in another order,
+    and faster than it at every row count measured."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -57,6 +66,84 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+BLOCKED_KERNEL_MAX_ROWS = 2
+"""Rows up to which a blocked-layout linear runs our kernel; above it oneDNN's matmul on the same bytes. 30 layers'
+projections streamed from memory on the 2-core AMD EPYC 9004 (Zen 4), GFLOPS at 1 / 2 / 4 / 32 / 128 rows: our
+blocked kernel 15.4 / 23.1 / 27.6 / 55 / 72, oneDNN on the blocked view 9.7 / 19.8 / 43.7 / 132 / 181, our plain
+kernel 13.5 / 23.5 / 44.4 / 107 / 163 (README "Blocked fp32 weights")."""
+
+PACK_HINT_ROWS = 512
+"""The batch size oneDNN is told when it picks the layout (the prefill token budget's order of magnitude)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockedLayout:
+    """oneDNN's blocked layout of an fp32 ``[n, k]`` weight: ``W[i, j]`` at ``(i // block) * k * block + j * block
+    + i % block``, described by oneDNN's serialized memory descriptor ``md``. One per weight shape and shared by
+    every op of that shape (slots and no ``__dict__``: the placement walk, serve/morph/placement.py, does not take
+    it for a weight). ``views`` caches the non-owning MKLDNN view of each address a weight of this shape was
+    called at: a view only says "these bytes, this layout", so it stays right for whatever weight lies there."""
+
+    n: int
+    k: int
+    block: int
+    md: torch.Tensor
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The plain ``[n, k]`` weight in this layout: a ``[n // block, k, block]`` tensor (a shape nothing can
+        mistake for the plain one)."""
+        return weight.reshape(self.n // self.block, self.block, self.k).transpose(1, 2).contiguous()
+
+    def unpack(self, blocked: torch.Tensor) -> torch.Tensor:
+        return blocked.transpose(1, 2).reshape(self.n, self.k)
+
+    def onednn_view(self, blocked: torch.Tensor) -> torch.Tensor:
+        """The MKLDNN view of ``blocked``'s bytes. It does not own them: use it only while ``blocked`` lives."""
+        ptr = blocked.data_ptr()
+        view = self.views.get(ptr)
+        if view is None:
+            view = self.views[ptr] = kernels.ops().mkldnn_weight_view(blocked, self.n, self.k, self.md)
+        return view
+
+
+@functools.cache
+def blocked_layout(n: int, k: int) -> BlockedLayout | None:
+    """The layout oneDNN packs an fp32 ``[n, k]`` weight into on this machine, if it is one our kernel reads (a
+    row block of 16, 32, 48 or 64 dividing ``n``, no padding); None otherwise (and without oneDNN or our kernels):
+    such weights keep the plain layout. Probed once per shape by packing a weight whose every value is unique."""
+    if not onednn_available() or kernels.ops() is None or n * k >= 2 ** 29:
+        return None
+    # distinct normal floats (bit patterns from 1.0 up): packing copies them, so each value names its position
+    probe = torch.arange(n * k, dtype=torch.int32).add_(0x3F800000).view(torch.float32).view(n, k)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_HINT_ROWS)
+        nbytes = torch.ops.mkldnn._nbytes(packed)
+        md = torch.ops.mkldnn._get_mkldnn_serialized_md(packed).clone()
+        ptr = torch.ops.mkldnn.data_ptr(packed)
+    except (AttributeError, RuntimeError):
+        return None
+    if nbytes != n * k * 4:
+        return None
+    raw = torch.frombuffer((ctypes.c_float * (n * k)).from_address(ptr), dtype=torch.float32).clone()
+    for block in (64, 48, 32, 16):
+        if n % block == 0:
+            layout = BlockedLayout(n, k, block, md)
+            if torch.equal(layout.pack(probe).view(-1), raw):
+                return layout
+    return None
+
+
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, layout: BlockedLayout,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of fp32 CPU ``x`` with a weight stored in ``layout``: our kernel up to BLOCKED_KERNEL_MAX_ROWS
+    rows, oneDNN's matmul on the same bytes above."""
+    x = x.contiguous()
+    if x.shape[0] <= BLOCKED_KERNEL_MAX_ROWS:
+        return kernels.ops().fp32_blocked_linear(x, blocked, layout.n, layout.block, bias)
+    return onednn_linear(x, layout.onednn_view(blocked), bias)
+
+
 class LinearOp(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -65,12 +152,35 @@ class LinearOp(Protocol):
 
 
 class DenseLinear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """A full-precision linear. ``weight`` is plain ``[n, k]``, or, with ``layout``, that weight in oneDNN's
+    blocked layout (:meth:`blocked`); :meth:`plain_weight` gives ``[n, k]`` either way."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 layout: BlockedLayout | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self.layout = layout
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if self.layout is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return blocked_linear(x, self.weight, self.layout, self.bias)
+        return linear(x, self.plain_weight(), self.bias)
+
+    def plain_weight(self) -> torch.Tensor:
+        return self.weight if self.layout is None else self.layout.unpack(self.weight)
+
+    def blocked(self) -> "DenseLinear":
+        """This op with its weight in oneDNN's blocked layout where that applies (an fp32 CPU weight of a shape
+        :func:`blocked_layout` accepts, an fp32 bias or none); otherwise this op unchanged."""
+        w = self.weight
+        if (self.layout is not None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2
+                or (self.bias is not None and self.bias.dtype != torch.float32)):
+            return self
+        layout = blocked_layout(*w.shape)
+        if layout is None:
+            return self
+        bias = None if self.bias is None else self.bias.contiguous()
+        return DenseLinear(layout.pack(w), bias, layout)
 
     @property
     def nbytes(self) -> int:

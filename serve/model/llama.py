@@ -98,14 +98,15 @@ def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.
     p = f"model.layers.{i}."
     w = lambda name: weights[p + name].to(device=device, dtype=dtype)  # noqa: E731
     b = lambda name: weights[p + name].to(device=device, dtype=dtype) if p + name in weights else None  # noqa: E731
+    # fp32 CPU weights go into oneDNN's blocked layout (serve/model/linear.py: DenseLinear.blocked); others stay
     return DecoderLayer(
         input_norm=w("input_layernorm.weight"),
         post_attention_norm=w("post_attention_layernorm.weight"),
         qkv=DenseLinear.fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")],
-                              [b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")]),
-        o=DenseLinear(w("self_attn.o_proj.weight")),
-        gate_up=DenseLinear.fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
-        down=DenseLinear(w("mlp.down_proj.weight")),
+                              [b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")]).blocked(),
+        o=DenseLinear(w("self_attn.o_proj.weight")).blocked(),
+        gate_up=DenseLinear.fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).blocked(),
+        down=DenseLinear(w("mlp.down_proj.weight")).blocked(),
     )
 
 

@@ -33,7 +33,7 @@ import torch
 
 _log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("qlinear_avx2.cpp", "q8act_avx2.cpp", "linear_avx2.cpp", "attention_avx2.cpp", "norm_avx2.cpp",
+            for name in ("qlinear_avx2.cpp", "q8act_avx2.cpp", "linear_avx2.cpp", "blocked_linear_avx2.cpp", "attention_avx2.cpp", "norm_avx2.cpp",
                          "elementwise_avx2.cpp", "bindings.cpp")]
 _HEADERS = [Path(__file__).with_name("avx2_common.h")]  # included by the sources: staged and hashed, not compiled
 _NAME = "morphserve_cpu_kernels"

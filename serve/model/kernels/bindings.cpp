@@ -1,5 +1,5 @@
-// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp; with int8 activations q8act_avx2.cpp), the fp32 linear
-// (linear_avx2.cpp), paged decode attention (attention_avx2.cpp), RMSNorm (norm_avx2.cpp) and the fused SwiGLU / RoPE + KV write
+// The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp; with int8 activations q8act_avx2.cpp), the fp32 linears
+// (linear_avx2.cpp, blocked_linear_avx2.cpp), paged decode attention (attention_avx2.cpp), RMSNorm (norm_avx2.cpp) and the fused SwiGLU / RoPE + KV write
 // (elementwise_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
 
@@ -11,6 +11,9 @@ std::tuple<torch::Tensor, torch::Tensor> q8_quantize(const torch::Tensor& x);
 torch::Tensor int8_block_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
 torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+torch::Tensor fp32_blocked_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n_out, int64_t block,
+                                  const c10::optional<torch::Tensor>& bias);
+torch::Tensor mkldnn_weight_view(const torch::Tensor& w, int64_t n_out, int64_t k_in, const torch::Tensor& md);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
                                      int64_t layer, int64_t v_offset, const torch::Tensor& lens, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
@@ -30,6 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &int4_dequantize, "fp32 [N, K] from blocked int4 codes");
   m.def("fp32_linear", &fp32_linear, "y = x @ w^T (+ bias), fp32, register-tiled for small row counts",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("fp32_blocked_linear", &fp32_blocked_linear,
+        "y = x @ w^T (+ bias), fp32, w in oneDNN's blocked layout of n_out / block blocks (blocked_linear_avx2.cpp)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n_out"), pybind11::arg("block"),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("mkldnn_weight_view", &mkldnn_weight_view,
+        "an MKLDNN tensor [n_out, k_in] viewing w's bytes (not owning them), described by oneDNN's serialized md");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per sequence against its paged K/V blocks, fp32 (attention_avx2.cpp)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of fp32 rows: w * (x / sqrt(mean(x^2) + eps))");
