@@ -4,8 +4,10 @@
 
 Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear`` (MKL) and our fp32 kernel
-(``fp32_linear``, what full-precision layers use up to ``FP32_KERNEL_MAX_ROWS`` rows), oneDNN on the plain
-weights (what they use above it); torch's int8 / int4 weight-only
+(``fp32_linear``, what plain-layout fp32 linears such as the LM head use up to ``FP32_KERNEL_MAX_ROWS`` rows),
+oneDNN on the plain weights (what they use above it); ``--streamed`` adds the blocked layout the decoder layers
+store (our ``fp32_blocked_linear``, oneDNN on a view of the blocked bytes, and the engine's choice); torch's int8 /
+int4 weight-only
 kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``), the same with int8 activations
 (``int8_linear_q8`` / ``int4_linear_q8``, what quantized layers run by default up to ``SMALL_BATCH`` rows) and ours as dequantize + fp32
 GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats`` rounds of
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from serve.model import kernels
-from serve.model.linear import onednn_available, onednn_linear
+from serve.model.linear import DenseLinear, onednn_available, onednn_linear
 from serve.model.quantized_linear import pack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
 
@@ -118,7 +120,9 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
 def streamed_rows(rows: list[int], threads: int, repeats: int, layers: int = 30) -> dict[int, dict[str, tuple[float, float, float]]]:
     """fp32 projections of ``layers`` decoder layers with distinct weights (420 MB at 30: far beyond any cache),
     run one layer after the other as a forward step does, so every weight comes from memory: per-layer time
-    of our kernel, oneDNN and MKL (the cache-hot table above favours whichever kernel reuses cache best)."""
+    of our kernel, oneDNN and MKL on the plain weights, and of our blocked-layout kernel, oneDNN on the blocked
+    bytes and the engine's choice between them (``DenseLinear.blocked``) on the same weights in oneDNN's
+    blocked layout (the cache-hot table above favours whichever kernel reuses cache best)."""
     torch.set_num_threads(threads)
     ops = kernels.ops()
     gen = torch.Generator().manual_seed(0)
@@ -128,16 +132,25 @@ def streamed_rows(rows: list[int], threads: int, repeats: int, layers: int = 30)
         fns["oneDNN fp32"] = onednn_linear
     if ops is not None:
         fns["ours fp32"] = lambda x, w: ops.fp32_linear(x, w)
+    # the same weights in oneDNN's blocked layout, as the engine stores them (a second set, 420 MB at 30 layers)
+    blocked = [[DenseLinear(w).blocked() for w in layer] for layer in weights]
+    blocked_fns = {}
+    if all(op.layout is not None for layer in blocked for op in layer):
+        blocked_fns = {
+            "ours blocked fp32": lambda x, op: ops.fp32_blocked_linear(x, op.weight, op.layout.n, op.layout.block),
+            "oneDNN blocked view": lambda x, op: onednn_linear(x, op.layout.onednn_view(op.weight)),
+            "engine (DenseLinear)": lambda x, op: op(x),
+        }
     result: dict[int, dict[str, tuple[float, float, float]]] = {}
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen) for _, k in SHAPES}
-        samples: dict[str, list[float]] = {name: [] for name in fns}
+        samples: dict[str, list[float]] = {name: [] for name in (*fns, *blocked_fns)}
         for _ in range(repeats + 1):  # the first round warms up
-            for name, fn in fns.items():
+            for name, fn in (*fns.items(), *blocked_fns.items()):
                 t0 = time.perf_counter()
-                for layer in weights:
-                    for w in layer:
-                        fn(xs[w.shape[1]], w)
+                for layer in (blocked if name in blocked_fns else weights):
+                    for (_, k), w in zip(SHAPES, layer):
+                        fn(xs[k], w)
                 samples[name].append((time.perf_counter() - t0) / layers * 1e6)
         result[m] = _spread({name: v[1:] for name, v in samples.items()})
     return result

@@ -50,7 +50,7 @@ def _formula_layout(n: int, k: int, block: int) -> BlockedLayout:
 @needs_blocked
 @pytest.mark.parametrize("n,block", [(16, 16), (48, 16), (96, 32), (128, 64), (960, 64)])
 @pytest.mark.parametrize("k", [1, 13, 576])
-@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 13])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_kernel_matches_float_reference(n: int, block: int, k: int, m: int, with_bias: bool) -> None:
     """Every tile our kernel has (a 64-row block at one row, 32- and 16-row panels, 1-4 row remainders)."""
