@@ -197,3 +197,18 @@ def test_engine_layers_hold_blocked_weights_in_the_arena_and_generate_like_plain
             setattr(layer, name, DenseLinear(op.plain_weight().contiguous(), op.bias))
     e.reset_prefix_cache()
     assert [o["token_ids"] for o in e.generate(prompts, params)] == blocked
+
+
+@needs_blocked
+def test_cached_views_are_bounded_and_stay_correct(monkeypatch) -> None:
+    """Weights placed afresh at new addresses (evaluation copies) do not grow the view cache without bound."""
+    monkeypatch.setattr(linear_module, "MAX_CACHED_VIEWS", 2)
+    g = _gen(9)
+    ws = [torch.randn(960, 576, generator=g) for _ in range(5)]
+    ops = [DenseLinear(w).blocked() for w in ws]
+    x = torch.randn(8, 576, generator=g)
+    for w, op in zip(ws, ops):
+        _check_close(op(x), x, w)
+        assert len(op.layout.views) <= 2
+    layout = ops[0].layout
+    layout.views.clear()

@@ -72,6 +72,9 @@ projections streamed from memory on the 2-core AMD EPYC 9004 (Zen 4), GFLOPS at 
 blocked kernel 15.4 / 23.1 / 27.6 / 55 / 72, oneDNN on the blocked view 9.7 / 19.8 / 43.7 / 132 / 181, our plain
 kernel 13.5 / 23.5 / 44.4 / 107 / 163 (README "Blocked fp32 weights")."""
 
+MAX_CACHED_VIEWS = 4096
+"""Views a layout keeps before it forgets them all (a served model has one address per weight, a few per swap)."""
+
 PACK_HINT_ROWS = 512
 """The batch size oneDNN is told when it picks the layout (the prefill token budget's order of magnitude)."""
 
@@ -103,6 +106,8 @@ class BlockedLayout:
         ptr = blocked.data_ptr()
         view = self.views.get(ptr)
         if view is None:
+            if len(self.views) >= MAX_CACHED_VIEWS:  # weights placed afresh again and again (evaluation copies)
+                self.views.clear()
             view = self.views[ptr] = kernels.ops().mkldnn_weight_view(blocked, self.n, self.k, self.md)
         return view
 
@@ -125,7 +130,7 @@ def blocked_layout(n: int, k: int) -> BlockedLayout | None:
         return None
     if nbytes != n * k * 4:
         return None
-    raw = torch.frombuffer((ctypes.c_float * (n * k)).from_address(ptr), dtype=torch.float32).clone()
+    raw = torch.frombuffer((ctypes.c_float * (n * k)).from_address(ptr), dtype=torch.float32)  # packed stays alive
     for block in (64, 48, 32, 16):
         if n % block == 0:
             layout = BlockedLayout(n, k, block, md)
