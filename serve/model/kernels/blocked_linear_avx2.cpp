@@ -4,8 +4,8 @@
 // Why: full-precision weights live in the arena in the layout oneDNN's matmul reads fastest (serve/model/
 // linear.py, BlockedLayout), so batched steps run oneDNN on them without a packed second copy. oneDNN's own
 // kernel on that layout is slower than a plain GEMV at one row; this kernel reads the same bytes at one to a
-// few rows. Layout: W[n, k] lies at (n / B) * K * B + k * B + n % B (B = 64 on AVX-512 machines; the Python
-// side probes B and falls back to the plain layout when oneDNN chose anything else).
+// few rows. Layout: W[n, k] lies at (n / B) * K * B + k * B + n % B (B = 64 on the Zen 4 VM, also with oneDNN
+// capped at AVX2; the Python side probes B and falls back to the plain layout when oneDNN chose anything else).
 //
 // A tile of MR activation rows x NV * 8 weight rows keeps MR * NV ymm accumulators; each k step loads NV
 // contiguous weight vectors and broadcasts MR activations: the block is streamed front to back, so one
