@@ -76,7 +76,8 @@ def breakdown(mode: str, prefix: str, threads: int) -> str:
     ops = real_ops()
     kernels.ops = lambda: None if ops is None else _TimedOps(ops, seconds, calls)  # read at layer/model build and per call
     F.scaled_dot_product_attention = _timed(real_sdpa, "torch sdpa", seconds, calls)
-    linear.onednn_linear = _timed(real_onednn, "oneDNN linear (blocked projections > 2 rows, plain > 128)", seconds, calls)
+    linear.onednn_linear = _timed(real_onednn, f"oneDNN linear (blocked projections > {linear.BLOCKED_KERNEL_MAX_ROWS} "
+                                  f"rows, plain > {linear.FP32_KERNEL_MAX_ROWS})", seconds, calls)
     try:
         engine = make_engine(mode, threads, "smollm2-135m")
         name, work = _workload(engine, prefix)

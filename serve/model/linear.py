@@ -67,10 +67,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 BLOCKED_KERNEL_MAX_ROWS = 2
-"""Rows up to which a blocked-layout linear runs our kernel; above it oneDNN's matmul on the same bytes. 30 layers'
-projections streamed from memory on the 2-core AMD EPYC 9004 (Zen 4), GFLOPS at 1 / 2 / 4 / 32 / 128 rows: our
-blocked kernel 15.4 / 23.1 / 27.6 / 55 / 72, oneDNN on the blocked view 9.7 / 19.8 / 43.7 / 132 / 181, our plain
-kernel 13.5 / 23.5 / 44.4 / 107 / 163 (README "Blocked fp32 weights")."""
+"""Rows up to which a blocked-layout linear runs our kernel; above it oneDNN's matmul on the same bytes. One layer's
+projections with 30 layers' weights streamed from memory on the 2-core AMD EPYC 9004 (Zen 4), microseconds at
+1 / 2 / 4 / 32 rows: our blocked kernel 454 / 843 / 1187 / 3820, oneDNN on the blocked view 855 / 800 / 589 / 1725
+(``python -m bench.quant_kernels --streamed``; at 2 rows the two trade places between runs; README "Blocked fp32
+weights")."""
 
 MAX_CACHED_VIEWS = 4096
 """Views a layout keeps before it forgets them all (a served model has one address per weight, a few per swap)."""
