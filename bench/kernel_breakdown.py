@@ -8,7 +8,9 @@ torch's SDPA and oneDNN's linear: seconds and calls per function against the wal
 ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
 (``fused_norm``, ``fused_elementwise``, ``paged_attention`` or ``int8_head``) between on and off (None: the torch path), or the quantized layers'
 activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or their short path for decode
-inputs (``q8_short_path``: the direct kernel call vs the general path), for ``--rounds`` rounds, the
+inputs (``q8_short_path``: the direct kernel call vs the general path), or the fp32 projections' weight layout
+(``blocked_weights``: oneDNN's blocked layout as the engine stores it vs plain ``[N, K]`` copies of the same
+weights, made outside the arena for the run), for ``--rounds`` rounds, the
 order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
 kind this noisy 2-core machine can tell apart.
 """
@@ -59,7 +61,10 @@ def _workload(engine: LLMEngine, prefix: str) -> tuple[str, dict]:
 
 
 def _run(engine: LLMEngine, work: dict) -> float:
+    """Output tok/s of one cold run (prefix cache reset first, as bench.peer's cold rows: A/B rounds repeat the
+    same prompts, and a warm cache would skip most of their prefill)."""
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work["max_tokens"]]
+    engine.reset_prefix_cache()
     t0 = time.perf_counter()
     engine.generate(work["prompts"], params)
     return sum(work["max_tokens"]) / (time.perf_counter() - t0)
@@ -121,6 +126,17 @@ def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
             else:
                 os.environ["MORPHSERVE_QACTIVATIONS"] = before
         return set_acts
+    if attr == "blocked_weights":
+        from serve.model.linear import DenseLinear  # noqa: PLC0415
+        from serve.morph.layer_bank import remap_ops  # noqa: PLC0415
+
+        def plain(op):
+            return DenseLinear(op.plain_weight().contiguous(), op.bias) if isinstance(op, DenseLinear) else op
+        blocked = list(engine.model.layers)
+        if not any(getattr(op, "layout", None) is not None for layer in blocked for op in vars(layer).values()):
+            raise SystemExit("no blocked weights on this machine: nothing to compare")
+        plain_layers = [remap_ops(layer, plain) for layer in blocked]
+        return lambda on: engine.model.layers.__setitem__(slice(None), plain_layers if on is False else blocked)
     kernel = getattr(engine.model, attr)
     if kernel is None:
         raise SystemExit(f"{attr} is already off on this machine (no kernels): nothing to compare")
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ab", default=None,
                    choices=("fused_norm", "fused_elementwise", "paged_attention", "int8_head", "int8_activations",
-                            "q8_short_path"),
+                            "q8_short_path", "blocked_weights"),
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)

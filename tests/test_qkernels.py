@@ -34,11 +34,14 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """``y`` (fp32) vs ``x @ w.T`` in float64, per element within 8 * K fp32 units of sum |x||w|."""
+def _check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``y`` (fp32) vs ``x @ w.T (+ bias)`` in float64, per element within 8 * K fp32 units of sum |x||w| (with a
+    bias: 8 * (K + 1) units of sum |x||w| + |bias|)."""
     ref = x.double() @ w.double().t()
     scale = x.double().abs() @ w.double().abs().t()
     k = x.shape[-1]
+    if bias is not None:
+        ref, scale, k = ref + bias.double(), scale + bias.double().abs(), k + 1
     assert y.dtype == torch.float32 and y.shape == ref.shape
     bound = 8 * k * 2.0**-24 * scale + 1e-30
     assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref).abs() / scale).max())
