@@ -170,6 +170,82 @@ def test_paged_decode_attention_rejects_bad_lengths_and_indices() -> None:
         OPS.paged_decode_attention(q, kv.blocks, torch.tensor([[3]]), 0, 1, torch.tensor([2]), 1.0)
 
 
+def _causal_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[n, heads * hd]: token i's query head h over keys 0..i of kv head h // (heads / kv_heads), in float64."""
+    n, heads, hd = q.shape
+    group = heads // k.shape[1]
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv).reshape(n, heads * hd)
+
+
+@needs_ops
+@pytest.mark.parametrize(("group", "kv_heads", "hd"), [(1, 2, 64), (3, 3, 64), (4, 1, 72), (7, 2, 32), (2, 1, 8)])
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 47, 100])
+def test_prompt_attention_matches_causal_attention_in_float64(group: int, kv_heads: int, hd: int, n: int) -> None:
+    """Whole-prompt causal attention read from the strided q/k/v of fused qkv rows (as the engine passes them)
+    equals float64 causal softmax attention, and writes exactly its rows of ``out``. Token counts cover one and
+    several query tiles (16 tokens) with partial ones; group sizes and head dims every register-tile remainder."""
+    g = _gen(1000 * group + 10 * n + hd)
+    heads = group * kv_heads
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g)
+    q = qkv[:, : heads * hd].view(n, heads, hd)
+    k = qkv[:, heads * hd: (heads + kv_heads) * hd].view(n, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd:].view(n, kv_heads, hd)
+    out = torch.full((n + 4, heads * hd), float("nan"))
+    OPS.prefill_attention_(q, k, v, out[2: n + 2], 0.125)
+    assert torch.allclose(out[2: n + 2].double(), _causal_attention_f64(q, k, v, 0.125), atol=1e-5, rtol=1e-5)
+    assert out[:2].isnan().all() and out[n + 2:].isnan().all()
+
+
+@needs_ops
+def test_prompt_attention_rejects_bad_shapes() -> None:
+    q, kv, out = torch.randn(4, 6, 16), torch.randn(4, 2, 16), torch.empty(4, 96)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        OPS.prefill_attention_(q, torch.randn(4, 4, 16), torch.randn(4, 4, 16), out, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        OPS.prefill_attention_(torch.randn(4, 6, 12), torch.randn(4, 2, 12), torch.randn(4, 2, 12), torch.empty(4, 72), 1.0)
+    with pytest.raises(RuntimeError, match="out must be"):
+        OPS.prefill_attention_(q, kv, kv, torch.empty(3, 96), 1.0)
+    with pytest.raises(RuntimeError, match="heads adjacent"):
+        OPS.prefill_attention_(torch.randn(6, 4, 16).transpose(0, 1), kv, kv, out, 1.0)
+    with pytest.raises(RuntimeError, match="k must be"):
+        OPS.prefill_attention_(q, torch.randn(5, 2, 16), kv, out, 1.0)
+
+
+@needs_ops
+def test_engine_attends_whole_prompts_with_the_kernel_and_generates_like_sdpa(tiny) -> None:
+    """Every whole prompt goes through the kernel once per layer, and greedy tokens equal those of the SDPA
+    path (a prompt split by the token budget takes SDPA for its later chunk in both runs)."""
+    from bench.tiny_model import make_tiny_model
+    from serve.config import EngineConfig
+    from serve.engine.engine import LLMEngine
+    from serve.engine.sampling_params import SamplingParams
+
+    model = make_tiny_model(seed=5, tokenizer=tiny.tokenizer, vocab_size=1024, hidden_size=192, intermediate_size=256,
+                            num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32)
+    e = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=128, max_num_seqs=8),
+                  loaded=model)
+    kernel = e.model.prompt_attention
+    assert kernel is not None
+    calls: list[int] = []
+
+    class Counting:
+        def prefill_attention_(self, q, *args):
+            calls.append(q.shape[0])
+            return kernel.prefill_attention_(q, *args)
+
+    e.model.prompt_attention = Counting()
+    prompts = [[(13 * j + i) % 1000 + 3 for j in range(n)] for i, n in enumerate((1, 17, 40, 77, 150))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with_kernel = [o["token_ids"] for o in e.generate(prompts, params)]
+    assert sorted(set(calls)) == [1, 17, 40, 77, 128] and len(calls) == 2 * 5, calls  # 150 > budget: chunked
+    e.model.prompt_attention = None
+    e.reset_prefix_cache()
+    assert [o["token_ids"] for o in e.generate(prompts, params)] == with_kernel
+
+
 @needs_ops
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 576), (300, 64), (3, 13)])
 def test_rms_norm_kernels_match_the_float64_formula(rows: int, hidden: int) -> None:
