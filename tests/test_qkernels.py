@@ -171,28 +171,31 @@ def test_paged_decode_attention_rejects_bad_lengths_and_indices() -> None:
 
 
 def _causal_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """[n, heads * hd]: token i's query head h over keys 0..i of kv head h // (heads / kv_heads), in float64."""
+    """[n, heads * hd]: query token i (the last n of k's L) and head h over keys 0..L - n + i of kv head
+    h // (heads / kv_heads), in float64."""
     n, heads, hd = q.shape
-    group = heads // k.shape[1]
+    L, group = k.shape[0], heads // k.shape[1]
     kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     s = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    s = s.masked_fill(torch.ones(n, L, dtype=torch.bool).triu(L - n + 1), float("-inf"))
     return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv).reshape(n, heads * hd)
 
 
 @needs_ops
 @pytest.mark.parametrize(("group", "kv_heads", "hd"), [(1, 2, 64), (3, 3, 64), (4, 1, 72), (7, 2, 32), (2, 1, 8)])
-@pytest.mark.parametrize("n", [1, 5, 16, 17, 47, 100])
-def test_prompt_attention_matches_causal_attention_in_float64(group: int, kv_heads: int, hd: int, n: int) -> None:
-    """Whole-prompt causal attention read from the strided q/k/v of fused qkv rows (as the engine passes them)
-    equals float64 causal softmax attention, and writes exactly its rows of ``out``. Token counts cover one and
-    several query tiles (16 tokens) with partial ones; group sizes and head dims every register-tile remainder."""
-    g = _gen(1000 * group + 10 * n + hd)
-    heads = group * kv_heads
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g)
-    q = qkv[:, : heads * hd].view(n, heads, hd)
-    k = qkv[:, heads * hd: (heads + kv_heads) * hd].view(n, kv_heads, hd)
-    v = qkv[:, (heads + kv_heads) * hd:].view(n, kv_heads, hd)
+@pytest.mark.parametrize(("n", "cached"), [(1, 0), (5, 0), (16, 0), (17, 0), (47, 0), (100, 0), (1, 30), (20, 5), (33, 64)])
+def test_prompt_attention_matches_causal_attention_in_float64(group: int, kv_heads: int, hd: int, n: int,
+                                                              cached: int) -> None:
+    """Causal attention of n query tokens after ``cached`` ones, read from the strided q/k/v of fused qkv rows (as
+    the engine passes a whole prompt; a later chunk passes the gathered context), equals float64 causal softmax
+    attention and writes exactly its rows of ``out``. Token counts cover one and several query tiles (16 tokens)
+    with partial ones; group sizes and head dims every register-tile remainder."""
+    g = _gen(1000 * group + 10 * n + hd + cached)
+    heads, L = group * kv_heads, cached + n
+    qkv = torch.randn(L, (heads + 2 * kv_heads) * hd, generator=g)
+    q = qkv[cached:, : heads * hd].view(n, heads, hd)
+    k = qkv[:, heads * hd: (heads + kv_heads) * hd].view(L, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd:].view(L, kv_heads, hd)
     out = torch.full((n + 4, heads * hd), float("nan"))
     OPS.prefill_attention_(q, k, v, out[2: n + 2], 0.125)
     assert torch.allclose(out[2: n + 2].double(), _causal_attention_f64(q, k, v, 0.125), atol=1e-5, rtol=1e-5)
@@ -210,14 +213,17 @@ def test_prompt_attention_rejects_bad_shapes() -> None:
         OPS.prefill_attention_(q, kv, kv, torch.empty(3, 96), 1.0)
     with pytest.raises(RuntimeError, match="heads adjacent"):
         OPS.prefill_attention_(torch.randn(6, 4, 16).transpose(0, 1), kv, kv, out, 1.0)
-    with pytest.raises(RuntimeError, match="k must be"):
+    with pytest.raises(RuntimeError, match="k must hold"):
+        OPS.prefill_attention_(q, torch.randn(3, 2, 16), kv, out, 1.0)
+    with pytest.raises(RuntimeError, match="v must be"):
         OPS.prefill_attention_(q, torch.randn(5, 2, 16), kv, out, 1.0)
 
 
 @needs_ops
-def test_engine_attends_whole_prompts_with_the_kernel_and_generates_like_sdpa(tiny) -> None:
-    """Every whole prompt goes through the kernel once per layer, and greedy tokens equal those of the SDPA
-    path (a prompt split by the token budget takes SDPA for its later chunk in both runs)."""
+def test_engine_attends_prompt_chunks_with_the_kernel_and_generates_like_sdpa(tiny) -> None:
+    """Every prompt chunk goes through the kernel once per layer (whole prompts, the later chunk of a prompt the
+    token budget splits, and the uncached tail of a prompt whose prefix is cached), and greedy tokens equal those
+    of the SDPA path."""
     from bench.tiny_model import make_tiny_model
     from serve.config import EngineConfig
     from serve.engine.engine import LLMEngine
@@ -240,10 +246,16 @@ def test_engine_attends_whole_prompts_with_the_kernel_and_generates_like_sdpa(ti
     prompts = [[(13 * j + i) % 1000 + 3 for j in range(n)] for i, n in enumerate((1, 17, 40, 77, 150))]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     with_kernel = [o["token_ids"] for o in e.generate(prompts, params)]
-    assert sorted(set(calls)) == [1, 17, 40, 77, 128] and len(calls) == 2 * 5, calls  # 150 > budget: chunked
+    # every prompt token's query once per layer, in more chunks than prompts (150 > the budget of 128 per step)
+    assert sum(calls) == 2 * sum(map(len, prompts)) and len(calls) > 2 * len(prompts), calls
+    calls.clear()
+    tail = [prompts[3] + [7, 8, 9]]  # 80 tokens: the 77-token prompt's 4 full blocks of 16 cached, 16 new ones
+    with_cache = [o["token_ids"] for o in e.generate(tail, params)]
+    assert calls == [16] * 2, calls
     e.model.prompt_attention = None
     e.reset_prefix_cache()
     assert [o["token_ids"] for o in e.generate(prompts, params)] == with_kernel
+    assert [o["token_ids"] for o in e.generate(tail, params)] == with_cache  # the same prefix cached again
 
 
 @needs_ops

@@ -126,7 +126,8 @@ class LlamaModel:
         # decode attention over the paged blocks (attention_avx2.cpp) where the kernel applies: fp32 on CPU
         self.paged_attention = (kernels.ops() if dtype == torch.float32 and device.type == "cpu"
                                 and config.head_dim % 8 == 0 and group <= 16 else None)
-        # a whole prompt's causal attention over its own K/V, GQA heads stacked (attention_avx2.cpp): same conditions
+        # prompt chunks' causal attention, GQA heads stacked (attention_avx2.cpp): whole prompts over their own K/V,
+        # later chunks over the cached context gathered first; same conditions
         self.prompt_attention = self.paged_attention
         # RMSNorm, fused with the residual add before it (norm_avx2.cpp): fp32 on CPU
         self.fused_norm = kernels.ops() if dtype == torch.float32 and device.type == "cpu" else None
@@ -223,9 +224,9 @@ class LlamaModel:
             out[:B] = o.reshape(B, cfg.q_size)
         for pc, ctx in zip(batch.prefills, where.prefills):
             n, t0 = pc.num_tokens, pc.token_start
-            if pc.mask is None and self.prompt_attention is not None:  # a whole prompt, straight into out
-                self.prompt_attention.prefill_attention_(q[t0: t0 + n], k[t0: t0 + n], v[t0: t0 + n], out[t0: t0 + n],
-                                                         self.scale)
+            if self.prompt_attention is not None:  # causal over the chunk's own keys, after the cached ones
+                kc, vc = (k[t0: t0 + n], v[t0: t0 + n]) if pc.mask is None else kv.read(i, ctx)
+                self.prompt_attention.prefill_attention_(q[t0: t0 + n], kc, vc, out[t0: t0 + n], self.scale)
                 continue
             if pc.mask is None:  # a whole prompt: its K/V are this forward's, no gather from the cache needed
                 o = F.scaled_dot_product_attention(

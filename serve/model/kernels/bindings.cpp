@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query token per sequence against its paged K/V blocks, fp32 (attention_avx2.cpp)");
   m.def("prefill_attention_", &prefill_attention_,
-        "causal attention of a whole prompt over its own K/V, written into out, fp32 (attention_avx2.cpp)");
+        "causal attention of n query tokens, the last n of k/v's L, written into out, fp32 (attention_avx2.cpp)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of fp32 rows: w * (x / sqrt(mean(x^2) + eps))");
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta in place, then rms_norm(h, w, eps)");
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:], as torch computes it (elementwise_avx2.cpp)");
