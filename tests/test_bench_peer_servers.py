@@ -59,4 +59,9 @@ def test_token_totals_and_table(tmp_path: Path) -> None:
              "e2el_s": {"p50": 7.0, "p95": 9.0, "mean": 7.0}}
     ours = {k: {s: v * 2 for s, v in d.items()} for k, d in stats.items()}
     md = table([{"vllm": stats, "ours": ours}])
-    assert "| TTFT p50 | 500.0 | 1000.0 | 2.00x |" in md
+    assert "| TTFT p50 | 500.0 | 1000.0 | 2.00x | 2.00 |" in md
+    slower_vm = {k: {s: v * 3 for s, v in d.items()} for k, d in stats.items()}  # both servers 3x slower in run 2
+    md = table([{"vllm": stats, "ours": ours}, {"vllm": slower_vm, "ours": {k: {s: v * 0.5 for s, v in d.items()}
+                                                                          for k, d in slower_vm.items()}}])
+    # medians 1000 vs 875 (0.88x), while ours was 2.00x and 0.50x of vLLM in the two runs
+    assert "| TTFT p50 | 1000.0 [500.0-1500.0] | 875.0 [750.0-1000.0] | 0.88x | 1.25 [0.50-2.00] |" in md

@@ -1,0 +1,102 @@
+"""Prompt attention, torch's SDPA against our kernel, SmolLM2-135M's heads (9 query, 3 kv, head_dim 64).
+
+  .venv/bin/python -m bench.attention_kernels [--lengths 64,128,192,256,512,1024] [--cached 0] [--threads 2]
+
+For each prompt length n: q/k/v are strided views of one fused qkv activation [n, 960] (as the engine's
+projection leaves them), and each side computes the causal attention of the n queries over ``--cached`` earlier
+keys plus their own: torch's SDPA as the engine called it before (``is_causal`` with ``enable_gqa`` for a whole
+prompt; a boolean mask over the context, gathered beforehand as the engine gathers it from its cache, for a
+chunk after cached tokens) and our ``prefill_attention_``. Each round times both sides; each cell is the median
+(min-max) over ``--repeats`` rounds of the median of ``--calls`` calls, in microseconds. The kernel's output is
+checked against SDPA's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from serve.model import kernels
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def _sides(n: int, cached: int, ops) -> dict[str, Callable[[], object]]:
+    gen = torch.Generator().manual_seed(n + cached)
+    L, q_size, kv_size = n + cached, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qkv = torch.randn(L, q_size + 2 * kv_size, generator=gen)
+    q = qkv[cached:, :q_size].view(n, HEADS, HEAD_DIM)
+    k = qkv[:, q_size: q_size + kv_size].view(L, KV_HEADS, HEAD_DIM)
+    v = qkv[:, q_size + kv_size:].view(L, KV_HEADS, HEAD_DIM)
+    scale, group = HEAD_DIM ** -0.5, HEADS // KV_HEADS
+    kc, vc = (k.contiguous(), v.contiguous()) if cached else (k, v)  # the engine gathers a context from its cache
+    if cached == 0:
+        def sdpa() -> torch.Tensor:
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                               v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o[0].transpose(0, 1).reshape(n, q_size)
+    else:
+        mask = (torch.arange(L)[None, :] <= torch.arange(cached, L)[:, None]).repeat(group, 1)
+
+        def sdpa() -> torch.Tensor:
+            qp = q.reshape(n, KV_HEADS, group, HEAD_DIM).permute(1, 2, 0, 3).reshape(1, KV_HEADS, group * n, HEAD_DIM)
+            o = F.scaled_dot_product_attention(qp, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=mask, scale=scale)
+            return o.view(KV_HEADS, group, n, HEAD_DIM).permute(2, 0, 1, 3).reshape(n, q_size)
+    out = torch.empty(n, q_size)
+
+    def ours() -> torch.Tensor:
+        ops.prefill_attention_(q, kc, vc, out, scale)
+        return out
+    torch.testing.assert_close(ours(), sdpa(), atol=1e-4, rtol=1e-4)
+    return {"torch SDPA": sdpa, "ours": ours}
+
+
+def run(lengths: list[int], cached: int, repeats: int, calls: int) -> str:
+    ops = kernels.ops()
+    if ops is None:
+        raise SystemExit(f"our CPU kernels are unavailable: {kernels.describe()}")
+    lines = [f"causal prompt attention, {HEADS} query / {KV_HEADS} kv heads x {HEAD_DIM}, {cached} cached tokens, "
+             f"{torch.get_num_threads()} threads; us, median (min-max) of {repeats} rounds",
+             "| prompt tokens | torch SDPA | ours | SDPA / ours |", "|---:|---:|---:|---:|"]
+    for n in lengths:
+        sides = _sides(n, cached, ops)
+        samples: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(repeats):
+            for name, fn in sides.items():
+                for _ in range(3):
+                    fn()
+                times = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                samples[name].append(statistics.median(times) * 1e6)
+        med = {name: statistics.median(v) for name, v in samples.items()}
+        cells = [f"{med[name]:.0f} ({min(v):.0f}-{max(v):.0f})" for name, v in samples.items()]
+        lines.append(f"| {n} | {cells[0]} | {cells[1]} | {med['torch SDPA'] / med['ours']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.attention_kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="64,128,192,256,512,1024", help="prompt tokens (query rows), comma-separated")
+    p.add_argument("--cached", type=int, default=0, help="tokens already cached before the prompt chunk")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(run([int(x) for x in args.lengths.split(",")], args.cached, args.repeats, args.calls))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
