@@ -1,7 +1,7 @@
 """Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp`` with fp32 activations,
 ``q8act_avx2.cpp`` with int8 activations, the default: :func:`int8_activations`), the fp32 linears
 (``linear_avx2.cpp`` on plain weights, ``blocked_linear_avx2.cpp`` on oneDNN's blocked layout, with the non-owning
-oneDNN view of such weights), paged decode attention (``attention_avx2.cpp``), RMSNorm (``norm_avx2.cpp``) and the fused
+oneDNN view of such weights), paged decode and prompt attention (``attention_avx2.cpp``), RMSNorm (``norm_avx2.cpp``) and the fused
 SwiGLU / RoPE + KV write (``elementwise_avx2.cpp``), one extension module.
 
 torch's own CPU kernels (``aten._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) are fast on
