@@ -209,8 +209,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // Why: torch's SDPA (the CPU flash kernel) reached ~50 GFLOPS at 192-token prompts on the 2-core EPYC, ~10 % of a
 // prefill step. Here a task is one kv head and a tile of query tokens: the G query heads of that kv head are
 // stacked into G * tile rows, so one pass over the keys serves them all (GQA); each kv head's K is transposed and
-// its V packed once per call, and both the scores and P.V are register-tiled GEMMs over 6 rows (2.0x SDPA at
-// 192 tokens: README "Prompt attention"). Causal: a row's scores run to the next 16 columns past its own key,
+// its V packed once per call, and both the scores and P.V are register-tiled GEMMs over 6 rows (1.7-2.0x SDPA at
+// 64-256 tokens: README "Prompt attention", `python -m bench.attention_kernels`). Causal: a row's scores run to the next 16 columns past its own key,
 // its weights past it are zeroed, and P.V over a block of rows stops at the block's latest key.
 //
 // Math per query row: the same function as the decode kernel (scale * q.k, max-subtracted exp, normalised
@@ -276,7 +276,9 @@ float softmax_row(float* s, int64_t len, int64_t zero_to) {
 }
 
 // o_r[8 * j0 .. 8 * (j0 + NV)) = inv_r * sum_{t < len} p_r[t] * v_t for RB rows (p rows ldp apart, v rows hd
-// apart): RB * NV accumulators, each V vector loaded once for all rows (RB * NV + NV + 1 <= 16 registers).
+// apart): RB * NV accumulators, each V vector loaded once for all rows (RB * NV + NV + 1 <= 16 registers). The
+// pragmas matter: without them GCC 12 kept `acc` in memory, a store after every FMA, and this ran at half the
+// score GEMM's speed.
 template <int RB, int NV>
 void weighted_block(const float* p, int64_t ldp, int64_t len, const float* v, int64_t hd, int64_t j0, const float* inv,
                     float* const* o) {
@@ -290,11 +292,11 @@ void weighted_block(const float* p, int64_t ldp, int64_t len, const float* v, in
     __m256 vv[NV];
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) vv[j] = _mm256_loadu_ps(vt + 8 * j);
-  #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
       const __m256 pt = _mm256_broadcast_ss(p + r * ldp + t);
-  #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(pt, vv[j], acc[r][j]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(pt, vv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 8
@@ -395,7 +397,7 @@ void prefill_attention_(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // Each kv head's keys transposed ([hd][ldk], zero-padded) and values made contiguous ([n][hd]), once: every
+  // Each kv head's keys transposed ([hd][ldk], zero-padded) and values made contiguous ([L][hd]), once: every
   // query tile of the head reads them (V read in place, at the qkv row stride, ran at half the FMA rate).
   std::vector<float> kt(static_cast<size_t>(kvh * hd * ldk), 0.0f), vc(static_cast<size_t>(kvh * L * hd));
   at::parallel_for(0, L, 64, [&](int64_t t0, int64_t t1) {
