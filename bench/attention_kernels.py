@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench.repeats import median_call_us
 from serve.model import kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -70,14 +70,7 @@ def run(lengths: list[int], cached: int, repeats: int, calls: int) -> str:
         samples: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(repeats):
             for name, fn in sides.items():
-                for _ in range(3):
-                    fn()
-                times = []
-                for _ in range(calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                samples[name].append(statistics.median(times) * 1e6)
+                samples[name].append(median_call_us(fn, calls))
         med = {name: statistics.median(v) for name, v in samples.items()}
         cells = [f"{med[name]:.0f} ({min(v):.0f}-{max(v):.0f})" for name, v in samples.items()]
         lines.append(f"| {n} | {cells[0]} | {cells[1]} | {med['torch SDPA'] / med['ours']:.2f}x |")

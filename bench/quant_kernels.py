@@ -23,23 +23,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.repeats import median_call_us
 from serve.model import kernels
 from serve.model.linear import DenseLinear, onednn_available, onednn_linear
 from serve.model.quantized_linear import pack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-
-
-def _median_us(fn, calls: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def _spread(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
@@ -86,7 +76,7 @@ def run(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tupl
         samples: dict[str, list[float]] = {name: [] for name in cands}
         for _ in range(repeats):
             for name, fns in cands.items():
-                samples[name].append(sum(_median_us(f) for f in fns))
+                samples[name].append(sum(median_call_us(f) for f in fns))
         result[m] = _spread(samples)
     return result
 
@@ -112,7 +102,7 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
         samples: dict[str, list[float]] = {name: [] for name in cands}
         for _ in range(repeats):
             for name, fn in cands.items():
-                samples[name].append(_median_us(fn, calls=20))
+                samples[name].append(median_call_us(fn, calls=20))
         result[m] = _spread(samples)
     return result
 

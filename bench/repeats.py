@@ -8,6 +8,7 @@ interleaved by mode so a load change hits every mode alike, and report medians w
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,19 @@ FIGURES: tuple[tuple[str, tuple[str, ...], float, int], ...] = (
     ("quantized share %", ("morph", "time_weighted_quantized_share"), 100, 1),
     ("preemptions", ("morph", "preemptions"), 1, 0),
 )
+
+
+def median_call_us(fn: Callable[[], object], calls: int = 50, warmup: int = 3) -> float:
+    """Median wall time of ``calls`` calls of ``fn`` (after ``warmup`` untimed ones), in microseconds: the
+    microbenchmarks' cell."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
 
 
 def spread(values: Sequence[float]) -> dict[str, float | int | None]:

@@ -52,6 +52,25 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+// s[0..len) := exp(s - max), then s[len..zero_to) := 0 (zero_to >= len); returns 1 / sum.
+float softmax_row(float* s, int64_t len, int64_t zero_to) {
+  const int64_t lenp = (len + 7) & ~int64_t{7};
+  for (int64_t t = len; t < std::max(lenp, zero_to); ++t) s[t] = t < lenp ? -INFINITY : 0.0f;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < lenp; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < lenp; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.0f / hsum(sum);
+}
+
 constexpr int kMaxGroup = 16;  // query heads per kv head handled per task
 constexpr int kVecs = 4;       // 8-lane vectors of the head dimension per P.V register tile
 
@@ -127,22 +146,7 @@ void attend(const float* q, float* out, const float* blocks, const int64_t* kidx
     }
   }
   float inv[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * lenp;
-    __m256 m = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < lenp; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < lenp; t += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
-      _mm256_storeu_ps(s + t, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    inv[g] = 1.0f / hsum(sum);
-  }
+  for (int64_t g = 0; g < G; ++g) inv[g] = softmax_row(scores + g * lenp, len, len);
   // out_g = inv_g * sum_t p_gt v_t: up to three query heads x four vectors of the head per register tile
   for (int64_t g0 = 0; g0 < G; g0 += 3) {
     const int64_t gc = std::min<int64_t>(3, G - g0);
@@ -254,25 +258,6 @@ void score_rows_any(int rb, const float* const* qr, const float* kt, int64_t ldk
     case 5: score_rows<5>(qr, kt, ldk, hd, cols, scale, s, lds); break;
     default: score_rows<kScoreRows>(qr, kt, ldk, hd, cols, scale, s, lds); break;
   }
-}
-
-// s[0..len) := exp(s - max), then s[len..zero_to) := 0 (zero_to >= len); returns 1 / sum.
-float softmax_row(float* s, int64_t len, int64_t zero_to) {
-  const int64_t lenp = (len + 7) & ~int64_t{7};
-  for (int64_t t = len; t < std::max(lenp, zero_to); ++t) s[t] = t < lenp ? -INFINITY : 0.0f;
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < lenp; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < lenp; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
-    _mm256_storeu_ps(s + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  return 1.0f / hsum(sum);
 }
 
 // o_r[8 * j0 .. 8 * (j0 + NV)) = inv_r * sum_{t < len} p_r[t] * v_t for RB rows (p rows ldp apart, v rows hd
