@@ -1,9 +1,10 @@
 """Llama-family decoder forward in plain torch over a paged KV cache.
 
-One forward serves a mixed batch: decode tokens (one per sequence, attended together as a padded batch)
-followed by prefill chunks (each attended with a causal mask offset by the tokens already cached).
-GQA is computed without repeating K/V: the query heads of a group become extra query rows against
-their shared KV head.
+One forward serves a mixed batch: decode tokens (one per sequence) followed by prefill chunks (each attended
+causally, offset by the tokens already cached). GQA is computed without repeating K/V: the query heads of a
+group become extra query rows against their shared KV head. On fp32 CPU our kernels attend (decode straight over
+the paged blocks, prompt chunks with the prompt attention kernel); elsewhere torch's SDPA does, decodes as a
+padded batch and chunks after cached tokens under an explicit mask.
 """
 
 from __future__ import annotations
