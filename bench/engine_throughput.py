@@ -59,7 +59,7 @@ def emit(result: dict, markdown: str, json_path: Path | None) -> int:
 def decode_weight_bytes(engine: LLMEngine) -> int:
     """Bytes a decode step must read: every layer's weights plus the final norm and the LM head."""
     m = engine.model
-    return sum(layer.nbytes for layer in m.layers) + m.norm.nbytes + m.lm_head.nbytes
+    return sum(layer.nbytes for layer in m.layers) + m.norm.nbytes + m.head.nbytes
 
 
 class HFRunner:

@@ -10,7 +10,8 @@ ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model'
 activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or their short path for decode
 inputs (``q8_short_path``: the direct kernel call vs the general path), or the fp32 projections' weight layout
 (``blocked_weights``: oneDNN's blocked layout as the engine stores it vs plain ``[N, K]`` copies of the same
-weights, made outside the arena for the run), for ``--rounds`` rounds, the
+weights, made outside the arena for the run), or the LM head's (``blocked_head``: the engine's blocked head vs a
+plain copy of it; token lookups stay on the blocked copy), for ``--rounds`` rounds, the
 order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
 kind this noisy 2-core machine can tell apart.
 """
@@ -137,6 +138,14 @@ def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
             raise SystemExit("no blocked weights on this machine: nothing to compare")
         plain_layers = [remap_ops(layer, plain) for layer in blocked]
         return lambda on: engine.model.layers.__setitem__(slice(None), plain_layers if on is False else blocked)
+    if attr == "blocked_head":
+        from serve.model.linear import DenseLinear  # noqa: PLC0415
+
+        head = engine.model.head
+        if head.layout is None:
+            raise SystemExit("the LM head is not blocked on this machine: nothing to compare")
+        plain_head = DenseLinear(head.plain_weight().contiguous(), head.bias)  # a second copy, for the run only
+        return lambda on: setattr(engine.model, "head", plain_head if on is False else head)
     kernel = getattr(engine.model, attr)
     if kernel is None:
         raise SystemExit(f"{attr} is already off on this machine (no kernels): nothing to compare")
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ab", default=None,
                    choices=("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head", "int8_activations",
-                            "q8_short_path", "blocked_weights"),
+                            "q8_short_path", "blocked_weights", "blocked_head"),
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)

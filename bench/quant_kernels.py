@@ -82,7 +82,8 @@ def run(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tupl
 
 
 def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tuple[float, float, float]]]:
-    """The embedded model's LM head (49152 x 576): fp32 kernel vs its exact int8 blocks (serve/model/lm_head.py)."""
+    """The embedded model's LM head (49152 x 576): our fp32 kernel on the plain weight, the engine's fp32 head (the
+    weight in oneDNN's blocked layout, ``DenseLinear.blocked``) and the head's exact int8 blocks (serve/model/lm_head.py)."""
     from serve.model.lm_head import int8_blocks  # noqa: PLC0415
     from serve.model.loader import load_model  # noqa: PLC0415
 
@@ -94,11 +95,14 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
     blocks = int8_blocks(w)
     if blocks is None:
         raise SystemExit("the embedded model's head is not int8 blocks")
+    blocked = DenseLinear(w).blocked()
     result: dict[int, dict[str, tuple[float, float, float]]] = {}
     for m in rows:
         x = torch.randn(m, w.shape[1])
-        cands = {"head fp32 (ours)": lambda x=x: ops.fp32_linear(x, w),
+        cands = {"head fp32 plain (ours)": lambda x=x: ops.fp32_linear(x, w),
                  "head int8 blocks": lambda x=x: ops.int8_block_linear(x, *blocks)}
+        if blocked.layout is not None:
+            cands["head fp32 blocked"] = lambda x=x: blocked(x)
         samples: dict[str, list[float]] = {name: [] for name in cands}
         for _ in range(repeats):
             for name, fn in cands.items():

@@ -109,7 +109,7 @@ def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, 
     # the tiny model has 2 layers: let accuracy (25 % of layers by default) quantize one of them
     e = morph_engine(tiny, mode, blocks=16, clock=clock, dtype="bfloat16", restore_persist_s=1.0,
                      max_quantized_fraction=0.5)
-    assert e.model.embed.dtype.is_floating_point and str(e.model.embed.dtype) == "torch.bfloat16"
+    assert str(e.model.embedding.weight.dtype) == "torch.bfloat16" and e.model.embedding.layout is None
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for i in range(6):
         e.add_request([(11 * i + j) % 4000 + 10 for j in range(24)], params)

@@ -509,11 +509,28 @@ def test_embedded_model_runs_its_q8_0_head_from_int8_blocks(smollm) -> None:
     model = LlamaModel(smollm.config, smollm.weights, torch.device("cpu"), torch.float32, max_positions=64)
     assert model.int8_head is not None
     q, d = model.int8_head
-    assert model.non_layer_nbytes == (model.embed.nbytes + model.norm.nbytes + q.nbytes + d.nbytes
+    w = smollm.weights["model.embed_tokens.weight"]
+    assert model.non_layer_nbytes == (w.nbytes + model.norm.nbytes + q.nbytes + d.nbytes
                                       + 2 * model.rope.cos.nbytes)
-    for rows in (1, INT8_HEAD_MAX_ROWS, INT8_HEAD_MAX_ROWS + 1):
+    for rows in (1, INT8_HEAD_MAX_ROWS, INT8_HEAD_MAX_ROWS + 1, 32):
         h = torch.randn(rows, smollm.config.hidden_size, generator=_gen(rows))
-        _check_close(model.logits(h), h, model.lm_head)
+        _check_close(model.logits(h), h, w)
+
+
+@needs_ops
+def test_tied_embedding_is_one_blocked_copy_that_serves_lookup_and_head(smollm) -> None:
+    """The tied embedding is stored once, in oneDNN's blocked layout: token lookups gather exactly the plain rows
+    from it (every id, including the last block's), and the head above the int8 rows is oneDNN on those bytes."""
+    from serve.model.llama import LlamaModel
+
+    model = LlamaModel(smollm.config, smollm.weights, torch.device("cpu"), torch.float32, max_positions=64)
+    w = smollm.weights["model.embed_tokens.weight"]
+    assert model.embedding is model.head and model.head.layout is not None
+    assert model.head.weight.shape == (w.shape[0] // model.head.layout.block, w.shape[1], model.head.layout.block)
+    ids = torch.cat([torch.arange(0, w.shape[0], 97), torch.tensor([w.shape[0] - 1, 0, 63, 64, 65])])
+    assert torch.equal(model.embedding.weight_rows(ids), w[ids])
+    assert torch.equal(model.embedding.weight_rows(ids.view(2, -1)), w[ids].view(2, -1, w.shape[1]))
+    assert torch.equal(model.head.plain_weight(), w)
 
 
 def test_the_ninja_binary_is_found_where_ninja_bin_dir_is_empty(monkeypatch) -> None:

@@ -175,6 +175,15 @@ class DenseLinear:
     def plain_weight(self) -> torch.Tensor:
         return self.weight if self.layout is None else self.layout.unpack(self.weight)
 
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the plain ``[n, k]`` weight (``F.embedding(ids, plain_weight())``), gathered straight
+        from the blocked layout when there is one: a tied embedding looks its tokens up in the LM head's weight
+        without a plain copy of it."""
+        if self.layout is None:
+            return F.embedding(ids, self.weight)
+        b = self.layout.block
+        return self.weight.transpose(1, 2)[torch.div(ids, b, rounding_mode="floor"), ids % b]
+
     def blocked(self) -> "DenseLinear":
         """This op with its weight in oneDNN's blocked layout where that applies (an fp32 CPU weight of a shape
         :func:`blocked_layout` accepts, an fp32 bias or none); otherwise this op unchanged."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from serve.model import kernels
 from serve.model.kv_cache import KVIndex, PagedKVCache
-from serve.model.linear import DenseLinear, LinearOp, linear
+from serve.model.linear import DenseLinear, LinearOp
 from serve.model.lm_head import INT8_HEAD_MAX_ROWS, int8_blocks
 from serve.model.model_config import ModelConfig
 from serve.model.rope import RotaryEmbedding, rotate
@@ -117,9 +117,9 @@ class LlamaModel:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.embed = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype)
+        embed = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype)
         self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"].to(device=device, dtype=dtype)
+        head = embed if config.tie_word_embeddings else weights["lm_head.weight"].to(device=device, dtype=dtype)
         self.layers = [build_decoder_layer(weights, i, device, dtype) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config, max_positions, device, dtype)
         self.scale = config.head_dim ** -0.5
@@ -136,13 +136,17 @@ class LlamaModel:
         self.fused_elementwise = self.fused_norm if config.head_dim % 2 == 0 else None
         # the LM head as the exact int8 blocks a GGUF Q8_0 embedding holds (serve/model/lm_head.py), for decode
         on_cpu_fp32 = dtype == torch.float32 and device.type == "cpu" and kernels.ops() is not None
-        self.int8_head = int8_blocks(self.lm_head) if on_cpu_fp32 else None
+        self.int8_head = int8_blocks(head) if on_cpu_fp32 else None
+        # the fp32 head, like the decoder's projections, in oneDNN's blocked layout on fp32 CPU (one copy: a tied
+        # embedding looks its tokens up in it, DenseLinear.weight_rows); the token embedding as an op of its own
+        self.head = DenseLinear(head).blocked()
+        self.embedding = self.head if config.tie_word_embeddings else DenseLinear(embed)
 
     @property
     def non_layer_nbytes(self) -> int:
-        tied = self.lm_head is self.embed
+        tied = self.head is self.embedding
         head_blocks = 0 if self.int8_head is None else sum(t.nbytes for t in self.int8_head)
-        return (self.embed.nbytes + self.norm.nbytes + (0 if tied else self.lm_head.nbytes) + head_blocks
+        return (self.embedding.nbytes + self.norm.nbytes + (0 if tied else self.head.nbytes) + head_blocks
                 + self.rope.cos.nbytes * 2)
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +163,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self.embedding.weight_rows(batch.input_ids)
         where = _BatchKV.locate(batch, kv, self.rope)
         delta = None  # each layer's MLP output, added to h by the next norm
         for i, layer in enumerate(self.layers):
@@ -175,7 +179,7 @@ class LlamaModel:
         weights, summed in another order), else the fp32 head."""
         if self.int8_head is not None and h.shape[0] <= INT8_HEAD_MAX_ROWS:
             return kernels.ops().int8_block_linear(h.contiguous(), *self.int8_head)
-        return linear(h, self.lm_head).float()
+        return self.head(h).float()
 
     def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, batch: ForwardBatch,
                kv: PagedKVCache, where: _BatchKV) -> tuple[torch.Tensor, torch.Tensor]:

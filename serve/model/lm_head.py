@@ -16,11 +16,12 @@ import torch
 
 BLOCK = 32
 
-INT8_HEAD_MAX_ROWS = 16
-"""Rows (sampled tokens) up to which the int8-block head runs. Its GEMV widens every weight to fp32, so with
-many rows the fp32 kernel is faster: on the 2-core AMD EPYC, SmolLM2's head took 1.9 / 2.6 / 11.0 / 21.0 ms as
-int8 blocks against 7.0 / 7.9 / 13.2 / 18.1 ms in fp32 at 1 / 4 / 16 / 32 rows (``python -m
-bench.quant_kernels --head --rows 1,4,8,16,32``, median of 3)."""
+INT8_HEAD_MAX_ROWS = 8
+"""Rows (sampled tokens) up to which the int8-block head runs; above it the fp32 head in oneDNN's blocked layout
+(``LlamaModel.head``). The int8 GEMV widens every weight to fp32, so its cost grows with the rows: on the 2-core
+AMD EPYC 9004 (Zen 4), SmolLM2's head took 1.2 / 2.6 / 5.1 / 10.4 / 19.3 ms as int8 blocks against 3.6 / 5.3 /
+6.6 / 7.6 / 12.4 ms for the blocked fp32 head at 1 / 4 / 8 / 16 / 32 rows (``python -m bench.quant_kernels
+--head --rows 1,2,4,8,16,32,64``, median of 3)."""
 
 _CHUNK_ROWS = 4096  # rows converted at a time: bounded temporaries for a 49152-row head
 

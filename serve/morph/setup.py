@@ -24,7 +24,7 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, resolve_budget
 from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
-from serve.model.linear import DenseLinear, LinearOp
+from serve.model.linear import LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
 from serve.model.step_costs import load_or_measure
@@ -161,7 +161,7 @@ def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, DecoderLa
     cfg = model.config
     shape = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
     layers = {p: bank.host[0][p] for p in (FULL, *sorted(bank.precisions))}
-    return layers, shape, DenseLinear(model.lm_head)
+    return layers, shape, model.head
 
 
 def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> StepCosts:
