@@ -4,7 +4,7 @@
 
 Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear`` (MKL) and our fp32 kernel
-(``fp32_linear``, what plain-layout fp32 linears such as the LM head use up to ``FP32_KERNEL_MAX_ROWS`` rows),
+(``fp32_linear``, what plain-layout fp32 linears use up to ``FP32_KERNEL_MAX_ROWS`` rows),
 oneDNN on the plain weights (what they use above it); ``--streamed`` adds the blocked layout the decoder layers
 store (our ``fp32_blocked_linear``, oneDNN on a view of the blocked bytes, and the engine's choice); torch's int8 /
 int4 weight-only
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--head", action="store_true",
-                   help="time the embedded model's LM head (fp32 vs its int8 blocks) instead of a decoder layer")
+                   help="time the embedded model's LM head (fp32 plain and blocked vs its int8 blocks) instead of a decoder layer")
     p.add_argument("--streamed", action="store_true",
                    help="fp32 only, 30 layers of distinct weights run in turn so every weight is read from memory "
                         "(as in a forward step) instead of the cache-hot single layer")

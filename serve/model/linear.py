@@ -7,11 +7,12 @@ fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``F
 oneDNN's matmul above that (:func:`onednn_linear`): torch's F.linear goes through MKL, which is slower than both on
 the AMD CPUs measured (README "fp32 kernels and paged decode attention").
 
-A decoder's fp32 projections go one step further (:meth:`DenseLinear.blocked`): their one copy of the weight is
-stored in the blocked layout oneDNN's matmul reads fastest (:class:`BlockedLayout`), and oneDNN runs on those very
-bytes through a non-owning view, so batched steps get prepacked-weight speed without a second copy the morph
-runtime would have to account for; one or two rows run our kernel for that layout (blocked_linear_avx2.cpp),
-which streams it faster than any plain-layout GEMV measured here.
+A decoder's fp32 projections and the LM head go one step further (:meth:`DenseLinear.blocked`): their one copy of
+the weight is stored in the blocked layout oneDNN's matmul reads fastest (:class:`BlockedLayout`), and oneDNN runs
+on those very bytes through a non-owning view, so batched steps get prepacked-weight speed without a second copy
+the morph runtime would have to account for; one or two rows run our kernel for that layout
+(blocked_linear_avx2.cpp), which streams it faster than any plain-layout GEMV measured here. A tied embedding
+looks its tokens up in the blocked head (:meth:`DenseLinear.weight_rows`), so it too stays one copy.
 """
 
 from __future__ import annotations
