@@ -7,7 +7,7 @@ projection leaves them), and each side computes the causal attention of the n qu
 keys plus their own: torch's SDPA as the engine called it before (``is_causal`` with ``enable_gqa`` for a whole
 prompt; a boolean mask over the context, gathered beforehand as the engine gathers it from its cache, for a
 chunk after cached tokens) and our ``prefill_attention_``. Each round times both sides; each cell is the median
-(min-max) over ``--repeats`` rounds of the median of ``--calls`` calls, in microseconds. The kernel's output is
+[min-max] over ``--repeats`` rounds of the median of ``--calls`` calls, in microseconds. The kernel's output is
 checked against SDPA's first.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.repeats import median_call_us
+from bench.repeats import cell, median_call_us
 from serve.model import kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -63,7 +63,7 @@ def run(lengths: list[int], cached: int, repeats: int, calls: int) -> str:
     if ops is None:
         raise SystemExit(f"our CPU kernels are unavailable: {kernels.describe()}")
     lines = [f"causal prompt attention, {HEADS} query / {KV_HEADS} kv heads x {HEAD_DIM}, {cached} cached tokens, "
-             f"{torch.get_num_threads()} threads; us, median (min-max) of {repeats} rounds",
+             f"{torch.get_num_threads()} threads; us, median [min-max] of {repeats} rounds",
              "| prompt tokens | torch SDPA | ours | SDPA / ours |", "|---:|---:|---:|---:|"]
     for n in lengths:
         sides = _sides(n, cached, ops)
@@ -71,9 +71,8 @@ def run(lengths: list[int], cached: int, repeats: int, calls: int) -> str:
         for _ in range(repeats):
             for name, fn in sides.items():
                 samples[name].append(median_call_us(fn, calls))
-        med = {name: statistics.median(v) for name, v in samples.items()}
-        cells = [f"{med[name]:.0f} ({min(v):.0f}-{max(v):.0f})" for name, v in samples.items()]
-        lines.append(f"| {n} | {cells[0]} | {cells[1]} | {med['torch SDPA'] / med['ours']:.2f}x |")
+        ratio = statistics.median(samples["torch SDPA"]) / statistics.median(samples["ours"])
+        lines.append(f"| {n} | {cell(samples['torch SDPA'], 0)} | {cell(samples['ours'], 0)} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 

@@ -103,6 +103,10 @@ class BlockedLayout:
     def unpack(self, blocked: torch.Tensor) -> torch.Tensor:
         return blocked.transpose(1, 2).reshape(self.n, self.k)
 
+    def rows(self, blocked: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the plain weight, gathered from ``blocked`` without unpacking the rest."""
+        return blocked.transpose(1, 2)[torch.div(ids, self.block, rounding_mode="floor"), ids % self.block]
+
     def onednn_view(self, blocked: torch.Tensor) -> torch.Tensor:
         """The MKLDNN view of ``blocked``'s bytes. It does not own them: use it only while ``blocked`` lives."""
         ptr = blocked.data_ptr()
@@ -182,8 +186,7 @@ class DenseLinear:
         without a plain copy of it."""
         if self.layout is None:
             return F.embedding(ids, self.weight)
-        b = self.layout.block
-        return self.weight.transpose(1, 2)[torch.div(ids, b, rounding_mode="floor"), ids % b]
+        return self.layout.rows(self.weight, ids)
 
     def blocked(self) -> "DenseLinear":
         """This op with its weight in oneDNN's blocked layout where that applies (an fp32 CPU weight of a shape
