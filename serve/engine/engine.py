@@ -32,6 +32,7 @@ from serve.logging_setup import ensure_logging
 from serve.model.engine_dir import open_model
 from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
+from serve.model.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer
 from serve.morph.runtime import MorphRuntime
 from serve.morph.setup import MorphPlan, build_memory, build_runtime, rtn_plan
@@ -65,7 +66,26 @@ class LLMEngine:
         ensure_logging()
         self.clock = clock or time.perf_counter  # one clock for arrivals, token times and the controller
         if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+            torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
+        # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
+        # thread's OpenMP team stays the only one in the process (serve/model/omp_threads.py says why that matters).
+        on_short_lived_thread(lambda: self._build(config, loaded), name="morphserve-load")
+        self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
+        self._handoff = Handoff(config.max_num_waiting)
+        self.faults = FaultTracker(MAX_STEP_FAILURES)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.last_num_scheduled = 0   # sequences in the last iteration's batch
+        self.last_num_context = 0     # of which prefill (context) chunks
+        self.last_step_error: str | None = None
+        self._step_listeners: list[Callable[[], None]] = []
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        """The model, its memory, the morph runtime, the scheduler and the executor."""
         self.device = resolve_device(config.device)
         dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         self.dtype = _DTYPES[dtype_name]
@@ -98,19 +118,6 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.pool, self.clock)
         self.executor = TorchExecutor(self.model, self.kv)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
-        self._handoff = Handoff(config.max_num_waiting)
-        self.faults = FaultTracker(MAX_STEP_FAILURES)
-        self._requests: dict[str, Sequence] = {}
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.last_num_scheduled = 0   # sequences in the last iteration's batch
-        self.last_num_context = 0     # of which prefill (context) chunks
-        self.last_step_error: str | None = None
-        self._step_listeners: list[Callable[[], None]] = []
 
     def _reachable_blocks(self, policy: PolicyConfig) -> int:
         """The most KV blocks this engine's mode can ever have: what is there now plus what quantizing every

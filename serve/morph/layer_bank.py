@@ -26,6 +26,7 @@ from serve.memory.arena import Arena, SlotRange
 from serve.model.layers import PROJECTIONS
 from serve.model.linear import ConcatLinear, LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
+from serve.model.omp_threads import serial_torch_here
 from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly
 from serve.morph.placement import arena_nbytes, remap, weight_tensors
 
@@ -114,7 +115,10 @@ class LayerBank:
         self.slot_bytes = arena.slot_bytes
         # the full-precision layers as views into their regions (valid whenever the region holds full weights)
         self.full_views = [model.layers[i] for i in range(len(model.layers))]
-        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morphserve-swap")
+        # The copy worker runs its copies serially: a team of its own would throttle the stepping thread's
+        # (serve/model/omp_threads.py), and a layer's memcpy needs no second core.
+        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morphserve-swap",
+                                           initializer=serial_torch_here)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- sizes ------------------------------------------------------------------------------------
