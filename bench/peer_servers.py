@@ -12,7 +12,8 @@ JSONL and replayed by AIPerf with ``--fixed-schedule`` against each server:
   temperature 0 (bench.vllm_server starts it from an HF directory exported from our weights);
 - ours: bench.aiperf.run_aiperf, i.e. a fresh tritonserver in mode off and AIPerf's template endpoint on
   the HTTP generate_stream route.
-Each of --runs starts both servers afresh (vLLM first, then ours), one after the other, each with a short
+Each of --runs starts both servers afresh, one after the other (vLLM first in runs 1, 3, ..., ours first in
+runs 2, 4, ...: see run_order), each with a short
 warm-up request, both with --threads torch threads. Reported: medians over runs (min-max) of TTFT p50/p95
 and TPOT (AIPerf's inter_token_latency) p50/mean, ours / vLLM (<= 1.0: ours is not slower) as the ratio of
 the medians and as the median of each run's own ratio (the VM's speed drifts between runs), AIPerf's
@@ -141,6 +142,16 @@ def counts_line(runs: Sequence[Mapping]) -> str:
             f"{per('ours', 'input_tokens')}. vLLM startup to ready: {[round(r['vllm']['startup_s']) for r in runs]} s.")
 
 
+SERVER_NAMES = {"vllm": "vLLM server", "ours": "our server"}
+
+
+def run_order(i: int) -> tuple[str, str]:
+    """Which server goes first in run ``i`` (0-based): vLLM in even runs, ours in odd ones. A run serves the same
+    trace through both, minutes apart; alternating who goes first keeps this VM's drift from always landing on
+    the same side of the ratio."""
+    return ("vllm", "ours") if i % 2 == 0 else ("ours", "vllm")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.peer_servers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,15 +216,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {saved} holds another workload: {old['workload']}", file=sys.stderr)
             return 2
         runs = old["runs"]
+    serve_one = {"vllm": lambda run_dir: run_vllm(args, hf_dir, reqs, run_dir / "vllm", tokenizer_dir),
+                 "ours": lambda run_dir: run_ours(targs, reqs, run_dir / "ours", tokenizer_dir)}
     for i in range(len(runs), args.runs):
         run_dir = out_dir / f"run{i + 1}"
-        print(f"run {i + 1}/{args.runs}: vLLM server", file=sys.stderr, flush=True)
-        vllm = run_vllm(args, hf_dir, reqs, run_dir / "vllm", tokenizer_dir)
-        print(f"run {i + 1}/{args.runs}: our server", file=sys.stderr, flush=True)
-        runs.append({"vllm": vllm, "ours": run_ours(targs, reqs, run_dir / "ours", tokenizer_dir)})
+        run: dict = {"first": run_order(i)[0]}
+        for server in run_order(i):
+            print(f"run {i + 1}/{args.runs}: {SERVER_NAMES[server]}", file=sys.stderr, flush=True)
+            run[server] = serve_one[server](run_dir)
+        runs.append(run)
         (out_dir / "results.json").write_text(json.dumps({"workload": desc, "runs": runs}, indent=1))
     command = "python -m bench.peer_servers " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    md = (f"# Servers under AIPerf: ours vs vLLM\n\n`{command}`\n\nWorkload: {desc}; {len(runs)} runs (each: both servers started afresh).\n\n"
+    md = (f"# Servers under AIPerf: ours vs vLLM\n\n`{command}`\n\nWorkload: {desc}; {len(runs)} runs (each: both "
+          f"servers started afresh, vLLM first in runs 1, 3, ..., ours first in runs 2, 4, ...).\n\n"
           f"{table(runs)}\n\n{counts_line(runs)}\n")
     (out_dir / "results.md").write_text(md)
     print(md)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.aiperf import export_mooncake
-from bench.peer_servers import completions_command, fixed_rate_items, table, token_counts
+from bench.peer_servers import completions_command, fixed_rate_items, run_order, table, token_counts
 from bench.triton.requests import prepare_requests
 from bench.vllm_server import serve_command, vllm_env
 from bench.workload import PromptBuilder, default_text_path
@@ -65,3 +65,7 @@ def test_token_totals_and_table(tmp_path: Path) -> None:
                                                                           for k, d in slower_vm.items()}}])
     # medians 1000 vs 875 (0.88x), while ours was 2.00x and 0.50x of vLLM in the two runs
     assert "| TTFT p50 | 1000.0 [500.0-1500.0] | 875.0 [750.0-1000.0] | 0.88x | 1.25 [0.50-2.00] |" in md
+
+
+def test_the_server_that_goes_first_alternates_between_runs() -> None:
+    assert [run_order(i) for i in range(4)] == [("vllm", "ours"), ("ours", "vllm"), ("vllm", "ours"), ("ours", "vllm")]
