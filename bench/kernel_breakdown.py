@@ -6,7 +6,8 @@ Runs one of bench.peer's offline workloads (name prefix: "batch-1", "32", "64") 
 ``--mode`` and times every call of our CPU kernels (the extension's functions, wrapped for the run) and of
 torch's SDPA and oneDNN's linear: seconds and calls per function against the wall time of the workload (the rest: small torch
 ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
-(``fused_norm``, ``fused_elementwise``, ``paged_attention``, ``prompt_attention`` or ``int8_head``) between on and off (None: the torch path), or the quantized layers'
+(``fused_norm``, ``fused_elementwise``, ``paged_attention``, ``prompt_attention`` or ``int8_head``) between on and off (None: the torch path),
+or ``trim_last_layer`` (the last layer's attention projection and MLP for the sampled rows only, vs every row), or the quantized layers'
 activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or their short path for decode
 inputs (``q8_short_path``: the direct kernel call vs the general path), or the fp32 projections' weight layout
 (``blocked_weights``: oneDNN's blocked layout as the engine stores it vs plain ``[N, K]`` copies of the same
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ab", default=None,
                    choices=("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head", "int8_activations",
-                            "q8_short_path", "blocked_weights", "blocked_head"),
+                            "q8_short_path", "blocked_weights", "blocked_head", "trim_last_layer"),
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)

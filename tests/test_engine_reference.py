@@ -83,6 +83,31 @@ def test_prompt_logits_match_transformers(engine, smollm_hf, prompt_ids):
     assert engine.pool.num_used == 0
 
 
+def test_the_trimmed_last_layer_gives_the_same_sampled_logits_and_writes_every_rows_kv(engine, prompt_ids):
+    """The last layer runs its attention projection and MLP only for the sampled rows (LlamaModel.trim_last_layer):
+    those rows' logits are the untrimmed ones up to fp32 summation order, and every token's K/V still lands."""
+    ids = prompt_ids[3]
+    seq = Sequence("probe", ids, SamplingParams(), 0.0, IncrementalDetokenizer(engine.tokenizer))
+    seq.block_ids = engine.pool.allocate(math.ceil(len(ids) / engine.config.block_size))
+    rows = torch.tensor([len(ids) // 2, len(ids) - 1])
+    slots = engine.kv.block_map[torch.tensor(seq.block_ids)]  # this sequence's KV slots (the arena also holds weights)
+    got = {}
+    try:
+        for trim in (None, True):
+            engine.model.trim_last_layer = trim
+            engine.kv.storage[slots] = 0.0  # only this forward's writes will be there
+            batch, _ = engine.executor.prepare([ScheduledChunk(seq, 0, len(ids))])
+            batch.sample_indices = rows
+            got[trim] = (engine.model.forward(batch, engine.kv), engine.kv.storage[slots].clone())
+    finally:
+        engine.model.trim_last_layer = True
+        engine.pool.free(seq.block_ids)
+    (trimmed, kv_trimmed), (full, kv_full) = got[True], got[None]
+    assert trimmed.shape == full.shape == (2, engine.model_config.vocab_size)
+    assert _rel_err(trimmed, full) <= 1e-5
+    assert torch.equal(kv_trimmed, kv_full) and kv_full.abs().sum() > 0
+
+
 def test_greedy_alone_matches_transformers(engine, prompt_ids, hf_greedy):
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for ids, ref in zip(prompt_ids, hf_greedy):

@@ -141,6 +141,9 @@ class LlamaModel:
         # embedding looks its tokens up in it, DenseLinear.weight_rows); the token embedding as an op of its own
         self.head = DenseLinear(head).blocked()
         self.embedding = self.head if config.tie_word_embeddings else DenseLinear(embed)
+        # the last layer's attention projection and MLP only for the rows that are sampled (a prompt's last token,
+        # each decode row): the others feed nothing after it. Their K/V is still written. Off (None): every row.
+        self.trim_last_layer: bool | None = True
 
     @property
     def non_layer_nbytes(self) -> int:
@@ -166,11 +169,14 @@ class LlamaModel:
         h = self.embedding.weight_rows(batch.input_ids)
         where = _BatchKV.locate(batch, kv, self.rope)
         delta = None  # each layer's MLP output, added to h by the next norm
+        keep = batch.sample_indices
+        trim = bool(self.trim_last_layer) and keep is not None and keep.numel() < h.shape[0]
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h, delta = self._layer(i, layer, h, delta, batch, kv, where)
-        if batch.sample_indices is not None:
-            h = h.index_select(0, batch.sample_indices)
-            delta = None if delta is None else delta.index_select(0, batch.sample_indices)
+            h, delta = self._layer(i, layer, h, delta, batch, kv, where, keep if trim and i == last else None)
+        if keep is not None and not trim:
+            h = h.index_select(0, keep)
+            delta = None if delta is None else delta.index_select(0, keep)
         h = self.rms_norm(h, self.norm, delta)
         return self.logits(h)
 
@@ -182,8 +188,9 @@ class LlamaModel:
         return self.head(h).float()
 
     def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, batch: ForwardBatch,
-               kv: PagedKVCache, where: _BatchKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream after this layer's attention, and its MLP output (added by the next norm)."""
+               kv: PagedKVCache, where: _BatchKV, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after this layer's attention, and its MLP output (added by the next norm); with
+        ``keep``, both only for those rows (every row's K/V is still written)."""
         cfg = self.config
         x = self.rms_norm(h, layer.input_norm, delta)
         qkv = layer.qkv(x)
@@ -203,6 +210,8 @@ class LlamaModel:
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
             kv.write(i, where.new, k, v)
         attn = self._attention(i, q, k, v, batch, kv, where)
+        if keep is not None:
+            h, attn = h.index_select(0, keep), attn.index_select(0, keep)
         x = self.rms_norm(h, layer.post_attention_norm, layer.o(attn))
         gu = layer.gate_up(x)
         if fused is not None and gu.is_contiguous():
