@@ -41,7 +41,7 @@ def on_short_lived_thread(fn: Callable[[], T], name: str) -> T:
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller below
             error.append(exc)
 
-    thread = threading.Thread(target=run, name=name)
+    thread = threading.Thread(target=run, name=name, daemon=True)  # Ctrl-C during a load does not wait for it
     thread.start()
     thread.join()
     if error:
