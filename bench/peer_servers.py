@@ -216,14 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {saved} holds another workload: {old['workload']}", file=sys.stderr)
             return 2
         runs = old["runs"]
-    serve_one = {"vllm": lambda run_dir: run_vllm(args, hf_dir, reqs, run_dir / "vllm", tokenizer_dir),
-                 "ours": lambda run_dir: run_ours(targs, reqs, run_dir / "ours", tokenizer_dir)}
     for i in range(len(runs), args.runs):
         run_dir = out_dir / f"run{i + 1}"
         run: dict = {"first": run_order(i)[0]}
         for server in run_order(i):
             print(f"run {i + 1}/{args.runs}: {SERVER_NAMES[server]}", file=sys.stderr, flush=True)
-            run[server] = serve_one[server](run_dir)
+            run[server] = (run_vllm(args, hf_dir, reqs, run_dir / "vllm", tokenizer_dir) if server == "vllm"
+                           else run_ours(targs, reqs, run_dir / "ours", tokenizer_dir))
         runs.append(run)
         (out_dir / "results.json").write_text(json.dumps({"workload": desc, "runs": runs}, indent=1))
     command = "python -m bench.peer_servers " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
