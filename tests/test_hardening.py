@@ -227,6 +227,33 @@ def test_background_loop_serves_handed_over_requests(engine):
     assert done.wait(60) and results[rid]["n"] == 3
 
 
+EXIT_WHILE_GENERATING = """
+import threading
+from serve.config import EngineConfig
+from serve.engine import LLMEngine, SamplingParams
+engine = LLMEngine(EngineConfig(model="smollm2-135m", num_threads=2))
+engine.start_background()
+first = threading.Event()
+def on_out(out):
+    first.set()
+    if out.finished:
+        print("long request:", out.finish_reason.value, flush=True)
+engine.add_request("Tell me a long story", SamplingParams(max_tokens=2000, ignore_eos=True), callback=on_out)
+assert first.wait(120)
+print("main thread returns", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_the_engine_generates_exits_cleanly():
+    """The loop is a daemon thread. Left running at exit, it used to be ended inside a torch op, and the process
+    aborted ("terminate called without an active exception"). Now the loop is stopped at exit: it finishes its
+    step, and the request in flight is aborted and told so."""
+    out = subprocess.run([sys.executable, "-c", EXIT_WHILE_GENERATING], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["main thread returns", "long request: abort"], out.stderr[-2000:]
+
+
 # ---- engine directory manifest -------------------------------------------------------------------
 
 def test_manifest_garbage_and_non_ascii_are_clear(tmp_path: Path):

@@ -7,10 +7,12 @@ state is updated, so a callback may abort requests.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import threading
 import time
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -38,6 +40,18 @@ from serve.morph.runtime import MorphRuntime
 from serve.morph.setup import MorphPlan, build_memory, build_runtime, rtn_plan
 
 Callback = Callable[[RequestOutput], None]
+
+# Engines whose loop thread runs. The loop is a daemon thread so that a forgotten engine never holds the process
+# open; but a daemon thread still inside a torch op when the interpreter finalizes is ended by a forced unwind
+# through C++ frames, and the process aborts ("terminate called without an active exception", SIGABRT). atexit
+# handlers run before that point, so the loops are stopped there: each finishes its current step and returns.
+_RUNNING: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    for engine in list(_RUNNING):
+        engine.stop()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -410,6 +424,7 @@ class LLMEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="morphserve-engine", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def _loop(self) -> None:
         while True:
@@ -451,6 +466,7 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        _RUNNING.discard(self)
         for rid in list(self._requests):
             self.abort_request(rid)
 
