@@ -1,6 +1,8 @@
-"""Prompt attention, torch's SDPA against our kernel, SmolLM2-135M's heads (9 query, 3 kv, head_dim 64).
+"""Prompt attention, torch's SDPA against our kernel, SmolLM2-135M's heads (9 query, 3 kv, head_dim 64); or paged
+decode attention against plain reads of the same bytes (``--decode``).
 
   .venv/bin/python -m bench.attention_kernels [--lengths 64,128,192,256,512,1024] [--cached 0] [--threads 2]
+  .venv/bin/python -m bench.attention_kernels --decode 1x200,32x96,32x160,64x128,8x512 [--repeats 5]
 
 For each prompt length n: q/k/v are strided views of one fused qkv activation [n, 960] (as the engine's
 projection leaves them), and each side computes the causal attention of the n queries over ``--cached`` earlier
@@ -9,12 +11,20 @@ prompt; a boolean mask over the context, gathered beforehand as the engine gathe
 chunk after cached tokens) and our ``prefill_attention_``. Each round times both sides; each cell is the median
 [min-max] over ``--repeats`` rounds of the median of ``--calls`` calls, in microseconds. The kernel's output is
 checked against SDPA's first.
+
+With ``--decode 32x96,64x128,...`` it instead times paged decode attention (``paged_decode_attention``): B
+sequences of L tokens each in SmolLM2's KV layout (30 layers of 16-token blocks per slot, K then V), their slots
+scattered over an arena of twice the slots used, one call per layer across all 30 layers per
+round so the K/V come from memory as in a real step. Each row gives microseconds per call and the K/V bytes read
+per second, beside two reads of the same bytes: ``index_select`` of the same scattered blocks (the gather the torch
+path did) and a ``sum()`` over one contiguous tensor of that size (a plain streamed read).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -76,6 +86,60 @@ def run(lengths: list[int], cached: int, repeats: int, calls: int) -> str:
     return "\n".join(lines)
 
 
+NUM_LAYERS, BLOCK = 30, 16
+
+
+def run_decode(shapes: list[tuple[int, int]], repeats: int) -> str:
+    """Paged decode attention per call over all layers, against two reads of the same K/V bytes (module doc)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from serve.model.kv_cache import PagedKVCache, block_shape  # noqa: PLC0415
+
+    ops = kernels.ops()
+    if ops is None:
+        raise SystemExit(f"our CPU kernels are unavailable: {kernels.describe()}")
+    cfg = SimpleNamespace(num_layers=NUM_LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, kv_size=KV_HEADS * HEAD_DIM)
+    lines = [f"paged decode attention, {HEADS} query / {KV_HEADS} kv heads x {HEAD_DIM}, {NUM_LAYERS} layers of "
+             f"{BLOCK}-token blocks, {torch.get_num_threads()} threads; us per call (one layer), median [min-max] of "
+             f"{repeats} rounds over all layers; GB/s of K/V read at the median",
+             "| sequences x tokens | K/V per call | ours | ours GB/s | index_select GB/s | contiguous sum() GB/s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for b, length in shapes:
+        gen = torch.Generator().manual_seed(b * 1000 + length)
+        nb = -(-length // BLOCK)
+        storage = torch.randn(2 * b * nb, *block_shape(cfg, BLOCK), generator=gen)
+        kv = PagedKVCache(cfg, BLOCK, storage, storage.shape[0])
+        slots = torch.randperm(storage.shape[0], generator=gen)[: b * nb].view(b, nb)
+        entries = kv.block_entries(0, slots).contiguous()
+        lens = torch.full((b,), length, dtype=torch.long)
+        q = torch.randn(b, HEADS * HEAD_DIM, generator=gen)
+        nbytes = 2 * b * length * KV_HEADS * HEAD_DIM * 4
+        flat = torch.randn(NUM_LAYERS, nbytes // 4, generator=gen)
+
+        def per_layer(fn: Callable[[int], object]) -> float:
+            t0 = time.perf_counter()
+            for layer in range(NUM_LAYERS):
+                fn(layer)
+            return (time.perf_counter() - t0) / NUM_LAYERS * 1e6
+
+        sides: dict[str, Callable[[int], object]] = {
+            "ours": lambda layer: ops.paged_decode_attention(q, kv.blocks, entries, layer, NUM_LAYERS, lens, HEAD_DIM ** -0.5),
+            "index_select": lambda layer: kv.read_blocks(layer, slots),
+            "sum": lambda layer: flat[layer].sum(),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in sides}
+        for name, fn in sides.items():
+            per_layer(fn)  # warm-up
+        for _ in range(repeats):
+            for name, fn in sides.items():
+                samples[name].append(per_layer(fn))
+        read = {"ours": nbytes, "sum": nbytes, "index_select": 2 * b * nb * BLOCK * KV_HEADS * HEAD_DIM * 4}  # whole blocks
+        rate = {name: read[name] / statistics.median(us) / 1e3 for name, us in samples.items()}
+        lines.append(f"| {b} x {length} | {nbytes / 2 ** 20:.1f} MiB | {cell(samples['ours'], 0)} | {rate['ours']:.1f} | "
+                     f"{rate['index_select']:.1f} | {rate['sum']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention_kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,8 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--decode", default=None, metavar="BxL,...",
+                   help="time paged decode attention instead: B sequences of L tokens each, e.g. 32x96,64x128")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.decode:
+        try:
+            shapes = [(int(b), int(n)) for b, n in (item.lower().split("x") for item in args.decode.split(","))]
+        except ValueError:
+            p.error(f"--decode wants BxL pairs such as 32x96,64x128, got {args.decode!r}")
+        if any(b < 1 or n < 1 for b, n in shapes):
+            p.error("--decode: sequences and tokens must be at least 1")
+        print(run_decode(shapes, args.repeats))
+        return 0
     print(run([int(x) for x in args.lengths.split(",")], args.cached, args.repeats, args.calls))
     return 0
 
