@@ -123,7 +123,8 @@ def run_decode(shapes: list[tuple[int, int]], repeats: int) -> str:
             return (time.perf_counter() - t0) / NUM_LAYERS * 1e6
 
         sides: dict[str, Callable[[int], object]] = {
-            "ours": lambda layer: ops.paged_decode_attention(q, kv.blocks, entries, layer, NUM_LAYERS, lens, HEAD_DIM ** -0.5),
+            "ours": lambda layer: ops.paged_decode_attention(q, kv.blocks, entries, layer, NUM_LAYERS, lens,
+                                                             HEAD_DIM ** -0.5),
             "index_select": lambda layer: kv.read_blocks(layer, slots),
             "sum": lambda layer: flat[layer].sum(),
         }
@@ -133,10 +134,11 @@ def run_decode(shapes: list[tuple[int, int]], repeats: int) -> str:
         for _ in range(repeats):
             for name, fn in sides.items():
                 samples[name].append(per_layer(fn))
-        read = {"ours": nbytes, "sum": nbytes, "index_select": 2 * b * nb * BLOCK * KV_HEADS * HEAD_DIM * 4}  # whole blocks
+        whole_blocks = 2 * b * nb * BLOCK * KV_HEADS * HEAD_DIM * 4  # what index_select reads
+        read = {"ours": nbytes, "sum": nbytes, "index_select": whole_blocks}
         rate = {name: read[name] / statistics.median(us) / 1e3 for name, us in samples.items()}
-        lines.append(f"| {b} x {length} | {nbytes / 2 ** 20:.1f} MiB | {cell(samples['ours'], 0)} | {rate['ours']:.1f} | "
-                     f"{rate['index_select']:.1f} | {rate['sum']:.1f} |")
+        lines.append(f"| {b} x {length} | {nbytes / 2 ** 20:.1f} MiB | {cell(samples['ours'], 0)} | "
+                     f"{rate['ours']:.1f} | {rate['index_select']:.1f} | {rate['sum']:.1f} |")
     return "\n".join(lines)
 
 

@@ -52,6 +52,8 @@ _RUNNING: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
 def _stop_running_engines() -> None:
     for engine in list(_RUNNING):
         engine.stop()
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
