@@ -17,7 +17,8 @@ sequences of L tokens each in SmolLM2's KV layout (30 layers of 16-token blocks 
 scattered over an arena of twice the slots used, one call per layer across all 30 layers per
 round so the K/V come from memory as in a real step. Each row gives microseconds per call and the K/V bytes read
 per second, beside two reads of the same bytes: ``index_select`` of the same scattered blocks (the gather the torch
-path did) and a ``sum()`` over one contiguous tensor of that size (a plain streamed read).
+path did) and a ``sum()`` over one contiguous tensor of that size (a plain streamed read). The kernel's output
+is checked against SDPA over the gathered blocks first.
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ def run(lengths: list[int], cached: int, repeats: int, calls: int) -> str:
 NUM_LAYERS, BLOCK = 30, 16
 
 
+def _check_decode(ops, q: torch.Tensor, kv, slots: torch.Tensor, entries: torch.Tensor, lens: torch.Tensor) -> None:
+    """The kernel's layer-0 output against SDPA over the same blocks gathered densely (the torch path), so the
+    table never times a wrong result."""
+    b, length = slots.shape[0], int(lens[0])
+    kd, vd = kv.read_blocks(0, slots)  # [b, blocks * BLOCK, kv heads, hd]
+    kd, vd = kd[:, :length].transpose(1, 2), vd[:, :length].transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q.view(b, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), kd, vd,
+                                         scale=HEAD_DIM ** -0.5).reshape(b, HEADS * HEAD_DIM)
+    got = ops.paged_decode_attention(q, kv.blocks, entries, 0, NUM_LAYERS, lens, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 def run_decode(shapes: list[tuple[int, int]], repeats: int) -> str:
     """Paged decode attention per call over all layers, against two reads of the same K/V bytes (module doc)."""
     from types import SimpleNamespace  # noqa: PLC0415
@@ -115,6 +128,7 @@ def run_decode(shapes: list[tuple[int, int]], repeats: int) -> str:
         q = torch.randn(b, HEADS * HEAD_DIM, generator=gen)
         nbytes = 2 * b * length * KV_HEADS * HEAD_DIM * 4
         flat = torch.randn(NUM_LAYERS, nbytes // 4, generator=gen)
+        _check_decode(ops, q, kv, slots, entries, lens)
 
         def per_layer(fn: Callable[[int], object]) -> float:
             t0 = time.perf_counter()
