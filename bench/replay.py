@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from bench import defaults
 from bench.latency import RequestTiming, by_tier, distribution, markdown_table, summarize
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float | None = None,
-           progress: bool = False) -> dict:
+           progress: bool = False, sleep: Callable[[float], None] = time.sleep) -> dict:
+    """Replay ``items`` on their schedule through ``engine`` (a real LLMEngine; the planner's runs on a
+    virtual clock, so it passes ``sleep`` that advances that clock instead of waiting)."""
     clock = engine.clock
     queue = collections.deque(sorted(items, key=lambda w: w.arrival_s))
     timings: dict[str, RequestTiming] = {}
@@ -119,7 +122,7 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
         if engine.num_generated_tokens > before:
             step_s.append(clock() - t_step)
         if idle and queue:
-            time.sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
+            sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
         config = engine.morph.config_signature() if engine.morph else full_signature(num_layers)
         tokens_by_config[config] += engine.num_generated_tokens - before
         now = clock() - t0
@@ -183,18 +186,22 @@ def parse_mode(spec: str) -> tuple[str, dict]:
     return name, parse_policy_overrides(pairs)
 
 
+def engine_config(args: argparse.Namespace, spec: str) -> EngineConfig:
+    """The engine configuration of one mode spec (``default+kv_high=0.8``) under the command's arguments."""
+    mode, own = parse_mode(spec)
+    return EngineConfig(model=args.model, morph_mode=mode, device_memory=args.device_memory,
+                        device=args.device, dtype=args.dtype,
+                        slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
+                        slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                        seed=args.seed, policy_overrides={**parse_policy_overrides(args.policy), **own})
+
+
 def run_once(args: argparse.Namespace, spec: str) -> dict:
     """One replay of one mode on a fresh engine (the same workload for every mode: same seed, same trace)."""
     from serve.engine.engine import LLMEngine  # noqa: PLC0415
 
-    mode, own = parse_mode(spec)
-    config = EngineConfig(model=args.model, morph_mode=mode, device_memory=args.device_memory,
-                          device=args.device, dtype=args.dtype,
-                          slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
-                          slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                          seed=args.seed, policy_overrides={**parse_policy_overrides(args.policy), **own})
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(args, spec))
     try:
         items, desc = build_workload(args, engine.tokenizer)
         result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
@@ -207,7 +214,12 @@ def run_once(args: argparse.Namespace, spec: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_cli(build_parser().parse_args(argv), run_once)
+
+
+def run_cli(args: argparse.Namespace, run: Callable[[argparse.Namespace, str], dict]) -> int:
+    """Every ``--mode`` (``--repeat`` times) through ``run``; the table on stdout, the JSON to ``--json``.
+    The planner (sim/) passes its own ``run``, so a plan prints and writes what a replay does."""
     specs = args.mode or ["default"]
     try:
         if args.repeat < 1:
@@ -216,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             name, own = parse_mode(spec)
             EngineConfig(morph_mode=name, policy_overrides={**parse_policy_overrides(args.policy), **own})
         if len(specs) == 1 and args.repeat == 1:
-            result = run_once(args, specs[0])
+            result = run(args, specs[0])
         else:
-            return repeated(args, specs)
+            return repeated(args, specs, run)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -229,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def repeated(args: argparse.Namespace, specs: list[str]) -> int:
+def repeated(args: argparse.Namespace, specs: list[str],
+             run: Callable[[argparse.Namespace, str], dict] = run_once) -> int:
     """Every mode ``--repeat`` times, interleaved; medians and spreads of each figure."""
     runs: dict[str, list[dict]] = {spec: [] for spec in specs}
     for rep in range(args.repeat):
         for spec in specs:
-            r = run_once(args, spec)
+            r = run(args, spec)
             runs[spec].append(r)
             m = r["morph"]
             print(f"run {rep + 1}/{args.repeat} {spec}: P50 TTFT {r['ttft_s']['p50']:.3f} s, P95 {r['ttft_s']['p95']:.3f} s, "

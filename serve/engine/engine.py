@@ -13,7 +13,8 @@ import math
 import threading
 import time
 import weakref
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -34,10 +35,11 @@ from serve.logging_setup import ensure_logging
 from serve.model.engine_dir import open_model
 from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
+from serve.model.model_config import ModelConfig
 from serve.model.omp_threads import on_short_lived_thread
-from serve.model.tokenizer import IncrementalDetokenizer
+from serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from serve.morph.runtime import MorphRuntime
-from serve.morph.setup import MorphPlan, build_memory, build_runtime, rtn_plan
+from serve.morph.setup import EngineMemory, MorphPlan, build_memory, build_runtime, rtn_plan
 
 Callback = Callable[[RequestOutput], None]
 
@@ -75,17 +77,37 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@dataclass
+class EngineParts:
+    """What the loop runs on, built elsewhere: the planner (sim/) hands a simulated executor, layer bank and
+    virtual clock to the very engine loop, scheduler, block pool and morph runtime the server runs.
+    ``executor.execute(chunks) -> (logits, sampled chunks)`` is the executor contract (TorchExecutor's)."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    memory: EngineMemory
+    morph: MorphRuntime | None
+    executor: Any
+    reachable_blocks: int | None = None  # None: computed from the policy as for a built engine
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, parts: EngineParts | None = None) -> None:
         self.config = config = config or EngineConfig()
         ensure_logging()
         self.clock = clock or time.perf_counter  # one clock for arrivals, token times and the controller
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
-        # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
-        # thread's OpenMP team stays the only one in the process (serve/model/omp_threads.py says why that matters).
-        on_short_lived_thread(lambda: self._build(config, loaded), name="morphserve-load")
+        if parts is not None:
+            self._assemble(config, parts)
+        else:
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
+            # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
+            # thread's OpenMP team stays the only one in the process (serve/model/omp_threads.py says why that matters).
+            on_short_lived_thread(lambda: self._build(config, loaded), name="morphserve-load")
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
         self._handoff = Handoff(config.max_num_waiting)
         self.faults = FaultTracker(MAX_STEP_FAILURES)
@@ -133,6 +155,21 @@ class LLMEngine:
         self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = make_scheduler(config, self.pool, self.clock)
         self.executor = TorchExecutor(self.model, self.kv)
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def _assemble(self, config: EngineConfig, parts: EngineParts) -> None:
+        """The loop's state from parts built elsewhere (no model is loaded)."""
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model_config, self.tokenizer, self.max_model_len = parts.model_config, parts.tokenizer, parts.max_model_len
+        self.model = None
+        self.memory = parts.memory
+        self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
+        self.bytes_per_block = self.ledger.slot_bytes
+        self.morph = parts.morph
+        policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+        self.reachable_blocks = self._reachable_blocks(policy)
+        self.scheduler = make_scheduler(config, self.pool, self.clock)
+        self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _reachable_blocks(self, policy: PolicyConfig) -> int:

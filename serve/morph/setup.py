@@ -18,10 +18,11 @@ import time
 import torch
 
 from policy import FULL, PolicyConfig, StepCosts
-from serve.config import EngineConfig, parse_size
+from serve.config import EngineConfig
 from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, resolve_budget
+from serve.memory.sizing import plan_arena
 from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import LinearOp
@@ -96,24 +97,6 @@ def _host_bank(model: LlamaModel, plan: MorphPlan) -> dict[int, dict[str, object
     return host
 
 
-def _budget_slots(config: EngineConfig, device: torch.device, fixed: int, non_arena: int, reserve: int,
-                  slot: int) -> tuple[int, int]:
-    """(budget bytes, base KV blocks) from --device-memory, else from num_kv_blocks / kv_cache_memory."""
-    if config.device_memory is not None:
-        budget = resolve_budget(device, config.device_memory, 0)
-        base = (budget - reserve - non_arena) // slot - fixed
-        if base < 1:
-            raise ValueError(
-                f"device memory {config.device_memory} leaves no room for the KV cache: weights and staging "
-                f"{(fixed * slot + non_arena) / 2**20:.1f} MiB + reserve {reserve / 2**20:.1f} MiB need at least "
-                f"{((fixed + 1) * slot + non_arena + reserve) / 2**20:.1f} MiB")
-        if config.num_kv_blocks is not None:
-            base = min(base, config.num_kv_blocks)
-        return budget, base
-    base = config.num_kv_blocks or max(1, parse_size(config.kv_cache_memory) // slot)
-    return non_arena + reserve + (fixed + base) * slot, base
-
-
 def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None,
                  policy: PolicyConfig | None) -> EngineMemory:
     slot = kv_bytes_per_block(model.config, config.block_size, model.dtype)
@@ -123,35 +106,22 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
     if morphing:
         check_device_supports(model.device, plan.precisions)
     host = _host_bank(model, plan) if morphing else None
-    num_layers = len(model.layers)
-    region = max(-(-arena_nbytes(layer) // slot) for layer in model.layers)
-    staging = 0
-    if host is not None:
-        staging = max(-(-arena_nbytes(v) // slot) for per_layer in host.values()
-                      for p, v in per_layer.items() if p != FULL)
     norms = sum(layer.input_norm.nbytes + layer.post_attention_norm.nbytes for layer in model.layers)
-    non_arena = model.non_layer_nbytes + norms
-    reserve = parse_size(config.memory_reserve)
-    fixed = num_layers * region + staging
-    budget, base = _budget_slots(config, model.device, fixed, non_arena, reserve, slot)
-    arena = Arena(fixed + base, slot, model.device)
-    regions = [SlotRange(i * region, region) for i in range(num_layers)]
-    for i, r in enumerate(regions):  # full weights move into their regions; the originals are dropped
+    variants = None
+    if host is not None:
+        variants = [{p: arena_nbytes(v) for p, v in per_layer.items() if p != FULL} for per_layer in host.values()]
+    sizes = plan_arena(config, slot, [arena_nbytes(layer) for layer in model.layers], variants,
+                       model.non_layer_nbytes + norms, lambda text: resolve_budget(model.device, text, 0))
+    arena = Arena(sizes.arena_slots, slot, model.device)
+    for i, r in enumerate(sizes.regions):  # full weights move into their regions; the originals are dropped
         model.layers[i] = remap(model.layers[i], arena.allocator(r).place)
-    staging_range = SlotRange(num_layers * region, staging)
-    base_range = SlotRange(fixed, base)
-    bank = LayerBank(model, arena, regions, staging_range, host) if host is not None else None
-    extra = 0  # the most KV blocks the regions could ever give: every layer at its smallest variant
-    if bank is not None:
-        extra = sum(region - min(bank.slots(i, p) for p in plan.precisions) for i in range(num_layers))
-    pool = BlockPool(base, max_blocks=base + extra)
+    base_range = sizes.base
+    bank = LayerBank(model, arena, sizes.regions, sizes.staging, host) if host is not None else None
+    pool = BlockPool(sizes.base_blocks, max_blocks=sizes.max_blocks)
     kv = PagedKVCache(model.config, config.block_size, arena.slots_as(model.dtype, block_shape(model.config, config.block_size)),
                       pool.max_blocks)
     kv.map_blocks(0, list(range(base_range.start, base_range.end)))
-    ledger = MemoryLedger(budget=budget, reserve=reserve, non_arena_bytes=non_arena, slot_bytes=slot,
-                          arena_slots=arena.num_slots, layer_slots=[region] * num_layers, staging_slots=staging,
-                          kv_blocks=base)
-    ledger.check()
+    ledger = sizes.ledger()
     return EngineMemory(arena, pool, ledger, kv, bank, base_range)
 
 
