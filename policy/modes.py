@@ -10,6 +10,7 @@ baselines run through the same engine.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,9 +124,41 @@ class PolicyConfig:
         unknown = sorted(set(overrides) - fields)
         if unknown:
             raise ValueError(f"unknown PolicyConfig field(s) {unknown}; fields: {sorted(fields)}")
-        if isinstance(overrides.get("ladder"), list):  # --policy ladder='["int8","int4"]' parses as a JSON list
-            overrides = {**overrides, "ladder": tuple(overrides["ladder"])}  # type: ignore[arg-type]
+        ladder = overrides.get("ladder")
+        if isinstance(ladder, str):  # --policy ladder=int8,int4
+            overrides = {**overrides, "ladder": tuple(p.strip() for p in ladder.split(",") if p.strip())}
+        elif isinstance(ladder, list):  # --policy ladder='["int8","int4"]' parses as a JSON list
+            overrides = {**overrides, "ladder": tuple(ladder)}
+        errors = [_type_error(k, v) for k, v in overrides.items()]
+        errors = [e for e in errors if e]
+        if errors:
+            raise ValueError("invalid PolicyConfig: " + "; ".join(errors))
         return dataclasses.replace(preset, **overrides)  # type: ignore[arg-type]
+
+
+def _type_error(key: str, value: object) -> str | None:
+    """Why ``value`` cannot be PolicyConfig field ``key`` (None when it can): a wrong type names the key
+    instead of surfacing later as a TypeError from a comparison."""
+    hint = typing.get_type_hints(PolicyConfig)[key]
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is bool:
+        ok, want = isinstance(value, bool), "true or false"
+    elif hint is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif hint is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif typing.get_origin(hint) is tuple:
+        ok, want = isinstance(value, tuple) and all(isinstance(v, str) for v in value), "a list of precisions"
+    else:  # str, or a Literal of strings (strategy)
+        ok, want = isinstance(value, str), "a string"
+    if ok:
+        return None
+    none = " or null" if type(None) in args else ""
+    return f"{key} must be {want}{none}, got {value!r}"
 
 
 MODES: dict[str, PolicyConfig] = {

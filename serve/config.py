@@ -20,6 +20,23 @@ def parse_size(text: str | int) -> int:
 
 
 SCHEDULERS = ("fcfs", "slai")
+DEVICE_MEMORY_AUTO = "auto"
+"""device_memory="auto": a budget sized by rule (serve/memory/budget.py ``auto_budget``): on CPU the weights +
+a KV pool for one request of the full context length; on CUDA ``AUTO_CUDA_FRACTION`` of the device."""
+AUTO_CUDA_FRACTION = 0.9
+
+
+def check_device_memory(text: str | None) -> None:
+    """None, "auto", a fraction of the device in (0, 1] ('0.9', CUDA only) or a size ('600MiB')."""
+    if text is None or str(text).strip() == DEVICE_MEMORY_AUTO:
+        return
+    try:
+        fraction = float(str(text).strip())
+    except ValueError:
+        parse_size(text)
+        return
+    if not 0 < fraction <= 1:  # as serve/memory/budget.py resolve_budget reads it
+        raise ValueError(f"device_memory must be auto, a fraction in (0, 1] or a size such as 600MiB, got {text!r}")
 
 
 @dataclass
@@ -41,7 +58,9 @@ class EngineConfig:
     # MorphServe: runtime quantized layer swapping + KV resizing (policy/ modes: off, static-int8,
     # static-int4, accuracy, default, performance)
     morph_mode: str = "off"
-    device_memory: str | None = None   # budget: a size ('600MiB') or, on CUDA, a fraction ('0.9')
+    device_memory: str | None = None   # budget: a size ('600MiB'), on CUDA a fraction ('0.9'), or 'auto' (the
+                                       # Triton model's default; see DEVICE_MEMORY_AUTO); None: the KV pool is
+                                       # num_kv_blocks / kv_cache_memory and the budget is what that needs
     memory_reserve: str = "16MiB"      # kept free inside the budget (activations, allocator slack)
     slo_ttft_s: float = 2.0
     morph_precisions: str = ""  # extra precisions to hold beyond the mode's ladder (e.g. "int8,int4" for evaluation)
@@ -74,12 +93,18 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         parse_size(self.kv_cache_memory)
+        check_device_memory(self.device_memory)
         parse_size(self.memory_reserve)
         from policy import MODES, PolicyConfig  # the policy package is pure and cheap to import
 
         if self.morph_mode not in MODES:
             raise ValueError(f"unknown morph_mode {self.morph_mode!r}; valid: {sorted(MODES)}")
-        PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
+        if not isinstance(self.policy_overrides, dict):
+            raise ValueError(f"policy overrides must be a mapping of PolicyConfig fields, got {self.policy_overrides!r}")
+        try:
+            PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
+        except ValueError as exc:
+            raise ValueError(f"policy overrides {self.policy_overrides} for morph_mode {self.morph_mode!r}: {exc}") from None
         if self.slo_ttft_s <= 0:
             raise ValueError(f"slo_ttft_s must be positive, got {self.slo_ttft_s}")
         if self.scheduler not in SCHEDULERS:

@@ -2,17 +2,45 @@
 
 On CPU the budget is a configured number enforced by accounting. On CUDA it is a fraction of the device
 as reported by NVML (nvidia-ml-py) or torch; NVML is optional and its absence is not an error.
+``device_memory="auto"`` (the Triton model's default) is made concrete by ``auto_budget`` below.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from serve.config import parse_size
+from serve.config import AUTO_CUDA_FRACTION, DEVICE_MEMORY_AUTO, EngineConfig, parse_size
+
+
+def auto_budget(config: EngineConfig, device_type: str, max_position_embeddings: int) -> EngineConfig:
+    """``config`` with ``device_memory="auto"`` replaced by what it means on ``device_type``; any other
+    config is returned as is.
+
+    The rule: a ``num_kv_blocks``, or a ``kv_cache_memory`` other than the default, fixes the KV pool as
+    without a budget. Otherwise, on CUDA the budget is ``AUTO_CUDA_FRACTION`` (0.9) of the device; on CPU
+    it is the resident full-precision weights (+ the staging slot when the mode morphs) + ``memory_reserve``
+    + a KV pool for ONE request of the full context length (``ceil(max_model_len / block_size)`` blocks;
+    max_model_len: the config's, else the model's). Every request the model accepts then fits at full
+    precision, and two or more long ones at once put the pool under pressure, which is where the dynamic
+    modes quantize layers to grow it: SmolLM2-135M (8192 tokens, fp32, 45 KiB of KV a token) gets
+    512 blocks = 360 MiB of KV, about 940 MiB in all (weights 564 MiB in arena slots, reserve 16 MiB).
+    """
+    if config.device_memory != DEVICE_MEMORY_AUTO:
+        return config
+    fixed_pool = config.num_kv_blocks is not None or \
+        config.kv_cache_memory != EngineConfig.__dataclass_fields__["kv_cache_memory"].default
+    if fixed_pool:
+        return dataclasses.replace(config, device_memory=None)
+    if device_type == "cuda":
+        return dataclasses.replace(config, device_memory=str(AUTO_CUDA_FRACTION))
+    max_len = min(config.max_model_len or max_position_embeddings, max_position_embeddings)
+    return dataclasses.replace(config, device_memory=None, num_kv_blocks=math.ceil(max_len / config.block_size))
 
 
 @dataclass(frozen=True)

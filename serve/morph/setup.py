@@ -21,7 +21,7 @@ from policy import FULL, PolicyConfig, StepCosts
 from serve.config import EngineConfig
 from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
-from serve.memory.budget import MemoryLedger, resolve_budget
+from serve.memory.budget import MemoryLedger, auto_budget, resolve_budget
 from serve.memory.sizing import plan_arena
 from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
@@ -99,6 +99,7 @@ def _host_bank(model: LlamaModel, plan: MorphPlan) -> dict[int, dict[str, object
 
 def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None,
                  policy: PolicyConfig | None) -> EngineMemory:
+    config = auto_budget(config, model.device.type, model.config.max_position_embeddings)  # device_memory="auto"
     slot = kv_bytes_per_block(model.config, config.block_size, model.dtype)
     if slot % ALIGN:
         raise ValueError(f"a KV block of {slot} bytes is not a multiple of {ALIGN}; choose another block_size")

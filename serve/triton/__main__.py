@@ -16,7 +16,15 @@ from types import FrameType
 
 from serve.logging_setup import configure_logging, get_logger
 from serve.triton.install import TritonLaunchError
-from serve.triton.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, write_repository
+from serve.config import parse_policy_overrides
+from serve.triton.model_params import validate_params
+from serve.triton.repository import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_REPOSITORY,
+    fill_config_parameters,
+    read_config_parameters,
+    write_repository,
+)
 from serve.triton.server import TritonServer
 from serve.triton.supervisor import RestartPolicy, supervise
 
@@ -26,7 +34,11 @@ _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "morph_mode": ("--morph-mode", str, "layer-morphing mode of the engine"),
     "device": ("--device", str, "cpu, cuda, cuda:N or auto (CUDA when available; the model config's default)"),
     "dtype": ("--dtype", str, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
-    "device_memory": ("--device-memory", str, "device memory budget, e.g. 600MiB or 2GiB"),
+    "device_memory": ("--device-memory", str, "memory budget for weights + KV cache + reserve: a size (600MiB), on "
+                      "CUDA a fraction (0.9), or auto, config.pbtxt's default: on CPU the full-precision weights + "
+                      "16MiB reserve + a KV pool for ONE request of max_model_len tokens (the dynamic morph modes "
+                      "act once long requests overlap; SmolLM2-135M fp32: ~940MiB), on CUDA 0.9 of the device; with "
+                      "auto, a num_kv_blocks or kv_cache_memory parameter fixes the KV pool instead"),
     "max_num_seqs": ("--max-num-seqs", int, "most sequences in one batch"),
     "max_num_batched_tokens": ("--max-num-batched-tokens", int, "token budget of one engine step"),
     "max_tokens_limit": ("--max-tokens-limit", int, "largest max_tokens a request may ask for"),
@@ -88,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="set any other config.pbtxt parameter (repeatable), e.g. --param max_model_len=2048",
     )
     p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a morph controller threshold of the mode's preset (a PolicyConfig field, policy/modes.py), "
+        "e.g. --policy kv_high=0.7 --policy cost_aware=false (repeatable; values are read as JSON where they "
+        "parse, ladder also as int8,int4); merged over the JSON object in config.pbtxt's policy parameter. A "
+        "bad key or value is refused before the server starts",
+    )
+    p.add_argument(
         "--write-repository",
         type=Path,
         default=None,
@@ -140,7 +162,34 @@ def params_from_args(args: argparse.Namespace) -> dict[str, object]:
         if not sep or not key.strip():
             raise SystemExit(f"--param expects KEY=VALUE, got {item!r}")
         params[key.strip()] = value
+    if args.policy:
+        try:
+            overrides = parse_policy_overrides(args.policy)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        base = params.get("policy")
+        if base is None:
+            cfg = Path(args.model_repository) / args.model_name / "config.pbtxt"
+            base = read_config_parameters(cfg.read_text()).get("policy", "") if cfg.is_file() else ""
+        try:
+            merged = json.loads(str(base)) if str(base).strip() else {}
+        except json.JSONDecodeError:
+            raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into it") from None
+        if not isinstance(merged, dict):
+            raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into it")
+        params["policy"] = json.dumps({**merged, **overrides})
     return params
+
+
+def check_params(params: dict[str, object], repository: Path, model_name: str) -> None:
+    """Refuse a bad parameter (ValueError or TritonLaunchError naming it) before tritonserver starts: the
+    model's config.pbtxt values with ``params`` filled in, checked as the model's initialize() checks them."""
+    cfg = Path(repository) / model_name / "config.pbtxt"
+    if not cfg.is_file():
+        return  # the server (or write_repository) reports the missing model
+    merged = read_config_parameters(fill_config_parameters(cfg.read_text(), params))
+    if "engine_dir" in merged:  # a MorphServe engine model (not a BLS front)
+        validate_params(merged)
 
 
 def curl_example(srv: TritonServer) -> str:
@@ -159,6 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     extra = [a for a in args.extra if a != "--"]
     params = params_from_args(args)
+    try:
+        check_params(params, args.model_repository, args.model_name)
+    except (ValueError, TritonLaunchError) as e:
+        sys.stderr.write(f"morphserve: invalid configuration: {e}\n")
+        return 2
     if args.write_repository is not None:
         try:
             files = write_repository(args.write_repository, params, src=args.model_repository)

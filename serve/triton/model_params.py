@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -41,8 +42,10 @@ class ServerParams:
 MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
                      "max_prompt_bytes", "max_list_items"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
-# enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching.
-PARAM_ALIASES = {"engine_dir": "model", "enable_kv_cache_reuse": "enable_prefix_caching"}
+# enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching; policy is a JSON object of
+# PolicyConfig fields (e.g. {"kv_high": 0.7}), the same overrides as --policy KEY=VALUE.
+PARAM_ALIASES = {"engine_dir": "model", "enable_kv_cache_reuse": "enable_prefix_caching",
+                 "policy": "policy_overrides"}
 
 
 def _coerce(raw: str, hint: Any, name: str) -> Any:
@@ -51,6 +54,15 @@ def _coerce(raw: str, hint: Any, name: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = args[0] if len(args) == 1 else str
+    if hint is dict or typing.get_origin(hint) is dict:
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model parameter {name}={raw!r} is not valid JSON ({exc.msg}); "
+                             'expected an object such as {"kv_high": 0.7}') from None
+        if not isinstance(value, dict):
+            raise ValueError(f'model parameter {name}={raw!r} must be a JSON object such as {{"kv_high": 0.7}}')
+        return value
     try:
         if hint is bool:
             low = raw.strip().lower()
@@ -90,3 +102,13 @@ def engine_config_kwargs(params: dict[str, str], config_cls: type, repo_root: Pa
                 value = str(repo_root / p)
         kwargs[field] = value
     return kwargs, ignored
+
+
+def validate_params(params: dict[str, str]) -> None:
+    """Raise ValueError naming the first bad value among a morphserve model's parameters (server knobs,
+    EngineConfig fields, the policy JSON), as the model's initialize() would, without loading anything."""
+    from serve.config import EngineConfig  # noqa: PLC0415 - pure (dataclass + policy presets)
+
+    ServerParams.from_params(params, default_max_tokens=1)  # 1: a placeholder, only given values are checked
+    kwargs, _ = engine_config_kwargs(params, EngineConfig, Path.cwd())
+    EngineConfig(**kwargs)

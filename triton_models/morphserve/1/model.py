@@ -135,14 +135,20 @@ class TritonPythonModel:
 
         self._SamplingParams = SamplingParams
         self._RequestSLO = RequestSLO
-        kwargs, ignored = engine_config_kwargs(params, EngineConfig, REPO_ROOT)
+        try:  # a bad parameter (a policy key, a size) fails the load with its name, before the model loads
+            kwargs, ignored = engine_config_kwargs(params, EngineConfig, REPO_ROOT)
+            config = EngineConfig(**kwargs)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(f"invalid model parameter: {exc}") from None
         if ignored:
             log.warning("parameters_ignored", parameters=sorted(ignored),
                         reason="not a field of this engine's EngineConfig")
         t0 = time.perf_counter()
-        self.engine = LLMEngine(EngineConfig(**kwargs))
+        self.engine = LLMEngine(config)
+        morph = self.engine.morph
         log.info("engine_loaded", model=self.model_name, config=kwargs, load_s=round(time.perf_counter() - t0, 3),
-                 max_model_len=self.engine.max_model_len,
+                 max_model_len=self.engine.max_model_len, budget=self.engine.ledger.as_dict(),
+                 policy=None if morph is None else dataclasses.asdict(morph.controller.config),
                  package=str(Path(parse_request.__code__.co_filename).parents[2]))  # where morphserve was imported from
 
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
