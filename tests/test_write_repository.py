@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 from serve.triton.__main__ import main  # noqa: E402
 from serve.triton.install import TritonLaunchError, find_triton_install  # noqa: E402
-from serve.triton.repository import SERVED_MODELS, read_config_parameters  # noqa: E402
+from serve.triton.repository import SERVED_MODELS, read_config_parameters, write_repository  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
 
 try:
@@ -51,10 +51,14 @@ def _installed_env(root: Path) -> Path:
 
 
 def test_written_repository_serves_outside_the_checkout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Also the operator's knobs end to end: --policy kv_high=0.7 lands in the written config.pbtxt and is the
+    served engine's controller threshold (read back from its engine_loaded log line); a config.pbtxt with a
+    bad policy key makes the server start fail with the key's name. Mode default with a few sequential
+    requests never morphs, so the three names still give the same greedy text."""
     repo = tmp_path / "deploy" / "models"
     rc = main(["--write-repository", str(repo), "--engine-dir", "smollm2-135m", "--max-tokens-limit", "32",
                "--param", "num_threads=1", "--param", "num_kv_blocks=64", "--param", "max_model_len=256",
-               "--morph-mode", "off"])
+               "--morph-mode", "default", "--policy", "kv_high=0.7"])
     assert rc == 0, capsys.readouterr()
     for name in SERVED_MODELS:
         cfg = (repo / name / "config.pbtxt").read_text()
@@ -63,7 +67,8 @@ def test_written_repository_serves_outside_the_checkout(tmp_path: Path, capsys: 
         assert str(CHECKOUT) not in cfg + code.read_text(), "the written repository points into the checkout"
         assert "sys.path" not in code.read_text()
     params = read_config_parameters((repo / "morphserve" / "config.pbtxt").read_text())
-    assert params["max_tokens_limit"] == "32" and params["morph_mode"] == "off" and params["num_kv_blocks"] == "64"
+    assert params["max_tokens_limit"] == "32" and params["morph_mode"] == "default" and params["num_kv_blocks"] == "64"
+    assert json.loads(params["policy"]) == {"kv_high": 0.7}
     assert main(["--write-repository", str(repo)]) == 1, "must refuse to overwrite a written repository"
 
     bin_dir = _installed_env(tmp_path)
@@ -86,3 +91,15 @@ def test_written_repository_serves_outside_the_checkout(tmp_path: Path, capsys: 
     loaded = [json.loads(ln) for ln in (tmp_path / "server.log").read_text().splitlines()
               if ln.startswith("{") and '"engine_loaded"' in ln]
     assert loaded and Path(loaded[0]["package"]).is_relative_to(tmp_path / "venv"), loaded
+    assert loaded[0]["policy"]["kv_high"] == 0.7 and loaded[0]["policy"]["mode"] == "default", loaded[0]["policy"]
+
+    bad = tmp_path / "bad" / "models"  # as a hand-edited config.pbtxt would be: the CLI's check is bypassed
+    write_repository(bad, {"engine_dir": "smollm2-135m", "morph_mode": "default", "policy": '{"kv_hgh": 0.7}'})
+    srv = TritonServer(bad, python_bin_dir=bin_dir, cwd=tmp_path, log_path=tmp_path / "bad.log",
+                       workdir=tmp_path / "bad-work")
+    srv.start()
+    try:
+        with pytest.raises(TritonLaunchError, match="kv_hgh"):
+            srv.wait_ready(timeout=300)
+    finally:
+        srv.stop()
