@@ -47,7 +47,7 @@ MAKE_ARG_VARS = {"WORKER_ARGS": "serve.dynamo", "BUILD_ARGS": "builder", "COSTS_
                  "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak", "GPU_CHECK_ARGS": "bench.gpu_check"}
 # Top-level entries of the repository a path in the docs may start with (engines/, gpu-check/, ... are outputs).
 TRACKED_ROOTS = {"serve", "policy", "builder", "bench", "sim", "tests", "docs", "triton_models", "Makefile",
-                 "pyproject.toml", "README.md", ".github"}
+                 "pyproject.toml", "README.md", ".github", ".ci"}
 CODE_ROOTS = ("serve", "policy", "builder", "bench", "sim", "triton_models")
 
 
