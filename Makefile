@@ -23,7 +23,7 @@ ROUTER_MODE ?= least-loaded
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo test build-engines quality serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
+.PHONY: install install-dynamo test build-engines quality plan serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -31,6 +31,7 @@ help:
 	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + TensorRT-LLM checkpoints;"
 	@echo "                    LEVELS=int4@50,int8@25 or LEVELS=none picks the morph levels; a no-op when up to date)"
 	@echo "                    then this machine's per-precision step costs (COSTS_ARGS=--force re-measures)"
+	@echo "make plan         plan a GPU deployment on a virtual clock from NVIDIA's kernel tables (PLAN_ARGS; docs/planner.md)"
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make serve-dynamo   REPLICAS workers behind NVIDIA Dynamo's OpenAI frontend on 127.0.0.1:DYNAMO_HTTP_PORT"
@@ -77,6 +78,13 @@ test: install
 build-engines: install
 	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)
 	$(PY) -m bench.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
+
+# The planner: bench.replay's experiment on a virtual clock at a GPU's measured speed (docs/planner.md).
+PLAN_ARGS ?= --system a100_sxm --model llama-2-7b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \
+	--window burst:72 --time-scale 4.75 --fixed-lengths --input-len 512 --output-len 256 --device-memory 0.9 \
+	--mode off --mode static-int4 --mode default
+plan: install
+	$(PY) -m sim $(PLAN_ARGS)
 
 QUALITY_TEXT ?= ../shared/data/text/botchan.txt
 quality: build-engines

@@ -150,6 +150,8 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     result["morph"] = morph_summary(engine, timeline, duration, kv_block_tokens)
     result["tokens_by_config"] = dict(tokens_by_config)
     result["timeline"] = timeline
+    result["requests"] = [{"arrival_s": timings[r].send_s - t0, "ttft_s": timings[r].ttft_s, "ok": timings[r].completed}
+                          for r in rids]  # for the TTFT CDF and timeline plots
     result["resident_mib"] = {"after_load": round(rss_after_load / 2**20, 1), "max": round(rss_max / 2**20, 1),
                               "growth": round((rss_max - rss_after_load) / 2**20, 1)}
     return result

@@ -60,6 +60,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-input-tokens", type=int, default=None, help="cap on prompt tokens after scaling")
     g.add_argument("--max-output-tokens", type=int, default=None, help="cap on output tokens after scaling")
     g.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests")
+    g.add_argument("--fixed-lengths", action="store_true",
+                   help="with --trace: arrivals from the trace, every request --input-len prompt and --output-len "
+                        "output tokens (the MorphServe paper's setup: 512/256 for MHA models)")
     g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: {SHARED_TEXT.name} if present, else a bundled text)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-requests", type=int, default=64, help="synthetic workload: number of requests")
@@ -118,6 +121,9 @@ def trace_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
                      max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens)
     if args.max_requests is not None:
         reqs = reqs[: args.max_requests]
+    if getattr(args, "fixed_lengths", False) and args.trace is not None:
+        reqs = [dataclasses.replace(r, input_tokens=args.input_len, output_tokens=args.output_len) for r in reqs]
+        desc += f", fixed lengths {args.input_len}/{args.output_len}"
     desc += (f", time x{args.time_scale}, lengths x{args.length_scale}, caps in/out "
              f"{args.max_input_tokens}/{args.max_output_tokens}, {len(reqs)} requests")
     if not reqs:

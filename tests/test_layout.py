@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-OURS = ("serve", "policy", "builder", "bench")
+OURS = ("serve", "policy", "builder", "bench", "sim")
 
 # room -> rooms it may import (its own room is always allowed).
 ALLOWED: dict[str, set[str]] = {
@@ -32,16 +32,19 @@ ALLOWED: dict[str, set[str]] = {
     "serve.generate": {"serve.engine", "serve.config", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "policy"},
     "builder": {"serve.model", "serve.logging_setup", "policy"},
+    # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
+    "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config",
+            "serve.logging_setup", "policy"},
     "bench": {"serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
               "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
 # Third-party packages a room may not import (policy: anything outside the standard library).
-FORBIDDEN_THIRD_PARTY = {"matplotlib": set(ALLOWED) - {"bench"}}
+FORBIDDEN_THIRD_PARTY = {"matplotlib": set(ALLOWED) - {"bench"}, "pyarrow": set(ALLOWED) - {"sim"}}
 
 
 def room_of(module: str) -> str:
     parts = module.split(".")
-    if parts[0] in ("policy", "builder", "bench", "triton_models"):
+    if parts[0] in ("policy", "builder", "bench", "sim", "triton_models"):
         return parts[0]
     return ".".join(parts[:2])
 

@@ -1,0 +1,136 @@
+"""Plan a deployment before it exists: bench.replay's experiment on a virtual clock, at a GPU's measured speed.
+
+  make plan PLAN_ARGS="--system a100_sxm --model llama-2-7b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \\
+      --window burst:72 --time-scale 4.75 --fixed-lengths --input-len 512 --output-len 256 \\
+      --device-memory 0.9 --mode off --mode static-int4 --mode default --repeat 1 --json plan.json"
+
+The engine loop, scheduler (fcfs or slai), block pool, arena arithmetic and morph controller are the server's
+own; only the executor and the layer bank are simulated: each iteration's time comes from NVIDIA's measured
+TensorRT-LLM kernel tables for ``--system`` (aiconfigurator-core) and layer copies take bytes / PCIe bandwidth,
+overlapped with compute. ``--system local`` plans this machine from the engine's own measured step costs
+(validation against bench.replay). Output: bench.replay's table and JSON (same keys), plus plots with --plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench.replay import build_parser as replay_parser
+from bench.replay import engine_config, replay, run_cli
+from bench.defaults import ENGINE_DEFAULTS
+from bench.workload import build_workload
+from sim.assemble import Target, build_engine, table_target
+from sim.clock import VirtualClock
+from sim.kernel_tables import TableError, list_systems
+from sim.model_specs import builtin_names
+
+DEFAULT_TABLE_MODEL = "llama-2-7b"
+GPU_MAX_NUM_SEQS = 256
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = replay_parser()
+    p.prog = "python -m sim"
+    p.description = __doc__
+    g = p.add_argument_group("planner")
+    g.add_argument("--system", default="a100_sxm",
+                   help="a GPU of aiconfigurator-core's TensorRT-LLM tables (a100_sxm, h100_sxm, h200_sxm, ...; "
+                        "--list-systems) or 'local' (this machine, the engine's own measured costs); default: %(default)s")
+    g.add_argument("--overhead-ms", type=float, default=1.0,
+                   help="GPU systems: fixed host time per iteration (scheduling, sampling, launches) in ms (default: %(default)s)")
+    g.add_argument("--plots", type=Path, default=None, help="write the TTFT CDF and per-mode timelines (PNG) here")
+    g.add_argument("--list-systems", action="store_true", help="list the systems with tables and the built-in models, then exit")
+    for action in p._actions:  # --model means a config here (and an engine on --system local)
+        if action.dest == "model":
+            action.default = None
+            action.help = (f"GPU systems: a built-in model ({', '.join(builtin_names())}), an HF config.json or a "
+                           f"directory with one (default {DEFAULT_TABLE_MODEL}); local: an engine directory or "
+                           "embedded model name as bench.replay takes (default smollm2-135m)")
+        if action.dest in ("max_num_seqs", "max_num_batched_tokens"):
+            action.default = None
+            action.help = (f"default: {GPU_MAX_NUM_SEQS if action.dest == 'max_num_seqs' else GPU_MAX_NUM_BATCHED_TOKENS} "
+                           "on a GPU system (TensorRT-LLM's), the engine's own on --system local")
+        if action.dest == "device_memory":
+            action.help = ("memory budget (weights + KV + reserve): a size, or on a GPU system a fraction of its "
+                           "memory such as 0.9 (default: %(default)s)")
+    return p
+
+
+class Planner:
+    """One target per command (tables are read once); a fresh engine and clock for every run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: dict[str, dict] = {}  # the last run of each mode, for --plots
+        if args.system == "local":
+            from sim.local_target import local_target  # noqa: PLC0415 - loads a real engine
+
+            args.model = args.model or "smollm2-135m"
+            args.max_num_seqs = args.max_num_seqs or ENGINE_DEFAULTS.max_num_seqs
+            args.max_num_batched_tokens = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
+            self.target: Target = local_target(args)
+        else:
+            args.model = args.model or DEFAULT_TABLE_MODEL
+            # a GPU server's batch limits, not the CPU engine's (TensorRT-LLM's defaults: 256 sequences, 8192 tokens)
+            args.max_num_seqs = args.max_num_seqs or GPU_MAX_NUM_SEQS
+            args.max_num_batched_tokens = args.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS
+            self.target = table_target(args.system, args.model, 16, args.overhead_ms / 1e3)
+
+    def run(self, args: argparse.Namespace, spec: str) -> dict:
+        clock = VirtualClock()
+        config = engine_config(args, spec)
+        engine = build_engine(config, self.target, clock)
+        items, desc = build_workload(args, engine.tokenizer)
+        wall = time.perf_counter()
+        result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
+                  **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=False, sleep=clock.sleep)}
+        m = engine.morph
+        result["plan"] = {
+            "system": self.target.system, "device": self.target.device, "notes": self.target.notes,
+            "wall_s": round(time.perf_counter() - wall, 3), "virtual_s": round(clock(), 3),
+            "iterations": engine.executor.steps, "busy_s": round(engine.executor.busy_s, 3),
+            "kv_blocks_base": engine.pool.base_blocks, "kv_block_tokens": config.block_size,
+            "kv_block_bytes": self.target.slot_bytes, "memory": engine.ledger.as_dict(),
+            "swap_bytes_copied": m.bank.bytes_copied if m else 0,
+        }
+        engine.shutdown()
+        if not args.quiet:
+            print(f"planned {spec} on {self.target.device}: {result['plan']['virtual_s']:.1f} s of serving in "
+                  f"{result['plan']['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        self.results[spec] = result
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_systems:
+        print("systems:", ", ".join(list_systems() + ["local"]))
+        print("built-in models:", ", ".join(builtin_names()))
+        return 0
+    if args.quality:
+        print("error: --quality needs real weights; run bench.replay for it", file=sys.stderr)
+        return 2
+    try:
+        planner = Planner(args)
+    except (TableError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        status = run_cli(args, planner.run)
+    except TableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.plots is not None and planner.results:
+        from bench.plots import make_plots  # noqa: PLC0415 - matplotlib only when asked
+
+        for path in make_plots(planner.results, args.plots, args.slo_ttft):
+            print(f"plot: {path}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Build a planner engine: the real LLMEngine loop, scheduler, block pool, ledger and morph runtime over a simulated
+layer bank and executor on a virtual clock.
+
+A ``Target`` is what the plan runs on: a model's shapes and byte sizes, the device's memory and copy bandwidths,
+and a step model. ``table_target`` makes one from aiconfigurator-core's tables; ``sim/local_target.py`` makes
+one from this machine's engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from policy import FULL, PolicyConfig, StepCosts
+from serve.config import EngineConfig, parse_size
+from serve.engine.engine import EngineParts, LLMEngine
+from serve.memory.block_pool import BlockPool
+from serve.memory.sizing import plan_arena
+from serve.model.model_config import ModelConfig
+from serve.model.tokenizer import Tokenizer
+from serve.morph.setup import EngineMemory, MorphPlan, build_runtime
+from sim.bank import SimKV, SimLayerBank
+from sim.clock import VirtualClock
+from sim.executor import SimExecutor
+from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError
+from sim.model_specs import kv_block_nbytes, layer_nbytes, load_model_config, non_layer_nbytes
+from sim.step_model import TableStepModel
+
+
+@dataclass
+class Target:
+    system: str
+    device: str                          # the device in words (the tables' GPU, or this machine's CPU)
+    model_name: str
+    model_config: ModelConfig
+    layer_nbytes: Sequence[Mapping[str, int]]  # per layer: bytes at each precision it can take, full included
+    non_arena_bytes: int
+    slot_bytes: int
+    device_bytes: int | None             # what a fractional --device-memory is a fraction of (None: sizes only)
+    h2d_bytes_per_s: float
+    d2d_bytes_per_s: float
+    step_model: object                   # TableStepModel | LocalStepModel
+    swap_order: list[int]
+    notes: dict
+
+    def step_costs(self, precisions: Sequence[str]) -> StepCosts:
+        return self.step_model.step_costs(precisions)  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=1)
+def prompt_tokenizer() -> Tokenizer:
+    """The embedded model's tokenizer: the planner builds the replay's prompts from the same text, so prompt
+    content (prefix-cache hits) is as in the real replay; lengths come from the trace."""
+    from serve.model.loader import load_model  # noqa: PLC0415
+
+    return load_model("smollm2-135m").tokenizer
+
+
+def table_target(system: str, model: str, block_size: int, overhead_s: float) -> Target:
+    tables = KernelTables(system)
+    cfg = load_model_config(model)
+    available = [p for p, d in GEMM_DTYPE.items() if d in tables.gemm_dtypes]
+    per_layer = {p: layer_nbytes(cfg, p) for p in available}
+    spec = tables.spec
+    return Target(system=system, device=f"{spec.device} ({spec.name}, TensorRT-LLM {spec.version} tables)",
+                  model_name=model, model_config=cfg, layer_nbytes=[dict(per_layer) for _ in range(cfg.num_layers)],
+                  non_arena_bytes=non_layer_nbytes(cfg), slot_bytes=kv_block_nbytes(cfg, block_size),
+                  device_bytes=spec.mem_capacity, h2d_bytes_per_s=spec.pcie_bw, d2d_bytes_per_s=spec.mem_bw * 0.8 / 2,
+                  step_model=TableStepModel(tables, cfg, overhead_s), swap_order=list(range(cfg.num_layers)),
+                  notes={"swap_order": "front to back (no weights, no LIS profile; time and memory do not depend "
+                                       "on the order, quality would)",
+                         "overhead_ms_per_iteration": overhead_s * 1e3,
+                         "h2d_GBps": spec.pcie_bw / 1e9, "device_memory_GiB": round(spec.mem_capacity / 2**30, 1)})
+
+
+def resolve_budget(target: Target, text: str) -> int:
+    """--device-memory as the engine reads it: a size, or a fraction of the target device's memory."""
+    try:
+        fraction = float(text)
+    except ValueError:
+        return parse_size(text)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"device memory fraction must be in (0, 1], got {text}")
+    if target.device_bytes is None:
+        raise ValueError(f"a fractional --device-memory needs a GPU system; {target.system} takes a size such as 600MiB")
+    return int(target.device_bytes * fraction)
+
+
+def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> LLMEngine:
+    """The planner's engine for ``config`` (its mode, memory budget, scheduler) on ``target``."""
+    policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+    morphing = policy.strategy != "off"
+    extra = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
+    precisions = sorted(set(policy.ladder) | set(extra)) if morphing else []
+    have = set(target.layer_nbytes[0])
+    missing = [p for p in precisions if p not in have]
+    if missing:
+        raise TableError(f"morph mode {config.morph_mode!r} needs {missing}, which {target.device} does not offer "
+                         f"(has {sorted(have - {FULL})}); override the ladder, e.g. {config.morph_mode}+ladder='"
+                         f"[\"{sorted(have - {FULL})[0] if have - {FULL} else 'int4'}\"]'")
+    sizes = [{p: n for p, n in per_layer.items() if p in (FULL, *precisions)} for per_layer in target.layer_nbytes]
+    variants = [{p: n for p, n in s.items() if p != FULL} for s in sizes] if morphing else None
+    arena = plan_arena(config, target.slot_bytes, [s[FULL] for s in sizes], variants, target.non_arena_bytes,
+                       lambda text: resolve_budget(target, text))
+    pool = BlockPool(arena.base_blocks, max_blocks=arena.max_blocks)
+    ledger = arena.ledger()
+    bank = SimLayerBank(sizes, arena.regions, arena.staging, target.slot_bytes, clock, target.h2d_bytes_per_s,
+                        target.d2d_bytes_per_s) if morphing else None
+    memory = EngineMemory(arena=None, pool=pool, ledger=ledger, kv=SimKV(), bank=bank, base=arena.base)  # type: ignore[arg-type]
+    morph = None
+    if bank is not None:
+        costs = target.step_costs(precisions) if policy.cost_aware else None
+        morph = build_runtime(policy, MorphPlan(precisions, list(target.swap_order), None),  # type: ignore[arg-type]
+                              memory, config.block_size, clock=clock, costs=costs)
+        morph.step_token_budget = config.max_num_batched_tokens
+    tokenizer = prompt_tokenizer()
+    cfg = target.model_config
+    engine_cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
+    token_id = tokenizer.encode(" the")[-1]
+    executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id)  # type: ignore[arg-type]
+    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    parts = EngineParts(model_config=engine_cfg, tokenizer=tokenizer, max_model_len=max_len,
+                        device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, morph=morph,
+                        executor=executor)
+    return LLMEngine(config, clock=clock, parts=parts)

@@ -1,0 +1,97 @@
+"""The layer bank without tensors: the real LayerBank's slot arithmetic over byte counts, copies on the virtual clock.
+
+The morph runtime (serve/morph/runtime.py) runs unchanged on it: it asks for slots, tails, host variants and
+copies, installs what a copy returns and maps KV blocks. Here a layer is its precision; a host-to-device copy
+takes ``bytes / h2d_bandwidth`` of virtual time on one copy engine (copies queue behind each other) and
+overlaps compute, as the CUDA copy stream does; waiting for it (``result()`` before it is done) moves the
+clock to its end, as a host that waits would. A device-local copy (``copy_now``: moving the staged variant to
+the region's tail at an iteration boundary) takes ``bytes / device bandwidth`` on the compute stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from policy import FULL
+from serve.memory.arena import SlotRange
+from serve.morph.layer_bank import LayerBank
+from sim.clock import VirtualClock
+
+
+@dataclass
+class SimLayer:
+    precision: str
+    nbytes: int = 0
+
+
+@dataclass
+class SimModel:
+    layers: list[SimLayer] = field(default_factory=list)
+
+
+class SimCopyJob:
+    def __init__(self, clock: VirtualClock, ready_at: float, layer: SimLayer) -> None:
+        self.clock = clock
+        self.ready_at = ready_at
+        self.layer = layer
+
+    def done(self) -> bool:
+        return self.clock() >= self.ready_at
+
+    def result(self) -> SimLayer:
+        self.clock.advance_to(self.ready_at)
+        return self.layer
+
+
+class SimKV:
+    """The paged KV cache's mapping calls; a plan stores no KV."""
+
+    def map_blocks(self, logical_start: int, physical_slots: list[int]) -> None:
+        pass
+
+    def unmap_blocks(self, logical_start: int, count: int) -> None:
+        pass
+
+
+class SimLayerBank(LayerBank):
+    def __init__(self, nbytes: Sequence[Mapping[str, int]], regions: list[SlotRange], staging: SlotRange,
+                 slot_bytes: int, clock: VirtualClock, h2d_bytes_per_s: float, d2d_bytes_per_s: float) -> None:
+        # LayerBank's sizes and installs are reused as they are; its tensors, threads and streams are not made.
+        self.model = SimModel([SimLayer(FULL, per_layer[FULL]) for per_layer in nbytes])
+        self.device = torch.device("meta")  # not CUDA: the runtime's NVML query answers None, as on CPU
+        self.regions = regions
+        self.staging = staging
+        self.slot_bytes = slot_bytes
+        self._nbytes = [dict(per_layer) for per_layer in nbytes]
+        self.host = {i: {p: SimLayer(p, n) for p, n in per_layer.items()} for i, per_layer in enumerate(self._nbytes)}
+        self.clock = clock
+        self.h2d = h2d_bytes_per_s
+        self.d2d = d2d_bytes_per_s
+        self._copy_engine_free_at = 0.0
+        self.bytes_copied = 0
+
+    def nbytes(self, i: int, precision: str) -> int:
+        return self._nbytes[i][precision]
+
+    def copy_async(self, src: SimLayer, dest: SlotRange) -> SimCopyJob:  # type: ignore[override]
+        nbytes = src.nbytes
+        start = max(self.clock(), self._copy_engine_free_at)
+        self._copy_engine_free_at = start + nbytes / self.h2d
+        self.bytes_copied += nbytes
+        return SimCopyJob(self.clock, self._copy_engine_free_at, SimLayer(src.precision, nbytes))
+
+    def copy_now(self, src: SimLayer, dest: SlotRange) -> SimLayer:  # type: ignore[override]
+        self.clock.advance(src.nbytes / self.d2d)
+        return SimLayer(src.precision, src.nbytes)
+
+    def detached(self, i: int, precision: str) -> SimLayer:  # type: ignore[override]
+        return self.host[i][precision]
+
+    def resident_ranges(self, i: int) -> list[tuple[int, int]]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
