@@ -44,7 +44,8 @@ PARSER_MODULES = {"serve.dynamo": "serve.dynamo.cli"}
 # make variables that carry flags of one module (Makefile: WORKER_ARGS goes to every Dynamo worker, ...).
 MAKE_ARG_VARS = {"WORKER_ARGS": "serve.dynamo", "BUILD_ARGS": "builder", "COSTS_ARGS": "bench.step_costs",
                  "BENCH_ARGS": "bench.triton", "AIPERF_ARGS": "bench.aiperf", "PEER_ARGS": "bench.peer",
-                 "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak", "GPU_CHECK_ARGS": "bench.gpu_check"}
+                 "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak", "GPU_CHECK_ARGS": "bench.gpu_check",
+                 "PLAN_ARGS": "sim"}
 # Top-level entries of the repository a path in the docs may start with (engines/, gpu-check/, ... are outputs).
 TRACKED_ROOTS = {"serve", "policy", "builder", "bench", "sim", "tests", "docs", "triton_models", "Makefile",
                  "pyproject.toml", "README.md", ".github", ".ci"}
