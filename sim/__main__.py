@@ -107,6 +107,10 @@ class Planner:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.quiet:  # the morph runtime's swap events are JSON log lines; a plan's JSON keeps the counts
+        from serve.logging_setup import configure_logging  # noqa: PLC0415
+
+        configure_logging("warning", force=True)
     if args.list_systems:
         print("systems:", ", ".join(list_systems() + ["local"]))
         print("built-in models:", ", ".join(builtin_names()))
