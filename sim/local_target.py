@@ -6,7 +6,8 @@ bench.replay on the same trace).
 * Linears: the engine's measured per-precision StepCosts (serve/model/step_costs.py, cached per machine).
 * The rest of a forward (attention, norms, RoPE, SwiGLU) per layer, and the engine's own per-iteration host time,
   fitted by least squares on a short calibration run of the real engine (mode off) on a synthetic workload of
-  mixed prompt and output lengths (not the trace being planned): forward time minus the linears and the LM head
+  mixed prompt and output lengths (not the trace being planned), with a 2 GiB budget so that batches as large as
+  the planned engine's fit: forward time minus the linears and the LM head
   ~ layers x (c0 + c1 m + c2 sum(decode KV lengths) + c3 prefill attention work); step time minus forward
   ~ o0 + o1 x sequences. Negative coefficients are dropped and the fit repeated.
 * Copies: host memory bandwidth measured with one 64 MiB copy (the CPU engine's swap is a memcpy).
@@ -33,8 +34,13 @@ from sim.step_model import LocalStepModel, LocalTerms, prefill_work
 CALIBRATION_REQUESTS = 40
 
 
-def _engine(args: argparse.Namespace, mode: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=args.model, morph_mode=mode, device_memory=args.device_memory,
+CALIBRATION_MEMORY = "2GiB"
+"""The calibration engine's budget: room for batches as large as the planned engine can ever run (its compute does
+not depend on the budget), whatever --device-memory the plan uses."""
+
+
+def _engine(args: argparse.Namespace, mode: str, device_memory: str | None = None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=args.model, morph_mode=mode, device_memory=device_memory or args.device_memory,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   num_threads=args.threads, morph_precisions="int8,int4", seed=args.seed))
 
@@ -121,7 +127,7 @@ def local_target(args: argparse.Namespace) -> Target:
         order = list(morph.controller.swap_order) if hasattr(morph.controller, "swap_order") else list(range(len(sizes)))
     finally:
         engine.shutdown()
-    off = _engine(args, "off")
+    off = _engine(args, "off", CALIBRATION_MEMORY)
     try:
         terms = calibrate(off, costs, args.seed)
     finally:

@@ -164,3 +164,35 @@ def test_bad_arguments_fail_with_a_message(capsys) -> None:
     assert plan_main(["--list-systems"]) == 0
     out = capsys.readouterr().out
     assert "h200_sxm" in out and "llama-2-13b" in out
+
+
+def test_copies_take_bytes_over_bandwidth_on_one_copy_engine_and_waiting_moves_the_clock() -> None:
+    from serve.memory.arena import SlotRange
+    from sim.bank import SimLayerBank
+
+    clock = VirtualClock()
+    sizes = [{FULL: 4000, "int4": 1000} for _ in range(3)]
+    bank = SimLayerBank(sizes, [SlotRange(4 * i, 4) for i in range(3)], SlotRange(12, 1), 1000, clock,
+                        h2d_bytes_per_s=1000.0, d2d_bytes_per_s=4000.0)
+    a = bank.copy_async(bank.host[0]["int4"], bank.staging)
+    b = bank.copy_async(bank.host[1]["int4"], bank.staging)   # queues behind a on the one copy engine
+    assert (a.ready_at, b.ready_at) == (1.0, 2.0) and not a.done()
+    clock.advance(1.5)
+    assert a.done() and not b.done()
+    assert b.result().precision == "int4" and clock() == 2.0      # waiting for it moves the clock to its end
+    bank.copy_now(bank.host[2][FULL], bank.tail(2, FULL))          # device-local: 4000 B at 4000 B/s
+    assert clock() == 3.0
+    assert (bank.slots(0, FULL), bank.slots(0, "int4"), bank.tail(0, "int4")) == (4, 1, SlotRange(3, 1))
+
+
+def test_the_local_fit_recovers_known_coefficients_and_drops_negative_ones() -> None:
+    import numpy as np
+
+    from sim.local_target import _nonneg_lstsq
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(1, 100, size=(200, 3))
+    assert np.allclose(_nonneg_lstsq(x, x @ np.array([0.5, 2.0, 0.25])), [0.5, 2.0, 0.25])
+    x[:, 0] = 1.0  # an intercept column
+    coef = _nonneg_lstsq(x, x @ np.array([500.0, 2.0, -3.0]))  # the plain fit's third term is negative
+    assert (coef >= 0).all() and coef[2] == 0.0 and coef[0] > 0 and coef[1] > 0
