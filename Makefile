@@ -23,11 +23,12 @@ ROUTER_MODE ?= least-loaded
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo test build-engines quality plan serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
+.PHONY: install install-dynamo install-py312 test test-py312 build-engines quality plan serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
 	@echo "make test           run the test suite"
+	@echo "make test-py312     the unit suite (+ the written-repository e2e) on Python 3.12 in $(VENV312) (CI runs it too)"
 	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + TensorRT-LLM checkpoints;"
 	@echo "                    LEVELS=int4@50,int8@25 or LEVELS=none picks the morph levels; a no-op when up to date)"
 	@echo "                    then this machine's per-precision step costs (COSTS_ARGS=--force re-measures)"
@@ -74,6 +75,24 @@ $(DYNAMO_VENV)/.installed: $(VENV)/.installed Makefile
 
 test: install
 	$(PY) -m pytest -q
+
+# Python 3.12 (NVIDIA's Triton containers ship it): a second venv by the same recipe, and in it the unit suite
+# (all but the tritonserver end-to-end and Dynamo tests, which 3.11 runs) plus test_write_repository (a written
+# repository served through the 3.12 Python-backend stub). torch==2.13.0 for 3.12 comes from the package index
+# as its CUDA build (~4.7 GB in the venv, ~5.7 GB in all; it runs on the CPU too): the CPU wheel on this
+# machine's disk is 3.11's. Python 3.13 is not supported: nvidia-pytriton 0.7 needs numpy<2, which has no 3.13 wheels.
+VENV312 ?= .venv-py312
+PYTHON312 ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do \
+  "$$p" -c 'import sys; print(sys.executable)' 2>/dev/null && break; done)
+PY312_TEST_ARGS ?= -m "not e2e and not dynamo"
+
+install-py312:
+	@test -n "$(PYTHON312)" || { echo "no working python3.12 found; set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	$(MAKE) $(VENV312)/.installed VENV=$(VENV312) PYTHON=$(PYTHON312)
+
+test-py312: install-py312
+	$(VENV312)/bin/python -m pytest -q tests/test_write_repository.py
+	$(VENV312)/bin/python -m pytest -q $(PY312_TEST_ARGS)
 
 build-engines: install
 	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)
@@ -124,7 +143,7 @@ soak: install
 	$(PY) -m bench.soak --duration-s $(SOAK_S) $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(DYNAMO_VENV) $(AIPERF_VENV) engines .pytest_cache
+	rm -rf $(VENV) $(VENV312) $(DYNAMO_VENV) $(AIPERF_VENV) engines .pytest_cache
 
 # make bench-peer: the engine vs vLLM (CPU build, fp32) and llama.cpp (GGUF Q4_1) in one run; each peer in a
 # venv of its own under PEERS_DIR (default: beside the project tree, ~3.5 GB for vLLM). Not part of make test.
