@@ -99,9 +99,10 @@ build-engines: install
 	$(PY) -m bench.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
 
 # The planner: bench.replay's experiment on a virtual clock at a GPU's measured speed (docs/planner.md).
-PLAN_ARGS ?= --system a100_sxm --model llama-2-7b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \
-	--window burst:72 --time-scale 4.75 --fixed-lengths --input-len 512 --output-len 256 --device-memory 0.9 \
-	--mode off --mode static-int4 --mode default
+# Default: the MorphServe paper's A100-80GB experiment (CodeLlama-34B, Azure burst downscaled 4.75x, 1024/512 tokens).
+PLAN_ARGS ?= --system a100_sxm --model codellama-34b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \
+	--window burst:72 --time-scale 4.75 --fixed-lengths --input-len 1024 --output-len 512 --device-memory 0.9 \
+	--mode off --mode static-int4 --mode default --quiet
 plan: install
 	$(PY) -m sim $(PLAN_ARGS)
 
