@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -327,17 +328,22 @@ class _FakeProc:
 class _FakeServer:
     """Stands in for TritonServer in the supervisor's restart logic (start/stop/ready bookkeeping only)."""
 
-    def __init__(self, die_after_start: int) -> None:
+    def __init__(self, die_after_start: int, rc: int = -11, on_start: Any = None) -> None:
         self.proc: _FakeProc | None = _FakeProc()
         self.starts = self.stops = 0
         self.die_after_start = die_after_start
+        self.rc = rc
+        self.on_start = on_start
         self.ready_after_s = 0.0
+        self.log_path = "server.log"
 
     def start(self) -> None:
         self.starts += 1
         self.proc = _FakeProc()
         if self.starts <= self.die_after_start:
-            self.proc.rc = -11
+            self.proc.rc = self.rc
+        if self.on_start is not None:
+            self.on_start(self)
 
     def wait_ready(self, timeout: float) -> float:
         from serve.triton.install import TritonLaunchError
@@ -346,7 +352,8 @@ class _FakeServer:
             raise TritonLaunchError("exited before becoming ready")
         return 0.0
 
-    def stop(self) -> None:
+    def stop(self, keep_front: bool = False) -> None:
+        assert keep_front, "the supervisor keeps the HTTP front between restarts"
         self.stops += 1
         if self.proc is not None and self.proc.rc is None:
             self.proc.rc = 0
@@ -356,13 +363,15 @@ class _FakeServer:
 
 
 def test_supervisor_restarts_a_dead_server_and_gives_up_after_bounded_retries():
-    from serve.triton.supervisor import RestartPolicy, supervise
+    from serve.triton.supervisor import EXIT_GAVE_UP, RestartPolicy, supervise
 
     srv = _FakeServer(die_after_start=10)
     srv.proc.rc = -11  # crashed
     policy = RestartPolicy(max_restarts=3, backoff_s=0.01, health_every_s=0)
-    assert supervise(srv, policy, threading.Event(), poll_s=0.01) == -11
+    reasons: list[str] = []
+    assert supervise(srv, policy, threading.Event(), poll_s=0.01, on_give_up=reasons.append) == EXIT_GAVE_UP
     assert srv.starts == 3  # bounded
+    assert len(reasons) == 1 and "died 4 times within 600 s" in reasons[0] and "exit code -11" in reasons[0]
 
     srv = _FakeServer(die_after_start=0)
     srv.proc.rc = -11
@@ -378,3 +387,45 @@ def test_supervisor_restarts_an_unhealthy_engine():
     supervise(srv, RestartPolicy(backoff_s=0.01, health_every_s=0.01), stop,
               on_ready=lambda s, n: stop.set(), poll_s=0.01, healthy=lambda s: next(verdicts, True))
     assert srv.stops >= 1 and srv.starts == 1
+
+
+def test_supervisor_restarts_a_server_killed_during_its_first_load():
+    from serve.triton.supervisor import RestartPolicy, supervise
+
+    srv, stop, seen = _FakeServer(die_after_start=1), threading.Event(), []
+    srv.start()  # killed (SIGSEGV / OOM killer) before it was ever ready
+    supervise(srv, RestartPolicy(backoff_s=0.01, health_every_s=0), stop, ready=False, poll_s=0.01,
+              on_ready=lambda s, n: (seen.append(n), stop.set()))
+    assert seen == [1] and srv.starts == 2
+
+
+def test_supervisor_does_not_restart_a_first_load_that_exits_with_an_error():
+    from serve.triton.install import TritonLaunchError
+    from serve.triton.supervisor import RestartPolicy, supervise
+
+    srv = _FakeServer(die_after_start=1, rc=1)  # e.g. a bad model configuration: restarting cannot help
+    srv.start()
+    with pytest.raises(TritonLaunchError):
+        supervise(srv, RestartPolicy(backoff_s=0.01, health_every_s=0), threading.Event(), ready=False)
+    assert srv.starts == 1
+
+
+def test_supervisor_budget_is_a_rate_over_a_window():
+    from serve.triton.supervisor import RestartPolicy, supervise
+
+    stop = threading.Event()
+    srv = _FakeServer(die_after_start=100, on_start=lambda s: s.starts >= 6 and stop.set())
+    srv.proc.rc = -11
+    # 2 restarts per 1 ms, one every >= 10 ms: never more than one in the window, so it never gives up.
+    policy = RestartPolicy(max_restarts=2, window_s=0.001, backoff_s=0.01, max_backoff_s=0.01, health_every_s=0)
+    assert supervise(srv, policy, stop, poll_s=0.01) == 0 and srv.starts == 6
+
+
+def test_queue_timeout_parameter():
+    from serve.triton.model_params import ServerParams
+
+    assert ServerParams.from_params({}, default_max_tokens=16).queue_timeout_s == 30.0  # load shed at the defaults
+    assert ServerParams.from_params({"queue_timeout_s": "0"}, default_max_tokens=16).queue_timeout_s == 0.0
+    for bad in ("-1", "inf", "soon"):
+        with pytest.raises(ValueError, match="queue_timeout_s"):
+            ServerParams.from_params({"queue_timeout_s": bad}, default_max_tokens=16)

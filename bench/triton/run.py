@@ -59,6 +59,7 @@ def server_params(args: argparse.Namespace, mode: str, max_tokens: int) -> dict[
         "slo_ttft_s": args.slo_ttft, "max_num_seqs": args.max_num_seqs, "scheduler": args.scheduler,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.server_threads,
         "seed": args.seed, "max_tokens_limit": max(4096, max_tokens), "log_level": "info",
+        "queue_timeout_s": 0,  # replays measure queueing as it is: no default queue deadline
     }
     if args.max_model_len:
         params["max_model_len"] = args.max_model_len

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 
 from serve.logging_setup import configure_logging, get_logger
+from serve.triton.http_front import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, FrontOptions
 from serve.triton.install import TritonLaunchError
 from serve.config import parse_policy_overrides
 from serve.triton.model_params import validate_params
@@ -26,7 +27,7 @@ from serve.triton.repository import (
     write_repository,
 )
 from serve.triton.server import TritonServer
-from serve.triton.supervisor import RestartPolicy, supervise
+from serve.triton.supervisor import EXIT_GAVE_UP, RestartPolicy, supervise
 
 log = get_logger("triton_launcher")
 
@@ -44,6 +45,9 @@ _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "max_tokens_limit": ("--max-tokens-limit", int, "largest max_tokens a request may ask for"),
     "slo_ttft_s": ("--slo-ttft-s", float, "TTFT service-level objective in seconds"),
     "scheduler": ("--scheduler", str, "scheduling policy: fcfs or slai"),
+    "queue_timeout_s": ("--queue-timeout-s", float, "a request without its first token this many seconds after "
+                        "arrival is refused with 503 + Retry-After, \"overloaded ... retry later\" (config.pbtxt default 30; "
+                        "0: no deadline)"),
 }
 
 
@@ -131,9 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=int, default=30,
                    help="seconds tritonserver lets in-flight requests finish after SIGTERM (--exit-timeout-secs)")
     p.add_argument("--max-restarts", type=int, default=5,
-                   help="restart a dead tritonserver at most this many times in a row (0: never)")
+                   help="restart a dead tritonserver (also one killed during its first load) at most this many times "
+                   "within --restart-window seconds (0: never); past it the launcher says why and exits with status 3")
+    p.add_argument("--restart-window", type=float, default=600.0,
+                   help="seconds over which --max-restarts is counted (a rate: restarts older than this are forgotten)")
     p.add_argument("--restart-backoff", type=float, default=1.0,
-                   help="seconds before the first restart; doubles each time up to 30")
+                   help="seconds before the first restart; doubles with each restart in the window up to 30")
+    p.add_argument("--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="the HTTP front refuses larger request bodies with 413 before reading them")
+    p.add_argument("--http-max-json-depth", type=int, default=DEFAULT_MAX_JSON_DEPTH,
+                   help="the HTTP front refuses JSON bodies nested deeper with 400 before tritonserver sees them")
     p.add_argument(
         "--gpu",
         choices=["auto", "yes", "no"],
@@ -210,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = params_from_args(args)
     try:
         check_params(params, args.model_repository, args.model_name)
+        front_options = FrontOptions(args.http_max_body_bytes, args.http_max_json_depth)
     except (ValueError, TritonLaunchError) as e:
         sys.stderr.write(f"morphserve: invalid configuration: {e}\n")
         return 2
@@ -237,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep_log=True,
         repository_api=args.allow_repository_api,
         exit_timeout_s=args.drain_timeout,
+        front_options=front_options,
     )
     if args.allow_repository_api:
         log.warning("repository_api_open", warning="clients can load/unload models, including Python code")
@@ -254,23 +267,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
         signal.signal(signal.SIGTERM, on_sigterm)
+    announced: list[bool] = []
+
+    def on_ready(s: TritonServer, restarts: int) -> None:
+        if not announced:  # the first time the model is ready (also after a death during the first load)
+            announced.append(True)
+            sys.stdout.write(
+                f"morphserve ready in {s.ready_after_s or 0:.1f}s: http={s.http_url} grpc={s.grpc_url} "
+                f"metrics={s.metrics_url} log={s.log_path} | try: {curl_example(s)}\n"
+            )
+            sys.stdout.flush()
+
+    def on_give_up(reason: str) -> None:
+        sys.stderr.write(f"morphserve: giving up (exit status {EXIT_GAVE_UP}): {reason}\n")
+
     try:
         srv.start()
-        ready_s = srv.wait_ready(timeout=args.ready_timeout)
-        sys.stdout.write(
-            f"morphserve ready in {ready_s:.1f}s: http={srv.http_url} grpc={srv.grpc_url} "
-            f"metrics={srv.metrics_url} log={srv.log_path} | try: {curl_example(srv)}\n"
-        )
-        sys.stdout.flush()
-        policy = RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.restart_backoff,
-                               ready_timeout_s=args.ready_timeout)
-        return supervise(srv, policy, threading.Event())
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                               backoff_s=args.restart_backoff, ready_timeout_s=args.ready_timeout)
+        return supervise(srv, policy, threading.Event(), on_ready=on_ready, ready=False, on_give_up=on_give_up)
     except TritonLaunchError as e:
         log.error("tritonserver_failed", error=str(e).splitlines()[0], log_path=str(srv.log_path))
         sys.stderr.write(f"morphserve failed to start: {e}\n")
         return 1
     except (KeyboardInterrupt, _Terminate):
         log.info("shutdown_requested")
+        srv.drain()  # new HTTP requests and readiness: 503; tritonserver lets in-flight ones finish
         return 0
     finally:
         if in_main_thread:

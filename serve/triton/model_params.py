@@ -20,6 +20,9 @@ class ServerParams:
     log_level: str = "info"
     max_prompt_bytes: int = 256 * 1024  # InputLimits (serve/triton/request_inputs.py)
     max_list_items: int = 64
+    # A request with no first token this long after arrival is refused with UNAVAILABLE "overloaded ...
+    # retry after N s" (HTTP 503): load is shed at the defaults. 0: no deadline (offline replays).
+    queue_timeout_s: float = 30.0
 
     @classmethod
     def from_params(cls, params: dict[str, str], default_max_tokens: int) -> ServerParams:
@@ -35,12 +38,15 @@ class ServerParams:
                out.max_list_items) <= 0:
             raise ValueError(f"max_tokens_limit, default_max_tokens, poll_interval_s, max_prompt_bytes and "
                              f"max_list_items must be positive, got {out}")
+        if not 0 <= out.queue_timeout_s < float("inf"):
+            raise ValueError(f"model parameter queue_timeout_s={out.queue_timeout_s!r} must be >= 0 seconds "
+                             "(0: no queue deadline)")
         return out
 
 
 # Parameters the Triton model consumes itself rather than passing to EngineConfig.
 MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
-                     "max_prompt_bytes", "max_list_items"}
+                     "max_prompt_bytes", "max_list_items", "queue_timeout_s"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
 # enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching; policy is a JSON object of
 # PolicyConfig fields (e.g. {"kv_high": 0.7}), the same overrides as --policy KEY=VALUE.

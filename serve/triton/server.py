@@ -33,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 
 from serve.logging_setup import get_logger
+from serve.triton.http_front import FrontOptions, HttpFront
 from serve.triton.install import (
     TritonInstall,
     TritonLaunchError,
@@ -87,6 +88,10 @@ class TritonServer:
     random header value nobody is told); ``repository_api=True`` opens it (explicit mode: any local
     process can then load a Python model that runs as this user). Ports busy before start fail at once.
     ``exit_timeout_s`` is how long tritonserver drains in-flight requests after SIGTERM.
+
+    ``http_port`` is served by the project's HTTP front (serve/triton/http_front.py: bounded bodies, typed
+    inputs, gRPC to tritonserver so disconnects cancel; ``front_options`` sets its limits), tritonserver's
+    own HTTP server by ``triton_http_port`` (internal, loopback; ``http_front=False`` puts it on http_port).
     """
 
     def __init__(
@@ -110,6 +115,9 @@ class TritonServer:
         also_load: Sequence[str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         repository_api: bool = False,
+        http_front: bool = True,
+        front_options: FrontOptions | None = None,
+        triton_http_port: int | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -124,7 +132,13 @@ class TritonServer:
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        if len({self.http_port, self.grpc_port, self.metrics_port}) != 3:
+        # The client HTTP port is the project's own front (serve/triton/http_front.py); tritonserver's HTTP
+        # server listens on an internal loopback port behind it. http_front=False: Triton on http_port.
+        self.http_front = http_front
+        self.front_options = front_options
+        self.front: HttpFront | None = None
+        self.triton_http_port = (triton_http_port or free_port()) if http_front else self.http_port
+        if len({self.http_port, self.grpc_port, self.metrics_port, self.triton_http_port}) != 3 + http_front:
             raise TritonLaunchError(
                 f"HTTP, gRPC and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}"
             )
@@ -153,6 +167,11 @@ class TritonServer:
         return f"{LOOPBACK}:{self.http_port}"
 
     @property
+    def triton_http_url(self) -> str:
+        """host:port of tritonserver's own HTTP server (internal, behind the front; = http_url without it)."""
+        return f"{LOOPBACK}:{self.triton_http_port}"
+
+    @property
     def grpc_url(self) -> str:
         """host:port for tritonclient.grpc."""
         return f"{LOOPBACK}:{self.grpc_port}"
@@ -173,7 +192,7 @@ class TritonServer:
             "--disable-auto-complete-config",
             "--strict-readiness=true",
             f"--http-address={LOOPBACK}",
-            f"--http-port={self.http_port}",
+            f"--http-port={self.triton_http_port}",
             f"--grpc-address={LOOPBACK}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-address={LOOPBACK}",
@@ -206,7 +225,12 @@ class TritonServer:
     def busy_ports(self) -> list[int]:
         """Which of this server's ports cannot be bound on 127.0.0.1 right now."""
         busy = []
-        for port in (self.http_port, self.grpc_port, self.metrics_port):
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        if self.http_front:
+            ports.append(self.triton_http_port)
+        if self.front is not None:  # the front keeps its port across restarts of tritonserver
+            ports.remove(self.http_port)
+        for port in ports:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "busy"
                 try:
@@ -273,7 +297,20 @@ class TritonServer:
             start_new_session=True,  # Ctrl-C in a terminal reaches us, not the server; we stop it.
             preexec_fn=_set_parent_death_signal if self.die_with_parent else None,  # noqa: PLW1509
         )
+        if self.http_front and self.front is None:
+            try:
+                self.front = HttpFront(LOOPBACK, self.http_port, self.grpc_url, f"http://{self.triton_http_url}",
+                                       self.front_options).start()
+            except OSError as e:
+                self.stop()
+                raise TritonLaunchError(f"the HTTP front cannot listen on {LOOPBACK}:{self.http_port}: {e}") from None
         return self
+
+    def drain(self) -> None:
+        """Refuse new requests (503) and report not ready on the HTTP front; in-flight requests go on."""
+        if self.front is not None:
+            self.front.drain()
+            log.info("draining", http_port=self.http_port)
 
     def log_tail(self, n_lines: int = 40) -> str:
         """The last lines of the server log (for error messages)."""
@@ -311,7 +348,9 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """Server ready and the model ready (one pair of HTTP probes)."""
-        base = f"http://{self.http_url}"
+        base = f"http://{self.triton_http_url}"
+        if self.http_front and self.front is None:
+            return False
         return self._get(f"{base}/v2/health/ready") == 200 and all(
             self._get(f"{base}/v2/models/{name}/ready") == 200 for name in (self.model_name, *self.also_load))
 
@@ -336,9 +375,11 @@ class TritonServer:
                 raise self._failure(f"tritonserver not ready after {timeout:.0f} s")
             time.sleep(poll_s)
 
-    def stop(self, grace_s: float | None = None) -> int | None:
+    def stop(self, grace_s: float | None = None, keep_front: bool = False) -> int | None:
         """SIGTERM, wait ``grace_s`` (default exit timeout + 10 s), then SIGKILL the whole process group
-        (the server and its Python-backend stubs). Returns the exit code; safe to call twice."""
+        (the server and its Python-backend stubs), then close the HTTP front unless ``keep_front`` (the
+        supervisor keeps it between restarts: clients get 503 "restarting" instead of a refused
+        connection). Returns the exit code; safe to call twice."""
         proc = self.proc
         rc: int | None = None
         if proc is not None:
@@ -359,6 +400,9 @@ class TritonServer:
             rc = proc.returncode
             self._remove_shm()  # left behind when the server or a stub was killed
             log.info("tritonserver_stopped", model=self.model_name, returncode=rc)
+        if self.front is not None and not keep_front:
+            self.front.stop()
+            self.front = None
         if self._log_file is not None:
             with contextlib.suppress(OSError):
                 self._log_file.close()  # type: ignore[attr-defined]

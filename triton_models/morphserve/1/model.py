@@ -129,6 +129,7 @@ class TritonPythonModel:
         self.default_max_tokens = server.default_max_tokens
         self.poll_interval_s = server.poll_interval_s
         self.limits = InputLimits(max_prompt_bytes=server.max_prompt_bytes, max_list_items=server.max_list_items)
+        self.queue_timeout_s = server.queue_timeout_s
 
         from serve.config import EngineConfig  # noqa: PLC0415 - heavy imports after logging is set up
         from serve.engine import LLMEngine  # noqa: PLC0415
@@ -337,6 +338,10 @@ class TritonPythonModel:
             candidates = list(self._inflight.values())
         now = time.perf_counter()
         for inflight in candidates:
+            if (self.queue_timeout_s and inflight.first_token_time is None
+                    and now - inflight.arrival > self.queue_timeout_s):
+                self._shed(inflight)
+                continue
             expired = inflight.deadline is not None and now > inflight.deadline
             try:
                 cancelled = expired or inflight.request.is_cancelled()
@@ -344,6 +349,24 @@ class TritonPythonModel:
                 cancelled = False
             if cancelled:
                 self._cancel(inflight, timed_out=expired)
+
+    def _shed(self, inflight: _InFlight) -> None:
+        """No first token within queue_timeout_s: abort (frees its KV blocks) and answer UNAVAILABLE."""
+        with self._lock:
+            if self._inflight.pop(inflight.request_id, None) is None:
+                return
+        self.engine.abort_request(inflight.request_id)
+        retry = max(1, round(self.queue_timeout_s / 3))
+        log.info("request_shed", request_id=inflight.request_id, client_request_id=inflight.client_request_id,
+                 queue_timeout_s=self.queue_timeout_s)
+        self.metrics.request_finished("overloaded", inflight.num_input_tokens)
+        try:
+            inflight.sender.send(_error_response(
+                f"overloaded: no token within queue_timeout_s={self.queue_timeout_s:g} s of arrival; retry later, "
+                f"after {retry} s", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+        except Exception:  # noqa: BLE001 - the stream may be gone already
+            pass
+        self._stats_dirty.set()
 
     def _cancel_client_request(self, client_id: str) -> None:
         with self._lock:
