@@ -335,7 +335,10 @@ def test_crash_is_restarted_sigterm_drains_and_no_shm_is_left(tmp_path: Path) ->
         deep = b'{"text_input": ' + b"[" * 60000 + b'"x"' + b"]" * 60000 + b"}"
         status, text = _post(f"http://{url}/v2/models/{MODEL}/generate", deep, timeout=60)
         assert status == 400 and "max_json_depth" in text, (status, text)
-        os.kill(_tritonserver_pid(p.pid), signal.SIGSEGV)  # type: ignore[arg-type]
+        crashed = _tritonserver_pid(p.pid)
+        os.kill(crashed, signal.SIGSEGV)  # type: ignore[arg-type]
+        # the dying server may still answer for a moment: wait for its successor first
+        _wait_for(lambda: _tritonserver_pid(p.pid) not in (None, crashed), 120, "a new tritonserver")
 
         def answered() -> bool:
             try:
