@@ -167,12 +167,16 @@ def test_a_request_no_configuration_of_the_mode_can_hold_is_refused_with_the_rea
     assert not e.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("scheduler", ["fcfs", "slai"])
 @pytest.mark.parametrize("mode, expect_preemption", [("performance", False), ("off", True)])
-def test_running_requests_short_of_blocks_get_a_quantize_step_instead_of_preemption(tiny, mode, expect_preemption):
-    """Decodes outgrow the base pool. With morphing, the runtime quantizes before the scheduler would preempt
-    (the controller's own pressure rule is held back here, so only quantize-before-preempt acts)."""
+def test_running_requests_short_of_blocks_get_a_quantize_step_instead_of_preemption(tiny, mode, expect_preemption,
+                                                                                  scheduler):
+    """Decodes outgrow the base pool. With morphing, the runtime quantizes the shortfall the scheduler meets (in
+    its own order: FCFS's or SLAI's) before it would preempt (the controller's own pressure rule is held back
+    here, so only quantize-before-preempt acts); blocks and memory stay exact after every step."""
     clock = FakeClock()
-    e = morph_engine(tiny, mode, blocks=20, clock=clock, kv_high=1.0, queue_delay_high_s=1e9, persist_iters=10_000)
+    e = morph_engine(tiny, mode, blocks=20, clock=clock, scheduler=scheduler, kv_high=1.0, queue_delay_high_s=1e9,
+                     persist_iters=10_000)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ids = [e.add_request([(7 * i + j) % 4000 + 10 for j in range(8)], params) for i in range(4)]
     done: dict[str, int] = {}
@@ -182,6 +186,9 @@ def test_running_requests_short_of_blocks_get_a_quantize_step_instead_of_preempt
             if out.finished:
                 done[out.request_id] = out.num_output_tokens
         clock.t += 0.01
+        assert_exact_accounting(e)
+        if e.morph is not None:
+            assert_memory_exact(e)
         steps += 1
         assert steps < 2000
     assert all(done[i] == 40 for i in ids)

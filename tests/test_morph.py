@@ -23,13 +23,15 @@ class FakeClock:
         return self.t
 
 
-def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, **overrides) -> LLMEngine:
+def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, scheduler="fcfs",
+                 **overrides) -> LLMEngine:
     # cost_aware off: these tests are about the swap machinery, which must not depend on this machine's kernel speed
     policy = {"persist_iters": 1, "restore_persist_s": 5.0, "cost_aware": False, **overrides}
     if mode.startswith("static") or mode == "off":
         policy = {}
     return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
-                                  morph_mode=mode, policy_overrides=policy, max_model_len=256, dtype=dtype),
+                                  morph_mode=mode, policy_overrides=policy, max_model_len=256, dtype=dtype,
+                                  scheduler=scheduler),
                      loaded=tiny, clock=clock or FakeClock())
 
 
@@ -219,12 +221,12 @@ def test_budget_too_small_is_a_clear_error(tiny):
 request = st.tuples(st.integers(4, 40), st.integers(1, 16), st.integers(0, 30), st.sampled_from([None, 2, 5, 11]))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(reqs=st.lists(request, min_size=1, max_size=12), mode=st.sampled_from(["default", "performance", "accuracy"]),
-       blocks=st.integers(16, 40), seed=st.integers(0, 1000))
-def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, mode, blocks, seed):
+       blocks=st.integers(16, 40), seed=st.integers(0, 1000), scheduler=st.sampled_from(["fcfs", "slai"]))
+def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, mode, blocks, seed, scheduler):
     clock = FakeClock()
-    e = morph_engine(tiny, mode, blocks=blocks, clock=clock, persist_iters=1 + seed % 3,
+    e = morph_engine(tiny, mode, blocks=blocks, clock=clock, scheduler=scheduler, persist_iters=1 + seed % 3,
                      restore_persist_s=float(seed % 4))
     base = e.pool.num_blocks
     plan = sorted((arrive, i) for i, (_, _, arrive, _) in enumerate(reqs))

@@ -120,6 +120,7 @@ class LLMEngine:
         self.last_num_scheduled = 0   # sequences in the last iteration's batch
         self.last_num_context = 0     # of which prefill (context) chunks
         self.last_step_error: str | None = None
+        self._morph_ok = True         # no morph failure in this iteration (the boundary's or a shortfall's)
         self._step_listeners: list[Callable[[], None]] = []
 
     def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
@@ -153,7 +154,7 @@ class LLMEngine:
             self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock)
             self.morph.step_token_budget = config.max_num_batched_tokens
         self.reachable_blocks = self._reachable_blocks(policy)
-        self.scheduler = make_scheduler(config, self.pool, self.clock)
+        self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
         self.executor = TorchExecutor(self.model, self.kv)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -168,7 +169,7 @@ class LLMEngine:
         self.morph = parts.morph
         policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
         self.reachable_blocks = self._reachable_blocks(policy)
-        self.scheduler = make_scheduler(config, self.pool, self.clock)
+        self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
         self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -306,8 +307,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             self._admit_handoff()
-            morph_ok = self._morph_boundary()
-            sched = self.scheduler.schedule()
+            self._morph_ok = self._morph_boundary()
+            sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
             if self.morph is not None:
@@ -325,7 +326,7 @@ class LLMEngine:
                 else:
                     self.scheduler.on_executed(sched)
                     produced = self._append_tokens(sampled, logits)
-                    if morph_ok:
+                    if self._morph_ok:
                         self.faults.iteration_ok()
                 self.num_steps += 1
         self._deliver(produced)
@@ -387,11 +388,19 @@ class LLMEngine:
             return True
         try:
             self.morph.on_iteration_boundary(self.scheduler)
-            self.morph.cover_deficit(self.scheduler)
             return True
         except Exception as exc:  # noqa: BLE001
             self.faults.record("morph", exc)
             return False
+
+    def _cover_shortfall(self, blocks: int) -> None:
+        """Quantize before preempt: the scheduler is ``blocks`` KV blocks short and about to preempt (the
+        KV-cache manager's hook). A failure is logged and counted as the boundary's; the scheduler preempts."""
+        try:
+            self.morph.cover_deficit(self.scheduler, blocks)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001
+            self.faults.record("morph", exc)
+            self._morph_ok = False
 
     def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
@@ -545,8 +554,8 @@ class LLMEngine:
                 "num_waiting": self.num_waiting(),
                 "failed_iterations": self.faults.failed_iterations,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.scheduler.prefix_queried_tokens,
-                "prefix_cache_hits": self.scheduler.prefix_hit_tokens,
+                "prefix_cache_queries": self.scheduler.kv_cache_manager.prefix_queried_tokens,
+                "prefix_cache_hits": self.scheduler.kv_cache_manager.prefix_hit_tokens,
                 "kv_blocks_cached": self.pool.num_cached,
                 "scheduler": self.config.scheduler,
                 "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),
@@ -579,15 +588,17 @@ def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
     return sorted(set(names) | set(policy.ladder))
 
 
-def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float]) -> Scheduler:
-    """The scheduler policy the config names (decisions only; the executor interface is the same)."""
+def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float],
+                   on_shortfall: Callable[[int], object] | None = None) -> Scheduler:
+    """The scheduler policy the config names (decisions only; the executor interface is the same).
+    ``on_shortfall(blocks)``: called before the scheduler preempts for want of KV blocks (quantize before preempt)."""
     if config.scheduler == "slai":
         slai = SlaiConfig(theta=config.slai_theta, theta_low=config.slai_theta_low, theta_high=config.slai_theta_high,
                           kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes)
         return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai,
-                             prefix_caching=config.enable_prefix_caching)
+                             prefix_caching=config.enable_prefix_caching, on_shortfall=on_shortfall)
     return Scheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                     prefix_caching=config.enable_prefix_caching)
+                     prefix_caching=config.enable_prefix_caching, on_shortfall=on_shortfall)
 
 
 def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:

@@ -4,19 +4,22 @@ Shape of vLLM v1's scheduler: running sequences first (decodes and unfinished pr
 then admission of waiting ones, all within a per-iteration token budget and a cap on running sequences.
 Prompts longer than the budget are prefilled in chunks. When KV blocks run out the newest running
 sequence is preempted: its blocks are freed and it is recomputed later (its generated tokens are kept).
-With prefix caching, a sequence that starts (or restarts) takes the longest run of its full blocks already
-in the pool's prefix cache and computes only the rest; blocks it fills are registered for others.
-The scheduler allocates and frees blocks (that is part of deciding); it never runs the model.
+Blocks come from the KV-cache manager (serve/memory/kv_cache_manager.py), which every scheduler shares: with
+prefix caching, a sequence that starts (or restarts) takes the longest run of its full blocks already in the
+pool's prefix cache and computes only the rest; blocks it fills are registered for others. Before any
+scheduler preempts, the manager offers the shortfall it met to its hook (quantize before preempt). The
+scheduler asks for and frees blocks (that is part of deciding); it never runs the model.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.memory.block_pool import BlockPool
-from serve.memory.prefix_hash import extend_block_hashes
+from serve.memory.kv_cache_manager import KVCacheManager
 
 
 @dataclass
@@ -43,17 +46,19 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False) -> None:
-        self.pool = pool
-        self.prefix_caching = prefix_caching
-        self.prefix_queried_tokens = 0   # prompt tokens looked up in the prefix cache at admission
-        self.prefix_hit_tokens = 0       # of which found there (not computed again)
+                 prefix_caching: bool = False, on_shortfall: Callable[[int], object] | None = None) -> None:
+        self.kv_cache_manager = KVCacheManager(pool, block_size, prefix_caching, on_shortfall)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool the KV-cache manager hands out (read it; blocks come and go through the manager)."""
+        return self.kv_cache_manager.pool
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -63,14 +68,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.begin_step()
+        return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        victims = self._newest_running(scheduled)
+        # what the sequences after running[i] need in this pass (read while running[i] is being allocated)
+        rest = lambda: self._blocks_for_chunks(self.running[i + 1:], budget - n)  # noqa: E731
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(seq, n, out, scheduled):
+            if not self._allocate_or_preempt(seq, n, out, victims, lookahead=rest):
                 break  # seq itself was preempted; everything after it is gone too
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             scheduled.add(id(seq))
@@ -89,52 +101,55 @@ class Scheduler:
                 budget -= n
         return out
 
+    def _blocks_for_chunks(self, seqs: list[Sequence], budget: int) -> int:
+        """Blocks the next chunks of ``seqs``, taken in order within ``budget`` tokens, need."""
+        needed = 0
+        for seq in seqs:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needed += self.kv_cache_manager.num_blocks_needed(seq, n)
+            budget -= n
+        return needed
+
+    def _newest_running(self, scheduled: set[int]) -> Iterator[Sequence]:
+        """FCFS's victims: the newest running sequence, again and again (the list shrinks with each)."""
+        while True:
+            victim = self.running[-1]
+            assert id(victim) not in scheduled, "victims are always after the current sequence"
+            yield victim
+
     def _claim_blocks(self, seq: Sequence, budget: int) -> int | None:
         """Blocks for the first chunk of a waiting sequence: its cached prefix (when it starts from scratch and
         prefix caching is on), then new blocks for at most ``budget`` more tokens. Returns the chunk's token
         count, or None with nothing taken when the pool cannot hold it."""
-        hits: list[int] = []
-        looked_up = self.prefix_caching and seq.num_computed_tokens == 0 and not seq.block_ids
-        if looked_up:
-            if seq.hash_epoch != self.pool.cache_epoch:
-                seq.block_hashes, seq.hash_epoch = [], self.pool.cache_epoch
-            # at least the last token is computed: its logits give the next token
-            full = (seq.num_tokens - 1) // self.block_size
-            hits = self.pool.lookup(extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, full,
-                                                        seq.hash_epoch)[:full])
-            self.pool.take(hits)
-            seq.block_ids = list(hits)
-            seq.num_computed_tokens = len(hits) * self.block_size
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        blocks = self.pool.allocate(seq.blocks_needed(n, self.block_size))
-        if blocks is None:
-            if hits:
-                self.pool.free(hits)
-                seq.block_ids, seq.num_computed_tokens = [], 0
-            return None
-        seq.block_ids.extend(blocks)
-        if looked_up:
-            self.prefix_queried_tokens += seq.num_tokens
-            self.prefix_hit_tokens += len(hits) * self.block_size
-        return n
+        hits = self.kv_cache_manager.get_computed_blocks(seq)
+        n = min(seq.num_tokens - seq.num_computed_tokens - len(hits or ()) * self.block_size, budget)
+        return n if self.kv_cache_manager.allocate_slots(seq, n, hits) else None
 
-    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
-        needed = seq.blocks_needed(n, self.block_size)
-        while True:
-            blocks = self.pool.allocate(needed)
-            if blocks is not None:
-                seq.block_ids.extend(blocks)
-                return True
-            victim = self.running[-1]
-            assert id(victim) not in scheduled, "victims are always after the current sequence"
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput, victims: Iterator[Sequence],
+                             lookahead: Callable[[], int] = lambda: 0) -> bool:
+        """Blocks for n more tokens of running ``seq``, preempting ``victims`` in order while the pool is short;
+        False when seq itself was preempted or no victim is left. Before each preemption the KV-cache manager
+        may cover the shortfall met (quantize before preempt): the blocks seq needs plus ``lookahead()``, what
+        the rest of this pass will need."""
+        kv = self.kv_cache_manager
+        while not kv.allocate_slots(seq, n):
+            victim = next(victims, None)
+            if victim is None:
+                return False
+            kv.cover_shortfall(kv.num_blocks_needed(seq, n) + lookahead())
+            if kv.allocate_slots(seq, n):
+                return True  # the pool grew: nobody is preempted
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -142,19 +157,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     def on_executed(self, out: SchedulerOutput) -> None:
-        bs = self.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += chunk.num_tokens
-            full = seq.num_computed_tokens // bs
-            # blocks this chunk filled hold KV for a known prefix: register them (only while the epoch the
-            # sequence started computing in is current, so every block of the chain came from the same weights)
-            if (self.prefix_caching and full > before // bs and seq.hash_epoch == self.pool.cache_epoch
-                    and seq.status is SequenceStatus.RUNNING):
-                hashes = extend_block_hashes(seq.block_hashes, seq.token_ids, bs, full, seq.hash_epoch)
-                for j in range(before // bs, full):
-                    self.pool.register(seq.block_ids[j], hashes[j])
+            if seq.status is SequenceStatus.RUNNING:
+                self.kv_cache_manager.cache_full_blocks(seq, before)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""
@@ -162,16 +170,12 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
-            seq.block_ids = []
-
     def blocks_needed_by_waiting(self) -> int:
-        return sum(s.blocks_needed(s.num_tokens - s.num_computed_tokens, self.block_size) for s in self.waiting)
+        kv = self.kv_cache_manager
+        return sum(kv.num_blocks_needed(s, s.num_tokens - s.num_computed_tokens) for s in self.waiting)
 
     # ---- the SchedulerView the morph runtime reads ---------------------------------------------------
     def num_running(self) -> int:
@@ -182,18 +186,6 @@ class Scheduler:
 
     def oldest_waiting_arrival(self) -> float | None:
         return self.waiting[0].arrival_time if self.waiting else None
-
-    def blocks_short_for_running(self) -> int:
-        """Blocks the running sequences' next chunks (as schedule() would size them) need beyond the free
-        ones; positive means schedule() is about to preempt."""
-        budget, needed = self.max_num_batched_tokens, 0
-        for seq in self.running:
-            if budget <= 0:
-                break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needed += seq.blocks_needed(n, self.block_size)
-            budget -= n
-        return needed - self.pool.num_free
 
     def slo_signals(self, now: float) -> tuple[int, float | None]:
         """(critical decodes left out of the last batch, least TTFT slack of a waiting request in seconds).

@@ -9,7 +9,8 @@ Each iteration, within the token budget (``max_num_batched_tokens``) and the run
    ``theta_low`` while KV usage < ``kv_threshold``, ``theta_high`` above.
 2. Critical decodes (now >= LST) first, in (LST, arrival) order, within the budget and ``max_decodes``.
    When no KV block is free for one, the most recently admitted partially-done prefill is preempted;
-   failing that, the decode itself.
+   failing that, the decode itself. Before any preemption the KV-cache manager offers the shortfall met to
+   its hook (the morph runtime quantizes before preempt), as under FCFS.
 3. Partially-done prefills continue (chunk = min(remaining, budget left)), in admission order; one that
    finds no block may preempt newer partial prefills only, else it waits.
 4. New prefills are admitted (skipped in a batch that preempted): tier first (0 = strict), then
@@ -55,8 +56,9 @@ class SlaiConfig:
 
 class SlaiScheduler(Scheduler):
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float], config: SlaiConfig | None = None, prefix_caching: bool = False) -> None:
-        super().__init__(pool, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
+                 clock: Callable[[], float], config: SlaiConfig | None = None, prefix_caching: bool = False,
+                 on_shortfall: Callable[[int], object] | None = None) -> None:
+        super().__init__(pool, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching, on_shortfall)
         self.clock = clock
         self.config = config or SlaiConfig()
         self.max_decodes = self.config.max_decodes or max_num_seqs
@@ -74,7 +76,7 @@ class SlaiScheduler(Scheduler):
         c = self.config
         if c.theta is not None:
             return c.theta
-        return c.theta_high if self.pool.usage >= c.kv_threshold else c.theta_low
+        return c.theta_high if self.kv_cache_manager.usage >= c.kv_threshold else c.theta_low
 
     def lst(self, seq: Sequence) -> float:
         """Last schedulable time of a running decode, on the engine clock."""
@@ -87,7 +89,7 @@ class SlaiScheduler(Scheduler):
         return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1
 
     # ---- the decision ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
         now = self.clock()
         self._batch_start = now
         out = SchedulerOutput()
@@ -101,7 +103,7 @@ class SlaiScheduler(Scheduler):
             if budget < 1 or self._num_decodes(out) >= self.max_decodes or seq.status is not SequenceStatus.RUNNING:
                 missed += 1
                 continue
-            if self._allocate(seq, 1, out, scheduled, victims=self._prefill_victims(scheduled), self_last=True):
+            if self._allocate(seq, 1, out, victims=self._prefill_victims(scheduled), self_last=True):
                 budget -= self._add(out, scheduled, seq, 1)
             else:
                 missed += 1
@@ -109,7 +111,7 @@ class SlaiScheduler(Scheduler):
             if budget < 1:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, n, out, scheduled,
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, n, out,
                                                                        victims=self._prefill_victims(scheduled, after=seq)):
                 budget -= self._add(out, scheduled, seq, n)
         if not out.preempted:                                              # rule 4
@@ -117,11 +119,11 @@ class SlaiScheduler(Scheduler):
         for seq in relaxed:                                                # rule 5
             if budget < 1 or self._num_decodes(out) >= self.max_decodes:
                 break
-            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, scheduled, victims=[]):
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, victims=[]):
                 budget -= self._add(out, scheduled, seq, 1)
         if not out.chunks and relaxed and relaxed[0].status is SequenceStatus.RUNNING:
             # Nothing else can run (no free block): treat the earliest deadline as critical rather than idle.
-            if self._allocate(relaxed[0], 1, out, scheduled, victims=self._prefill_victims(scheduled), self_last=True):
+            if self._allocate(relaxed[0], 1, out, victims=self._prefill_victims(scheduled), self_last=True):
                 self._add(out, scheduled, relaxed[0], 1)
         self.last_critical_unscheduled = missed
         self.num_critical_unscheduled += missed
@@ -158,23 +160,10 @@ class SlaiScheduler(Scheduler):
         start = running.index(after) + 1 if after is not None else 0
         return [s for s in reversed(running[start:]) if not self.is_decode(s) and s not in scheduled]
 
-    def _allocate(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[Sequence],
-                  victims: list[Sequence], self_last: bool = False) -> bool:
+    def _allocate(self, seq: Sequence, n: int, out: SchedulerOutput, victims: list[Sequence],
+                  self_last: bool = False) -> bool:
         """Blocks for n more tokens of seq, preempting ``victims`` in order (then seq itself when self_last)."""
-        needed = seq.blocks_needed(n, self.block_size)
-        victims = list(victims)
-        while True:
-            blocks = self.pool.allocate(needed)
-            if blocks is not None:
-                seq.block_ids.extend(blocks)
-                return True
-            victim = victims.pop(0) if victims else (seq if self_last else None)
-            if victim is None:
-                return False
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is seq:
-                return False
+        return self._allocate_or_preempt(seq, n, out, iter([*victims, *([seq] if self_last else [])]))
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def on_executed(self, out: SchedulerOutput) -> None:

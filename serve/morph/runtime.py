@@ -268,17 +268,20 @@ class MorphRuntime:
                     bytes_freed=freed.num_slots * self.ledger.slot_bytes, blocks_added=freed.num_slots,
                     kv_blocks_total=self.pool.num_blocks, time_ms=round(elapsed_ms, 3), reason=p.reason)
 
-    def cover_deficit(self, scheduler: SchedulerView) -> int:
-        """Quantize before preempt (as the released MorphServe does): while the running requests need more
-        blocks than are free, finish what is in flight and take quantize steps at once. Returns the number
-        of layers quantized; 0 and the scheduler preempts as before when the mode has no room left."""
+    def cover_deficit(self, scheduler: SchedulerView, deficit: int) -> int:
+        """Quantize before preempt (as the released MorphServe does): the scheduler is about to preempt because
+        it is ``deficit`` KV blocks short of what it is scheduling (the shortfall it met, in its own order; the
+        KV-cache manager calls this). Finish what is in flight and take quantize steps at once until that many
+        more blocks are free. Returns the number of layers quantized; 0 and the scheduler preempts as before
+        when the mode has no room left."""
         quantized = 0
-        if scheduler.blocks_short_for_running() <= 0:
+        if deficit <= 0:
             return 0
+        wanted = self.pool.num_free + deficit
         self.queued = collections.deque(q for q in self.queued if q[0] == "quantize")  # no restore under pressure
         self.complete_ready(wait=True)
-        while (deficit := scheduler.blocks_short_for_running()) > 0:
-            decision = self.controller.cover_deficit(self.telemetry(self.clock(), scheduler), deficit)
+        while (left := wanted - self.pool.num_free) > 0:
+            decision = self.controller.cover_deficit(self.telemetry(self.clock(), scheduler), left)
             if decision.action != "quantize":
                 break
             before = self.pool.num_blocks

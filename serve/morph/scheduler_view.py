@@ -20,10 +20,6 @@ class SchedulerView(Protocol):
 
     def blocks_needed_by_waiting(self) -> int: ...
 
-    def blocks_short_for_running(self) -> int:
-        """KV blocks the running requests' next chunks need beyond the free ones (> 0: preemption ahead)."""
-        ...
-
     def slo_signals(self, now: float) -> tuple[int, float | None]:
         """(critical decodes left out of the last batch, least TTFT slack of a waiting request or None)."""
         ...
@@ -42,9 +38,6 @@ class IdleSchedulerView:
         return None
 
     def blocks_needed_by_waiting(self) -> int:
-        return 0
-
-    def blocks_short_for_running(self) -> int:
         return 0
 
     def slo_signals(self, now: float) -> tuple[int, float | None]:
