@@ -26,6 +26,7 @@ from serve.triton.http_front import (  # noqa: E402
     FrontOptions,
     InputSpec,
     ModelSpec,
+    RequestLimits,
     build_request,
     check_json_part,
     classify,
@@ -333,6 +334,27 @@ def test_a_client_that_leaves_cancels_its_request() -> None:
                 await asyncio.sleep(0.02)
             assert backend.calls[-1].cancelled, path
         assert front.inflight == 0
+
+    _run(scenario)
+
+
+def test_the_queue_deadline_is_enforced_from_the_arrival_at_the_door() -> None:
+    limited = ModelSpec("morphserve", "", 0, dict(MORPHSERVE.inputs), RequestLimits(1 << 20, 64, 4096, 4096, 0.3))
+
+    async def scenario(client: TestClient, backend: FakeBackend, front: FrontApp) -> None:
+        async def spec(model: str, version: str) -> ModelSpec:
+            return limited
+
+        backend.model_spec = spec  # type: ignore[method-assign]
+        backend.script = [[], [_response("a", False)]]  # nothing at all; then a first token and no more
+        r = await client.post("/v2/models/morphserve/generate", data=b'{"text_input": "x"}')
+        assert r.status == 503 and r.headers["Retry-After"] == "1" and "queue_timeout_s=0.3" in (await r.json())["error"]
+        assert backend.calls[0].cancelled  # the request is cancelled in the model too
+        with pytest.raises(asyncio.TimeoutError):  # started in time: no deadline afterwards
+            r = await client.post("/v2/models/morphserve/generate_stream", data=b'{"text_input": "x"}',
+                                  timeout=ClientTimeout(total=0.8))
+            assert r.status == 200
+            await r.read()
 
     _run(scenario)
 

@@ -123,6 +123,7 @@ class RequestLimits:
     max_list_items: int
     max_item_bytes: int
     max_tokens_limit: int
+    queue_timeout_s: float = 0.0  # the model's queue deadline; the door enforces it from the HTTP arrival too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _limits_from_parameters(params: Mapping[str, Any]) -> RequestLimits | None:
     except ValueError:
         return None  # the model refused to load with these; nothing to mirror
     return RequestLimits(server.max_prompt_bytes, server.max_list_items, InputLimits.max_item_bytes,
-                         server.max_tokens_limit)
+                         server.max_tokens_limit, server.queue_timeout_s)
 
 
 def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
@@ -503,6 +504,7 @@ class FrontApp:
 
         model = request.match_info["model"]
         version = request.match_info.get("version", "")
+        arrived = asyncio.get_running_loop().time()
         call = None
         resp: Any = None
         self.inflight += 1
@@ -514,8 +516,21 @@ class FrontApp:
             call = self.backend.open_stream()
             await call.write(req)
             result: dict[str, Any] | None = None
+            # The queue deadline counted from the client's arrival at the door: time spent before the model
+            # sees the request (Triton's queue, admission under load) counts too.
+            qt = spec.limits.queue_timeout_s if spec.limits is not None else 0.0
+            first_by = arrived + qt if qt else None
             while True:
-                msg = await call.read()
+                if first_by is not None:
+                    try:
+                        msg = await asyncio.wait_for(call.read(), max(0.0, first_by - asyncio.get_running_loop().time()))
+                    except asyncio.TimeoutError:
+                        retry = max(1, round(qt / 3))
+                        raise FrontError(503, f"overloaded: no token within queue_timeout_s={qt:g} s of arrival; "
+                                              f"retry later, after {retry} s", retry) from None
+                    first_by = None
+                else:
+                    msg = await call.read()
                 if msg is None or not hasattr(msg, "infer_response"):  # grpc.aio.EOF
                     raise FrontError(500, "internal error: tritonserver closed the stream before the final response")
                 if msg.error_message:
