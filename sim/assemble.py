@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from policy import FULL, PolicyConfig, StepCosts
-from serve.config import EngineConfig, parse_size
+from serve.config import EngineConfig
+from serve.memory.budget import budget_bytes
 from serve.engine.engine import EngineParts, LLMEngine
 from serve.memory.block_pool import BlockPool
 from serve.memory.sizing import plan_arena
@@ -79,15 +80,8 @@ def table_target(system: str, model: str, block_size: int, overhead_s: float) ->
 
 def resolve_budget(target: Target, text: str) -> int:
     """--device-memory as the engine reads it: a size, or a fraction of the target device's memory."""
-    try:
-        fraction = float(text)
-    except ValueError:
-        return parse_size(text)
-    if not 0 < fraction <= 1:
-        raise ValueError(f"device memory fraction must be in (0, 1], got {text}")
-    if target.device_bytes is None:
-        raise ValueError(f"a fractional --device-memory needs a GPU system; {target.system} takes a size such as 600MiB")
-    return int(target.device_bytes * fraction)
+    return budget_bytes(text, lambda: target.device_bytes,
+                        f"a fractional --device-memory needs a GPU system; {target.system} takes a size such as 600MiB")
 
 
 def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> LLMEngine:

@@ -124,7 +124,7 @@ def local_target(args: argparse.Namespace) -> Target:
             costs = step_costs(bank.model, bank, None)
         cfg = engine.model_config
         non_arena, slot = engine.ledger.non_arena_bytes, engine.ledger.slot_bytes
-        order = list(morph.controller.swap_order) if hasattr(morph.controller, "swap_order") else list(range(len(sizes)))
+        order = list(morph.controller.swap_order)
     finally:
         engine.shutdown()
     off = _engine(args, "off", CALIBRATION_MEMORY)

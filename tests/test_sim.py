@@ -141,7 +141,8 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
 def test_a_plan_is_deterministic_and_writes_the_replay_schema(tmp_path: Path, capsys) -> None:
     common = ["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
               "--time-scale", "0.5", "--fixed-lengths", "--input-len", "512", "--output-len", "256",
-              "--device-memory", "24GiB", "--mode", "default", "--quiet", "--max-requests", "150"]
+              "--device-memory", "24GiB", "--mode", "default", "--max-requests", "150"]
+    # no --quiet here: it reconfigures the process's logging onto the captured stderr, which later tests would log to
     assert plan_main([*common, "--json", str(tmp_path / "a.json")]) == 0
     assert plan_main([*common, "--json", str(tmp_path / "b.json")]) == 0
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
@@ -157,9 +158,9 @@ def test_a_plan_is_deterministic_and_writes_the_replay_schema(tmp_path: Path, ca
 
 
 def test_bad_arguments_fail_with_a_message(capsys) -> None:
-    assert plan_main(["--system", "no_such_gpu", "--quiet"]) == 2
+    assert plan_main(["--system", "no_such_gpu"]) == 2
     assert "no TensorRT-LLM tables" in capsys.readouterr().err
-    assert plan_main(["--system", "a100_sxm", "--model", "/no/such/config.json", "--quiet"]) == 2
+    assert plan_main(["--system", "a100_sxm", "--model", "/no/such/config.json"]) == 2
     assert "not a built-in model" in capsys.readouterr().err
     assert plan_main(["--list-systems"]) == 0
     out = capsys.readouterr().out

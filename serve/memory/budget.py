@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,18 @@ def resolve_budget(device: torch.device, device_memory: str | None, default_byte
     """Budget in bytes: an explicit size ('600MiB'), a fraction of the device ('0.9'), or default_bytes."""
     if device_memory is None:
         return default_bytes
+
+    def total() -> int | None:
+        info = query_device_memory(device)
+        return info.total_bytes if info is not None else None
+
+    return budget_bytes(device_memory, total,
+                        "a fractional --device-memory needs a CUDA device; on CPU give a size such as 600MiB")
+
+
+def budget_bytes(device_memory: str, device_total_bytes: Callable[[], int | None], no_device: str) -> int:
+    """A size ('600MiB') or a fraction in (0, 1] of ``device_total_bytes()`` (None: ValueError ``no_device``).
+    The planner (sim/) passes its GPU system's memory, so a plan reads --device-memory as the engine does."""
     text = str(device_memory).strip()
     try:
         fraction = float(text)
@@ -133,10 +146,10 @@ def resolve_budget(device: torch.device, device_memory: str | None, default_byte
         return parse_size(text)
     if not 0 < fraction <= 1:
         raise ValueError(f"device memory fraction must be in (0, 1], got {text}")
-    info = query_device_memory(device)
-    if info is None:
-        raise ValueError("a fractional --device-memory needs a CUDA device; on CPU give a size such as 600MiB")
-    return int(info.total_bytes * fraction)
+    total = device_total_bytes()
+    if total is None:
+        raise ValueError(no_device)
+    return int(total * fraction)
 
 
 @dataclass
