@@ -93,7 +93,7 @@ class BlockedLayout:
     k: int
     block: int
     md: torch.Tensor
-    views: dict[int, torch.Tensor] = field(default_factory=dict)
+    views: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # may name freed bytes: never print
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """The plain ``[n, k]`` weight in this layout: a ``[n // block, k, block]`` tensor (a shape nothing can
