@@ -8,6 +8,9 @@ generating the rest; unsupported options get a clear 400 and the worker keeps se
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from dynamo_cluster_support import ReferenceEngine, openai_client, running_cluster, wait_for, worker_metric
@@ -107,6 +110,37 @@ def test_unsupported_options_get_a_clear_error(client, extra, named) -> None:
     with pytest.raises(openai.BadRequestError, match=named):
         client.completions.create(model="morphserve", prompt="Hi", max_tokens=4, **extra)
     assert client.completions.create(model="morphserve", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_structured_output_through_response_format_and_guided_fields(client, reference) -> None:
+    """The official client's response_format (json_schema, json_object) and the guided_* fields in extra_body
+    reach the worker (serve/dynamo/requests.py guided_decoding) and constrain the answer; greedy equals the
+    engine's own guided greedy run; a bad regex is a clear 400."""
+    import jsonschema
+    import openai
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+              "population_millions": {"type": "number", "minimum": 0}}, "required": ["city", "population_millions"]}
+    messages = [{"role": "user", "content": "Give the capital of France and its population as JSON."}]
+    got = client.chat.completions.create(
+        model="morphserve", messages=messages, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    text = got.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    want = reference.greedy(reference.chat_prompt(messages), 80,
+                            guided_decoding={"type": "json_schema", "guide": json.dumps(schema)})
+    assert text == want["text"] and got.choices[0].finish_reason == "stop"
+    got = client.chat.completions.create(model="morphserve", messages=messages, max_tokens=120, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
+    got = client.completions.create(model="morphserve", prompt="The year after 2024 is", max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", got.choices[0].text), got.choices[0].text
+    got = client.completions.create(model="morphserve", prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+                                    extra_body={"guided_choice": ["yes", "no"]})
+    assert got.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="invalid regex guide"):
+        client.completions.create(model="morphserve", prompt="Hi", max_tokens=4, extra_body={"guided_regex": "([0-9"})
 
 
 def test_too_long_request_is_rejected_and_the_worker_keeps_serving(client) -> None:

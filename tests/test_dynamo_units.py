@@ -15,6 +15,7 @@ from serve.dynamo.cli import parse_worker_args
 from serve.dynamo.http import metric_values
 from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
 from serve.dynamo.requests import RequestError, chunk, finish_reason, to_engine_request
+from serve.guided.spec import GuidedDecoding
 
 
 def _request(**groups):
@@ -58,12 +59,39 @@ def test_stop_strings_reach_the_engine_unless_min_tokens_is_set() -> None:
     ("sampling_options", "n", 2), ("sampling_options", "best_of", 3), ("sampling_options", "presence_penalty", 0.5),
     ("sampling_options", "frequency_penalty", -0.1), ("sampling_options", "repetition_penalty", 1.2),
     ("sampling_options", "min_p", 0.05), ("sampling_options", "use_beam_search", True),
-    ("sampling_options", "guided_decoding", {"json": {}}), ("output_options", "logprobs", 1),
+    ("output_options", "logprobs", 1),
     ("output_options", "prompt_logprobs", 2),
 ])
 def test_unsupported_options_are_rejected_by_name(group: str, key: str, value: object) -> None:
     with pytest.raises(RequestError, match=f"{group}.{key}"):
         to_engine_request(_request(**{group: {key: value}}))
+
+
+@pytest.mark.parametrize("options, expected", [
+    # the shapes Dynamo 1.6.1's frontend sends (response_format json_object / json_schema, guided_* fields)
+    ({"json": {"type": "object"}}, {"type": "json_schema", "guide": '{"type": "object"}'}),
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+     {"type": "json_schema", "guide": '{"type": "object", "properties": {"a": {"type": "integer"}}}'}),
+    ({"json": '{"type": "array"}'}, {"type": "json_schema", "guide": '{"type": "array"}'}),
+    ({"regex": "[a-z]+", "backend": "xgrammar"}, {"type": "regex", "guide": "[a-z]+"}),
+    ({"choice": ["yes", "no"]}, {"type": "choice", "guide": '["yes", "no"]'}),
+    ({"grammar": 'root ::= "a"'}, {"type": "ebnf_grammar", "guide": 'root ::= "a"'}),
+    (None, None), ({"backend": "xgrammar"}, None),
+])
+def test_dynamo_guided_decoding_becomes_the_engines_guide(options, expected) -> None:
+    params = to_engine_request(_request(sampling_options={"guided_decoding": options})).params
+    assert params.guided_decoding == GuidedDecoding.from_value(expected)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"regex": "a", "backend": "outlines"}, "not available"),
+    ({"json": {"type": "object"}, "whitespace_pattern": " *"}, "whitespace_pattern"),
+    ({"regex": "a", "choice": ["a"]}, "only one guided decoding constraint"),
+    ({"json": "{not json"}, "not valid JSON"),
+])
+def test_bad_dynamo_guides_are_refused(options, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        to_engine_request(_request(sampling_options={"guided_decoding": options}))
 
 
 def test_neutral_values_of_unsupported_options_are_accepted() -> None:

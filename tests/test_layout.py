@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "serve.model": {"policy"},
     "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
     "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
-    "serve.engine": {"serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
+    "serve.guided": {"serve.model", "serve.logging_setup"},
+    "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.triton": {"serve.config", "serve.logging_setup", "policy"},
     "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.logging_setup", "policy"},
@@ -35,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
     "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config",
             "serve.logging_setup", "policy"},
-    "bench": {"serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
+    "bench": {"serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
               "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
 # Third-party packages a room may not import (policy: anything outside the standard library).

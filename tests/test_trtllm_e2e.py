@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -207,7 +208,6 @@ UNSUPPORTED = [
     ("return_context_logits", np.array([[True]], dtype=bool), "context logits"),
     ("return_generation_logits", np.array([[True]], dtype=bool), "generation logits"),
     ("lora_task_id", np.array([[7]], dtype=np.uint64), "LoRA"),
-    ("guided_decoding_guide_type", np.array([["json"]]).astype(object), "guided decoding"),
     ("num_draft_tokens", np.array([[4]], dtype=np.int32), "draft"),
 ]
 
@@ -218,6 +218,31 @@ def test_inputs_the_engine_cannot_honour_get_a_clear_error(server, name: str, va
     inputs = client_inputs(PROMPT, 4, False, **{name: value})
     answer = run_client(server, "tensorrt_llm_bls", inputs, False)
     assert answer.errors and expected.lower() in answer.errors[0].lower(), answer.errors
+    assert not answer.responses
+
+
+def _guide(kind: str, guide: str) -> dict[str, np.ndarray]:
+    return {"guided_decoding_guide_type": np.array([[kind]]).astype(object),
+            "guided_decoding_guide": np.array([[guide]]).astype(object)}
+
+
+def test_guided_decoding_through_tensorrt_llms_inputs(server) -> None:
+    """TensorRT-LLM's guided-decoding inputs, sent by its own client to ensemble (streaming) and
+    tensorrt_llm_bls: a JSON schema's answer validates, a regex's matches fully, a bad regex is a clear error."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 3000}},
+              "required": ["answer"]}
+    inputs = client_inputs("What is the year after 2024? Answer:", 30, True, exclude_input_in_output=True,
+                           **_guide("json_schema", json.dumps(schema)))
+    answer = run_client(server, "ensemble", inputs, True)
+    assert not answer.errors, answer.errors
+    jsonschema.validate(json.loads(answer.text), schema)
+    inputs = client_inputs("What is the year after 2024? Answer:", 30, False, exclude_input_in_output=True,
+                           **_guide("regex", r"\d{4}"))
+    answer = run_client(server, "tensorrt_llm_bls", inputs, False)
+    assert not answer.errors, answer.errors
+    assert re.fullmatch(r"\d{4}", answer.text), answer.text
+    answer = run_client(server, "tensorrt_llm_bls", client_inputs(PROMPT, 8, False, **_guide("regex", "([0-9")), False)
+    assert answer.errors and "invalid regex guide" in answer.errors[0], answer.errors
     assert not answer.responses
 
 

@@ -8,6 +8,7 @@ Options this engine cannot honour are rejected with a clear error instead of bei
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ class RequestError(ValueError):
 # sampling_options keys -> the value that means "off" (None is always accepted as "not set").
 _NEUTRAL_SAMPLING = {
     "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_p": 0.0, "use_beam_search": False, "length_penalty": 1.0, "guided_decoding": None,
+    "min_p": 0.0, "use_beam_search": False, "length_penalty": 1.0,
 }
 _NEUTRAL_OUTPUT = {"logprobs": None, "prompt_logprobs": None}
 # OpenAI's defaults when the client leaves a field out (vLLM's server does the same).
@@ -67,7 +68,7 @@ def to_engine_request(request: Mapping[str, Any], eos_token_ids: Iterable[int] =
     if bad:
         raise RequestError("not supported by the morphserve worker: " + ", ".join(bad)
                            + " (supported: temperature, top_p, top_k, seed, max_tokens, min_tokens, ignore_eos, "
-                             "stop, stop token ids)")
+                             "stop, stop token ids, guided decoding)")
     ignore_eos = bool(stop.get("ignore_eos") or False)
     min_tokens = int(stop.get("min_tokens") or 0)
     temperature = sampling.get("temperature")
@@ -81,8 +82,39 @@ def to_engine_request(request: Mapping[str, Any], eos_token_ids: Iterable[int] =
         stop=tuple(stop.get("stop") or ()) if min_tokens == 0 else (),  # the frontend applies them after min_tokens
         stop_token_ids=_stop_token_ids(stop, eos_token_ids, ignore_eos),
         ignore_eos=ignore_eos,
+        guided_decoding=guided_decoding(sampling.get("guided_decoding")),
     )
     return EngineRequest([int(t) for t in ids], params)
+
+
+# Dynamo's GuidedDecodingOptions field -> the engine's guide type (serve/guided/spec.py)
+_GUIDE_FIELDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
+                 "structural_tag": "structural_tag"}
+
+
+def guided_decoding(options: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """Dynamo's ``sampling_options.guided_decoding`` -> the engine's ``{"type", "guide"}``.
+
+    What the 1.6.1 frontend sends (seen on the wire): ``{"json": <schema>}`` for ``response_format``
+    ``json_schema`` and for top-level ``guided_json`` (an object, or a string passed through unparsed),
+    ``{"json": {"type": "object"}}`` for ``json_object``, ``{"regex": ...}``, ``{"choice": [...]}``,
+    ``{"grammar": ...}`` (EBNF), and ``backend`` / ``whitespace_pattern`` beside one of them; the frontend
+    allows one constraint per request. ``None`` or no constraint: no guide."""
+    if not options:
+        return None
+    backend = options.get("backend")
+    if backend not in (None, "", "auto", "xgrammar"):
+        raise RequestError(f"guided_decoding_backend {backend!r} is not available: this worker uses xgrammar")
+    if options.get("whitespace_pattern"):
+        raise RequestError("guided_whitespace_pattern is not supported by the morphserve worker (JSON is compact)")
+    given = [k for k in _GUIDE_FIELDS if options.get(k) is not None]
+    if len(given) > 1:
+        raise RequestError(f"only one guided decoding constraint per request, got {', '.join(given)}")
+    if not given:
+        return None
+    value = options[given[0]]
+    guide = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return {"type": _GUIDE_FIELDS[given[0]], "guide": guide}
 
 
 def _top_k(value: Any) -> int:

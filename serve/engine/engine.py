@@ -31,6 +31,8 @@ from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.engine.slo import RequestSLO
 from serve.engine.sequence import Sequence
+from serve.guided.compiler import GuideCompiler
+from serve.guided.state import mask_guided_rows
 from serve.logging_setup import ensure_logging
 from serve.model.engine_dir import open_model
 from serve.model.llama import LlamaModel
@@ -133,6 +135,7 @@ class LLMEngine:
             loaded, plan = load_model_and_plan(config)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.guides = GuideCompiler(self.tokenizer, loaded.config.vocab_size, config.guided_compile_timeout_s)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
@@ -246,12 +249,14 @@ class LLMEngine:
         targets = (slo or RequestSLO()).resolved(self.config.slo_ttft_s, self.config.slo_tbt_s,
                                                  self.config.default_priority)
         ids = self.validate_and_tokenize(prompt, params)
+        # compiled here, in the caller's thread (bounded by guided_compile_timeout_s), never on the engine loop
+        guide = self.guides.new_state(params.guided_decoding) if params.guided_decoding is not None else None
         # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(),
                        IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                       callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params))
+                       callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params), guide=guide)
 
         def register(s: Sequence) -> None:  # under the handoff lock: ids are claimed one at a time
             if rid in self._requests:
@@ -368,6 +373,7 @@ class LLMEngine:
         """Sample the batch (token, log-prob); if that raises, row by row so only the offending rows fail."""
         def run(rows_logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[int, float | None]]:
             contexts = [self._row_context(s) if s.params.needs_history else None for s in rows]
+            mask_guided_rows(rows_logits, [s.guide for s in rows])
             tokens, logprobs = sample_with_logprobs(rows_logits, [s.params for s in rows], [s.generator for s in rows],
                                                     self.default_generator, contexts)
             return list(zip(tokens, logprobs))
@@ -416,6 +422,8 @@ class LLMEngine:
         return produced
 
     def _accept_token(self, seq: Sequence, tok: int, now: float) -> tuple[Sequence, RequestOutput]:
+        if seq.guide is not None:
+            seq.guide.accept(tok)  # GuideViolation: this request fails (postprocess), the batch goes on
         seq.token_ids.append(tok)
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
@@ -434,6 +442,8 @@ class LLMEngine:
         """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
         p = seq.params
         if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.guide is not None and seq.guide.terminated:  # the grammar's end token (even with ignore_eos)
             return FinishReason.STOP
         seq.detokenizer.add(tok)
         if seq.detokenizer.stopped_by is not None:
@@ -577,6 +587,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.stop()
+        self.guides.close()
         if self.morph is not None:
             self.morph.bank.shutdown()
 

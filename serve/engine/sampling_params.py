@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from serve.guided.spec import GuidedDecoding
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives
 # inf/NaN probabilities, which used to fail the whole batch.
@@ -36,7 +39,9 @@ class SamplingParams:
     bad_words are strings the engine tokenizes; a word's last token is banned wherever the tokens
     before it were just generated (transformers' NoBadWordsLogitsProcessor). logprobs: report each
     sampled token's log-probability under the distribution it was drawn from (after penalties, bans
-    and temperature, before top-k/top-p).
+    and temperature, before top-k/top-p). guided_decoding: the output follows a JSON schema, regex, EBNF
+    grammar or choice (serve/guided); the request ends when the grammar is complete (finish reason stop) or
+    at max_tokens (length: the output is then incomplete and will not parse).
     """
 
     max_tokens: int = 16
@@ -54,6 +59,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     logprobs: bool = False
     include_stop_str_in_output: bool = False  # vLLM's name; TensorRT-LLM's stop_words behave this way
+    guided_decoding: GuidedDecoding | Any = None  # structured output (serve/guided); a dict is converted
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +83,10 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [0, 2**64 - 1] or None, got {self.seed!r}")
         self._check_stops()
+        object.__setattr__(self, "guided_decoding", GuidedDecoding.from_value(self.guided_decoding))
+        if self.guided_decoding is not None and self.min_tokens:
+            raise ValueError("min_tokens together with guided decoding is not supported (the grammar decides "
+                             "where the output ends)")
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -12,6 +12,7 @@ import torch
 from serve.engine.outputs import FinishReason, RequestOutput
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
+from serve.guided.state import GuideState
 from serve.model.tokenizer import IncrementalDetokenizer
 
 
@@ -43,6 +44,7 @@ class Sequence:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: hashes of its full blocks so far
     hash_epoch: int | None = None      # the pool's cache epoch its KV is being computed in (None: not caching)
+    guide: GuideState | None = None    # structured output: the grammar's state, advanced on every accepted token
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -30,6 +30,7 @@ class InputLimits:
     max_list_items: int = 64             # elements of any list input (stop)
     max_item_bytes: int = 4096           # bytes of one string in a list input
     max_timeout_s: float = 3600.0        # largest timeout_s a request may ask for
+    max_guide_bytes: int = 64 * 1024     # guided_decoding_guide (serve/guided/spec.py MAX_GUIDE_BYTES)
 
 
 @dataclasses.dataclass
@@ -53,6 +54,7 @@ class ParsedRequest:
     exclude_input_in_output: bool = True  # morphserve's default; TRT-LLM's models send False unless asked
     end_id: int | None = None
     include_stop_str: bool = False        # stop_words (TensorRT-LLM) end the answer with the stop string
+    guided: dict[str, str] | None = None  # {"type", "guide"}: structured output (serve/guided), validated there
 
     timeout_s: float | None = None
 
@@ -65,7 +67,8 @@ class ParsedRequest:
                     stop_token_ids=() if self.end_id is None else (self.end_id,),
                     repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words,
-                    logprobs=self.return_log_probs, include_stop_str_in_output=self.include_stop_str)
+                    logprobs=self.return_log_probs, include_stop_str_in_output=self.include_stop_str,
+                    guided_decoding=self.guided)
 
 
 def _scalar(get_input: InputGetter, name: str, kind: str) -> Any:
@@ -203,6 +206,25 @@ def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest, limits: In
     if pad is not None and pad < 0:
         raise InputError(f"pad_id must be a token id >= 0, got {pad}")
     # length_penalty only steers beam search in TensorRT-LLM; with beam_width 1 it has no effect there either.
+    out.guided = _guided(get_input, limits)
+
+
+def _guided(get_input: InputGetter, limits: InputLimits) -> dict[str, str] | None:
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide (an empty type: no guide). The type
+    and the guide's content are checked by the engine's SamplingParams (serve/guided/spec.py)."""
+    kind = _scalar(get_input, "guided_decoding_guide_type", "STRING")
+    guide = _scalar(get_input, "guided_decoding_guide", "STRING")
+    if guide is not None and _bytes_len(guide) > limits.max_guide_bytes:
+        raise InputError(f"guided_decoding_guide may have at most {limits.max_guide_bytes} bytes, "
+                         f"got {_bytes_len(guide)}")
+    kind_text = _utf8(kind, "guided_decoding_guide_type").strip() if kind is not None else ""
+    guide_text = _utf8(guide, "guided_decoding_guide") if guide is not None else ""
+    if not kind_text:
+        if guide_text.strip():
+            raise InputError("guided_decoding_guide needs guided_decoding_guide_type (json, json_schema, regex, "
+                             "ebnf_grammar, structural_tag)")
+        return None
+    return {"type": kind_text, "guide": guide_text}
 
 
 def _timeout(get_input: InputGetter, limits: InputLimits) -> float | None:

@@ -11,7 +11,8 @@ TensorRT-LLM semantics kept here:
 - ``exclude_input_in_output`` defaults to false: a non-streaming answer starts with the prompt;
   streaming answers never repeat it;
 - ``random_seed``, ``stop_words``, ``bad_words``, ``min_length``, ``end_id`` (replaces EOS), ``pad_id``
-  (no padding with one sequence per request), penalties, ``return_log_probs``.
+  (no padding with one sequence per request), penalties, ``return_log_probs``, ``guided_decoding_guide_type``
+  and ``guided_decoding_guide`` (structured output: json, json_schema, regex, ebnf_grammar, structural_tag).
 """
 
 from __future__ import annotations
@@ -74,8 +75,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[np.ndarray], bool], str]] = {
     "lora_task_id": (lambda a: a.size > 0, "LoRA adapters are not supported"),
     "lora_weights": (lambda a: a.size > 0, "LoRA adapters are not supported"),
     "lora_config": (lambda a: a.size > 0, "LoRA adapters are not supported"),
-    "guided_decoding_guide_type": (_nonempty, "guided decoding is not supported"),
-    "guided_decoding_guide": (_nonempty, "guided decoding is not supported"),
     "num_draft_tokens": (_positive, "speculative decoding (draft tokens) is not supported"),
     "use_draft_logits": (_flag, "speculative decoding (draft logits) is not supported"),
     "embedding_bias_words": (_nonempty, "embedding bias is not supported"),

@@ -1,0 +1,175 @@
+"""Structured output (serve/guided) on SmolLM2 with real grammars (xgrammar): every output of 24 JSON schemas
+parses and validates, regex outputs match fully, the mask changes nothing but forbidden tokens (greedy picks the
+unconstrained argmax wherever the grammar allows it), bad guides are refused before admission, and guided
+requests keep their grammar state through preemption, sampling, penalties and prefix caching."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from bench.guided_schemas import REGEXES, SCHEMAS, regex_prompt, schema_prompt
+from serve.config import EngineConfig
+from serve.engine import engine as engine_module
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+from serve.guided.compiler import GuideError
+from serve.guided.spec import MAX_GUIDE_BYTES, GuidedDecoding
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm):
+    e = LLMEngine(EngineConfig(num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=1024), loaded=smollm)
+    yield e
+    e.shutdown()
+
+
+def _chat(e: LLMEngine, text: str) -> str:
+    return e.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _schema_params(schema: dict, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 160), guided_decoding={"type": "json_schema", "guide": schema}, **kw)
+
+
+def test_every_output_of_24_schemas_parses_and_validates(engine) -> None:
+    prompts = [_chat(engine, schema_prompt(subject)) for subject, _ in SCHEMAS]
+    outs = engine.generate(prompts, [_schema_params(schema) for _, schema in SCHEMAS])
+    for (subject, schema), out in zip(SCHEMAS, outs):
+        assert out["finish_reason"] == "stop", (subject, out)
+        jsonschema.validate(json.loads(out["text"]), schema)
+    assert len(SCHEMAS) >= 20
+
+
+def test_regex_outputs_match_fully(engine) -> None:
+    prompts = [_chat(engine, regex_prompt(subject)) for subject, _ in REGEXES]
+    params = [SamplingParams(max_tokens=48, guided_decoding={"type": "regex", "guide": rx}) for _, rx in REGEXES]
+    for (subject, rx), out in zip(REGEXES, engine.generate(prompts, params)):
+        assert out["finish_reason"] == "stop", (subject, out)
+        assert re.fullmatch(rx, out["text"]), (subject, out["text"])
+
+
+def test_choice_json_and_grammar_kinds(engine) -> None:
+    prompt = _chat(engine, "Is the sky blue? Answer yes or no.")
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, guided_decoding={"type": "choice",
+                                                                                    "guide": ["yes", "no", "maybe"]}))[0]
+    assert out["text"] in ("yes", "no", "maybe") and out["finish_reason"] == "stop"
+    # any JSON: a 135M model asked for "a person" rambles past 200 tokens (still JSON so far); one key it ends
+    out = engine.generate([_chat(engine, "Give the capital of France as JSON with one key.")],
+                          SamplingParams(max_tokens=64, guided_decoding={"type": "json"}))[0]
+    assert out["finish_reason"] == "stop" and isinstance(json.loads(out["text"]), (dict, list)), out
+    grammar = 'root ::= "The answer is " digit "."\ndigit ::= [0-9]'
+    out = engine.generate([_chat(engine, "What is 2+2?")],
+                          SamplingParams(max_tokens=16, guided_decoding={"type": "ebnf_grammar", "guide": grammar}))[0]
+    assert re.fullmatch(r"The answer is [0-9]\.", out["text"]), out
+
+
+def test_the_mask_changes_nothing_but_forbidden_tokens(engine, monkeypatch) -> None:
+    """Greedy: at every step the guided token is the unconstrained argmax whenever the grammar allows that
+    token, and an allowed token otherwise (the real logits of the real run, before and after the mask)."""
+    steps: list[tuple[int, torch.Tensor]] = []
+    real = engine_module.mask_guided_rows
+
+    def recording(logits, states):
+        raw = logits.argmax(dim=-1).clone()
+        real(logits, states)
+        steps.append((int(raw[0]), logits[0].clone()))
+
+    monkeypatch.setattr(engine_module, "mask_guided_rows", recording)
+    subject, schema = SCHEMAS[8]  # an order: nested objects in an array
+    out = engine.generate([_chat(engine, schema_prompt(subject))], _schema_params(schema))[0]
+    tokens = out["token_ids"]
+    assert len(steps) == len(tokens) and len(tokens) > 10
+    agreed = 0
+    for (raw, masked), tok in zip(steps, tokens):
+        assert masked[tok] > float("-inf")
+        if masked[raw] > float("-inf"):
+            assert tok == raw
+            agreed += 1
+    assert 0 < agreed < len(tokens)  # the grammar both followed the model and overruled it
+    unguided = engine.generate([_chat(engine, schema_prompt(subject))], SamplingParams(max_tokens=len(tokens)))[0]
+    first_overruled = next(i for i, (raw, m) in enumerate(steps) if m[raw] == float("-inf"))
+    assert unguided["token_ids"][:first_overruled] == tokens[:first_overruled]
+
+
+@pytest.mark.parametrize("guided, match", [
+    ({"type": "regex", "guide": "([a-z"}, "invalid regex guide"),
+    ({"type": "json_schema", "guide": "{not json"}, "not valid JSON"),
+    ({"type": "json_schema", "guide": "[1, 2]"}, "must be a JSON object"),
+    ({"type": "yaml", "guide": "a: 1"}, "must be one of"),
+    ({"type": "regex", "guide": ""}, "needs a guide"),
+    ({"type": "regex", "guide": "a" * (MAX_GUIDE_BYTES + 1)}, "at most"),
+    ({"type": "choice", "guide": []}, "non-empty strings"),
+    ({"type": "regex", "guide": "x", "backend": "outlines"}, "unknown guided decoding field"),
+])
+def test_bad_guides_are_refused_before_admission(engine, guided, match) -> None:
+    before = (engine.num_waiting(), len(engine._requests))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("hi", SamplingParams(max_tokens=4, guided_decoding=guided))
+    assert (engine.num_waiting(), len(engine._requests)) == before == (0, 0)
+
+
+def test_a_slow_compile_is_refused_and_the_engine_goes_on(smollm) -> None:
+    e = LLMEngine(EngineConfig(num_kv_blocks=64, guided_compile_timeout_s=1e-6), loaded=smollm)
+    try:
+        schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^[a-z]{3,9}$"}
+                                                   for i in range(40)}}
+        with pytest.raises(GuideError, match="did not compile within"):
+            e.add_request("hi", _schema_params(schema))
+        assert e.num_waiting() == 0
+        assert e.generate(["hi"], SamplingParams(max_tokens=3))[0]["finish_reason"] == "length"
+    finally:
+        e.shutdown()
+
+
+def test_min_tokens_with_a_guide_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_tokens together with guided decoding"):
+        SamplingParams(max_tokens=8, min_tokens=2, guided_decoding={"type": "json"})
+    assert GuidedDecoding.from_value({"type": "choice", "guide": ["a", "b"]}).choices == ["a", "b"]
+
+
+def test_max_tokens_before_the_grammar_ends_is_a_stated_length_finish(engine) -> None:
+    subject, schema = SCHEMAS[15]
+    out = engine.generate([_chat(engine, schema_prompt(subject))], _schema_params(schema, max_tokens=5))[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 5
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out["text"])
+
+
+def test_guided_requests_survive_preemption_with_the_same_tokens(smollm) -> None:
+    """A pool too small for the batch preempts (recompute keeps the tokens, so the matcher stays right):
+    outputs equal those of a pool with room for all, and still validate."""
+    picks = [SCHEMAS[i] for i in (0, 4, 8, 9, 15, 22)]
+    outs = {}
+    for blocks in (512, 18):
+        e = LLMEngine(EngineConfig(num_kv_blocks=blocks, max_num_seqs=8), loaded=smollm)
+        try:
+            prompts = [_chat(e, schema_prompt(s)) for s, _ in picks]
+            outs[blocks] = e.generate(prompts, [_schema_params(schema) for _, schema in picks])
+            preempted = e.scheduler.num_preemptions
+        finally:
+            e.shutdown()
+        if blocks == 18:
+            assert preempted > 0
+    assert [o["token_ids"] for o in outs[18]] == [o["token_ids"] for o in outs[512]]
+    for (_, schema), out in zip(picks, outs[18]):
+        jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_sampling_penalties_stop_strings_and_prefix_caching_keep_outputs_valid(engine) -> None:
+    picks = SCHEMAS[:8]
+    prompts = [_chat(engine, schema_prompt(s)) for s, _ in picks]
+    sampled = [_schema_params(schema, temperature=0.9, top_p=0.95, top_k=50, seed=7 + i, repetition_penalty=1.2,
+                              presence_penalty=0.3, stop=["\n\n"]) for i, (_, schema) in enumerate(picks)]
+    first = engine.generate(prompts, sampled)
+    again = engine.generate(prompts, sampled)  # prefix cache hits, same seeds: same tokens
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in first]
+    for (_, schema), out in zip(picks, first):
+        assert out["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(out["text"]), schema)
