@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=160, help="cap of each guided answer (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=32, max_num_batched_tokens=1024))
     try:
         result: dict[str, Any] = {"command": "python -m bench.guided_cost " + " ".join(argv or []), "cpu": cpu_description(),

@@ -55,6 +55,7 @@ class EngineConfig:
                                         # (None: unbounded, for offline replays; the Triton model sets 256)
     num_threads: int | None = None     # torch intra-op threads; default: torch's choice
     guided_compile_timeout_s: float = 10.0  # structured output: a guide that does not compile in time is refused
+    guided_backend: str = "xgrammar"   # structured output's grammar engine: xgrammar | llguidance
     seed: int = 0
     # MorphServe: runtime quantized layer swapping + KV resizing (policy/ modes: off, static-int8,
     # static-int4, accuracy, default, performance)
@@ -81,6 +82,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_waiting is not None and self.max_num_waiting <= 0:
             raise ValueError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
+        if self.guided_backend not in ("xgrammar", "llguidance"):
+            raise ValueError(f"guided_backend must be xgrammar or llguidance, got {self.guided_backend!r}")
         if not self.guided_compile_timeout_s > 0:
             raise ValueError(f"guided_compile_timeout_s must be positive, got {self.guided_compile_timeout_s}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -19,6 +19,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.guided.compiler import GuideError
 from serve.guided.spec import MAX_GUIDE_BYTES, GuidedDecoding
+from serve.guided.state import mask_guided_rows
 
 torch.set_num_threads(2)
 
@@ -45,6 +46,42 @@ def test_every_output_of_24_schemas_parses_and_validates(engine) -> None:
         assert out["finish_reason"] == "stop", (subject, out)
         jsonschema.validate(json.loads(out["text"]), schema)
     assert len(SCHEMAS) >= 20
+
+
+def _closed(schema):
+    """``schema`` with ``additionalProperties: false`` on every object that does not say otherwise."""
+    if isinstance(schema, dict):
+        out = {k: _closed(v) for k, v in schema.items()}
+        if out.get("type") == "object":
+            out.setdefault("additionalProperties", False)
+        return out
+    return [_closed(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def test_the_llguidance_backend_behind_the_same_seam(smollm) -> None:
+    """llguidance (EngineConfig.guided_backend): the same 24 schemas validate, regexes match, a bad regex is
+    refused before admission."""
+    e = LLMEngine(EngineConfig(num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=1024,
+                               guided_backend="llguidance"), loaded=smollm)
+    try:
+        prompts = [_chat(e, schema_prompt(subject)) for subject, _ in SCHEMAS]
+        prompts += [_chat(e, regex_prompt(subject)) for subject, _ in REGEXES]
+        # llguidance follows JSON Schema (unnamed properties allowed unless additionalProperties is false), where
+        # xgrammar's strict mode forbids them: closed objects make the two languages the same
+        params = [_schema_params(_closed(schema)) for _, schema in SCHEMAS]
+        params += [SamplingParams(max_tokens=48, guided_decoding={"type": "regex", "guide": rx}) for _, rx in REGEXES]
+        outs = e.generate(prompts, params)
+        stopped = [(schema, out) for (_, schema), out in zip(SCHEMAS, outs) if out["finish_reason"] == "stop"]
+        assert len(stopped) >= 22, [o["text"] for o in outs]  # seen: one number run on to max_tokens (length)
+        for schema, out in stopped:
+            jsonschema.validate(json.loads(out["text"]), schema)
+        for (subject, rx), out in zip(REGEXES, outs[len(SCHEMAS):]):
+            assert re.fullmatch(rx, out["text"]), (subject, out["text"])
+        with pytest.raises(GuideError, match="invalid regex guide"):
+            e.add_request("hi", SamplingParams(max_tokens=4, guided_decoding={"type": "regex", "guide": "([a-z"}))
+        assert e.num_waiting() == 0
+    finally:
+        e.shutdown()
 
 
 def test_regex_outputs_match_fully(engine) -> None:
@@ -76,9 +113,9 @@ def test_the_mask_changes_nothing_but_forbidden_tokens(engine, monkeypatch) -> N
     steps: list[tuple[int, torch.Tensor]] = []
     real = engine_module.mask_guided_rows
 
-    def recording(logits, states):
+    def recording(logits, states, argmax_only=None):
         raw = logits.argmax(dim=-1).clone()
-        real(logits, states)
+        real(logits, states, argmax_only)
         steps.append((int(raw[0]), logits[0].clone()))
 
     monkeypatch.setattr(engine_module, "mask_guided_rows", recording)
@@ -96,6 +133,24 @@ def test_the_mask_changes_nothing_but_forbidden_tokens(engine, monkeypatch) -> N
     unguided = engine.generate([_chat(engine, schema_prompt(subject))], SamplingParams(max_tokens=len(tokens)))[0]
     first_overruled = next(i for i, (raw, m) in enumerate(steps) if m[raw] == float("-inf"))
     assert unguided["token_ids"][:first_overruled] == tokens[:first_overruled]
+
+
+def test_greedy_rows_skip_the_mask_only_where_it_changes_nothing(engine) -> None:
+    """argmax_only: the argmax of every row equals that of the fully masked logits, on random logits whose
+    argmax the grammar sometimes allows and sometimes forbids; rows that are not argmax-only are masked."""
+    g = torch.Generator().manual_seed(5)
+    states = [engine.guides.new_state(GuidedDecoding("regex", r"[0-9]{1,3}|abc")) for _ in range(6)] + [None]
+    allowed = engine.tokenizer.encode("7")[0]
+    for trial in range(20):
+        logits = torch.randn(7, engine.model_config.vocab_size, generator=g)
+        if trial % 2:
+            logits[:, allowed] = 50.0  # the grammar allows this argmax
+        full, fast = logits.clone(), logits.clone()
+        mask_guided_rows(full, states)
+        mask_guided_rows(fast, states, [True] * 5 + [False, True])
+        assert torch.equal(full.argmax(-1), fast.argmax(-1))
+        assert torch.equal(full[5], fast[5]) and torch.equal(fast[6], logits[6])
+        assert (trial % 2 == 1) == torch.equal(fast[0], logits[0])
 
 
 @pytest.mark.parametrize("guided, match", [

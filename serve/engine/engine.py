@@ -135,7 +135,8 @@ class LLMEngine:
             loaded, plan = load_model_and_plan(config)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.guides = GuideCompiler(self.tokenizer, loaded.config.vocab_size, config.guided_compile_timeout_s)
+        self.guides = GuideCompiler(self.tokenizer, loaded.config.vocab_size, config.guided_compile_timeout_s,
+                                    backend=config.guided_backend)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
@@ -373,7 +374,8 @@ class LLMEngine:
         """Sample the batch (token, log-prob); if that raises, row by row so only the offending rows fail."""
         def run(rows_logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[int, float | None]]:
             contexts = [self._row_context(s) if s.params.needs_history else None for s in rows]
-            mask_guided_rows(rows_logits, [s.guide for s in rows])
+            mask_guided_rows(rows_logits, [s.guide for s in rows],
+                             [s.params.greedy and not s.params.needs_history and not s.params.logprobs for s in rows])
             tokens, logprobs = sample_with_logprobs(rows_logits, [s.params for s in rows], [s.generator for s in rows],
                                                     self.default_generator, contexts)
             return list(zip(tokens, logprobs))
@@ -443,10 +445,10 @@ class LLMEngine:
         p = seq.params
         if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
             return FinishReason.STOP
-        if seq.guide is not None and seq.guide.terminated:  # the grammar's end token (even with ignore_eos)
-            return FinishReason.STOP
         seq.detokenizer.add(tok)
         if seq.detokenizer.stopped_by is not None:
+            return FinishReason.STOP
+        if seq.guide is not None and seq.guide.terminated:  # the grammar is done (its end token, or nothing can follow)
             return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
