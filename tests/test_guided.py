@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.guided_schemas import REGEXES, SCHEMAS, regex_prompt, schema_prompt
+from policy.decision import MorphDecision
 from serve.config import EngineConfig
 from serve.engine import engine as engine_module
 from serve.engine.engine import LLMEngine
@@ -228,3 +229,38 @@ def test_sampling_penalties_stop_strings_and_prefix_caching_keep_outputs_valid(e
     for (_, schema), out in zip(picks, first):
         assert out["finish_reason"] == "stop"
         jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_guided_requests_under_slai_with_layers_swapped_mid_request(smollm) -> None:
+    """SLAI scheduling and morph transitions while guided requests run: layers go to int8 and int4 after a few
+    steps and come back before the end (a swap changes weights, not grammar state); every output validates."""
+    e = LLMEngine(EngineConfig(scheduler="slai", morph_mode="default", device_memory="700MiB", max_num_seqs=8,
+                               morph_precisions="int8,int4",
+                               policy_overrides={"cost_aware": False}), loaded=smollm)
+    try:
+        picks = [SCHEMAS[i] for i in (1, 5, 8, 13, 19, 21)]
+        results: dict[str, dict] = {}
+
+        def collect(out) -> None:
+            r = results.setdefault(out.request_id, {"text": ""})
+            r["text"] += out.new_text
+            if out.finished:
+                r["finish_reason"] = out.finish_reason.value
+
+        rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema in picks]
+        order = e.morph.controller.swap_order
+        for step in range(400):
+            if step == 3:
+                e.morph.apply_now(MorphDecision("quantize", tuple(order[:4]), "int8", "test"))
+            if step == 6:
+                e.morph.apply_now(MorphDecision("quantize", tuple(order[:2]), "int4", "test"))
+            if step == 12:
+                e.morph.apply_now(MorphDecision("restore", tuple(order[:2]), "int8", "test"))
+            if not e.step() and not e.has_unfinished_requests():
+                break
+        assert e.morph.stats.swaps >= 2
+        for rid, (subject, schema) in zip(rids, picks):
+            assert results[rid]["finish_reason"] == "stop", (subject, results[rid])
+            jsonschema.validate(json.loads(results[rid]["text"]), schema)
+    finally:
+        e.shutdown()
