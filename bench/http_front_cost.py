@@ -87,7 +87,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int, 
     )
     p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],  # noqa: S603
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = p.stdout.readline() if p.stdout else ""
+    line = "x"
+    while line and "ready" not in line:  # the launcher may print before it is ready; EOF means it died
+        line = p.stdout.readline() if p.stdout else ""
     if "ready" not in line:
         p.kill()
         raise RuntimeError("server did not start")
