@@ -110,6 +110,9 @@ class LLMEngine:
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
             # thread's OpenMP team stays the only one in the process (serve/model/omp_threads.py says why that matters).
             on_short_lived_thread(lambda: self._build(config, loaded), name="morphserve-load")
+        # structured output: built or assembled alike (compiles nothing until a guided request arrives)
+        self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
+                                    backend=config.guided_backend)
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
         self._handoff = Handoff(config.max_num_waiting)
         self.faults = FaultTracker(MAX_STEP_FAILURES)
@@ -135,8 +138,6 @@ class LLMEngine:
             loaded, plan = load_model_and_plan(config)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.guides = GuideCompiler(self.tokenizer, loaded.config.vocab_size, config.guided_compile_timeout_s,
-                                    backend=config.guided_backend)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
