@@ -84,7 +84,7 @@ def test_dynamo_guided_decoding_becomes_the_engines_guide(options, expected) -> 
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"regex": "a", "backend": "outlines"}, "not available"),
+    ({"regex": "a", "backend": "outlines"}, "cannot be chosen per request"),
     ({"json": {"type": "object"}, "whitespace_pattern": " *"}, "whitespace_pattern"),
     ({"regex": "a", "choice": ["a"]}, "only one guided decoding constraint"),
     ({"json": "{not json"}, "not valid JSON"),

@@ -20,7 +20,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.guided.compiler import GuideError
 from serve.guided.spec import MAX_GUIDE_BYTES, GuidedDecoding
-from serve.guided.state import mask_guided_rows
+from serve.guided.state import apply_bitmask, mask_guided_rows
 
 torch.set_num_threads(2)
 
@@ -152,6 +152,23 @@ def test_greedy_rows_skip_the_mask_only_where_it_changes_nothing(engine) -> None
         assert torch.equal(full.argmax(-1), fast.argmax(-1))
         assert torch.equal(full[5], fast[5]) and torch.equal(fast[6], logits[6])
         assert (trial % 2 == 1) == torch.equal(fast[0], logits[0])
+
+
+def test_the_torch_mask_for_other_devices_equals_xgrammars_kernel(engine) -> None:
+    """apply_bitmask (the path for CUDA, in plain torch ops) run on the CPU in bfloat16 and fp32: the same
+    -inf positions as xgrammar's CPU kernel, rows not named untouched."""
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(3)
+    vocab = engine.model_config.vocab_size
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(4, vocab, generator=g).to(dtype)
+        ours, theirs = logits.clone(), logits.float()
+        apply_bitmask(ours, bitmask, [0, 2, 3])
+        xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=[0, 2, 3])
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+        assert torch.equal(ours[1], logits[1]) and torch.isinf(ours[0]).sum() > vocab // 4
 
 
 @pytest.mark.parametrize("guided, match", [

@@ -104,7 +104,8 @@ def guided_decoding(options: Mapping[str, Any] | None) -> dict[str, str] | None:
         return None
     backend = options.get("backend")
     if backend not in (None, "", "auto", "xgrammar"):
-        raise RequestError(f"guided_decoding_backend {backend!r} is not available: this worker uses xgrammar")
+        raise RequestError(f"guided_decoding_backend {backend!r} cannot be chosen per request: the worker's "
+                           "configuration picks the grammar engine (xgrammar by default)")
     if options.get("whitespace_pattern"):
         raise RequestError("guided_whitespace_pattern is not supported by the morphserve worker (JSON is compact)")
     given = [k for k in _GUIDE_FIELDS if options.get(k) is not None]

@@ -375,8 +375,9 @@ class LLMEngine:
         """Sample the batch (token, log-prob); if that raises, row by row so only the offending rows fail."""
         def run(rows_logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[int, float | None]]:
             contexts = [self._row_context(s) if s.params.needs_history else None for s in rows]
-            mask_guided_rows(rows_logits, [s.guide for s in rows],
-                             [s.params.greedy and not s.params.needs_history and not s.params.logprobs for s in rows])
+            guides = [s.guide for s in rows]
+            if any(g is not None for g in guides):  # nothing per step for batches without a guide
+                mask_guided_rows(rows_logits, guides, [s.params.argmax_only for s in rows])
             tokens, logprobs = sample_with_logprobs(rows_logits, [s.params for s in rows], [s.generator for s in rows],
                                                     self.default_generator, contexts)
             return list(zip(tokens, logprobs))

@@ -138,3 +138,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """The sampler only takes the argmax of this row's raw logits (greedy, no history-dependent processor,
+        no log-probabilities): what structured output's mask may skip when the argmax is allowed."""
+        return self.greedy and not self.needs_history and not self.logprobs

@@ -114,7 +114,15 @@ def mask_guided_rows(logits: torch.Tensor, states: Sequence[GuideState | None],
         import xgrammar as xgr  # its CPU kernel applies the mask of the rows named, whichever engine filled it
 
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-        return
-    bits = (bitmask.to(logits.device).unsqueeze(-1) >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
-    allowed = bits.reshape(logits.shape[0], -1)[:, : logits.shape[-1]].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        apply_bitmask(logits, bitmask.to(logits.device), rows)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """The mask in plain torch ops, for devices xgrammar's CPU kernel does not serve (no triton here): bit j of
+    word i of a row allows token ``32 * i + j``; the named rows' forbidden logits become -inf."""
+    index = torch.as_tensor(list(rows), device=logits.device)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    bits = (bitmask.index_select(0, index).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(len(index), -1)[:, : logits.shape[-1]].bool()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
