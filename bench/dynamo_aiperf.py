@@ -63,9 +63,14 @@ def write_trace(args: argparse.Namespace, path: Path) -> tuple[int, str]:
     builder = PromptBuilder(tokenizer, default_text_path().read_text(encoding="utf-8") if args.text is None
                             else Path(args.text).read_text(encoding="utf-8"))
     rng = random.Random(args.seed)
+    blocks = args.prefix_block_tokens
+    if blocks is not None:  # Mooncake hash_ids -> shared prompt blocks (requests sharing ids share prefixes)
+        desc += f", prompts from hash_ids x {blocks} tokens"
     with path.open("w") as f:
         for r in reqs:
-            text = tokenizer.decode(builder.prompt(r.input_tokens, rng))
+            ids = builder.shared_blocks_prompt(r.block_ids, blocks, args.max_input_tokens) if blocks is not None \
+                else builder.prompt(r.input_tokens, rng)
+            text = tokenizer.decode(ids)
             f.write(json.dumps({"timestamp": round(r.arrival_s * 1000.0, 3), "text_input": text,
                                 "output_length": r.output_tokens}) + "\n")
     return len(reqs), desc
@@ -75,7 +80,8 @@ class Sampler(threading.Thread):
     """Reads every worker's /metrics twice a second: published capacity, KV used, swaps, requests."""
 
     NAMES = ("dynamo_component_total_blocks", "morphserve_kv_blocks_used", "morphserve_swaps_total",
-             "morphserve_restores_total", "dynamo_component_requests_total", "morphserve_num_preemptions_total")
+             "morphserve_restores_total", "dynamo_component_requests_total", "morphserve_num_preemptions_total",
+             "morphserve_prefix_cache_queries_total", "morphserve_prefix_cache_hits_total")
 
     def __init__(self, cluster: Cluster) -> None:
         super().__init__(daemon=True)
@@ -103,6 +109,10 @@ class Sampler(threading.Thread):
             "preemptions": [last.get(i, {}).get("morphserve_num_preemptions_total", 0) for i in workers],
             "requests": [last.get(i, {}).get("dynamo_component_requests_total", 0) - first.get(i, {}).get(
                 "dynamo_component_requests_total", 0) for i in workers],
+            "prefix_queried_tokens": sum(last.get(i, {}).get("morphserve_prefix_cache_queries_total", 0) - first.get(
+                i, {}).get("morphserve_prefix_cache_queries_total", 0) for i in workers),
+            "prefix_hit_tokens": sum(last.get(i, {}).get("morphserve_prefix_cache_hits_total", 0) - first.get(
+                i, {}).get("morphserve_prefix_cache_hits_total", 0) for i in workers),
         }
 
 
@@ -176,10 +186,17 @@ def per_request_ttfts(folder: Path) -> list[float]:
     return out
 
 
+def hit_rate(result: dict) -> float | None:
+    """Prompt tokens served from the workers' prefix caches over prompt tokens looked up, in one run."""
+    w = result["workers"]
+    q = w.get("prefix_queried_tokens", 0)
+    return w.get("prefix_hit_tokens", 0) / q if q else None
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| replicas | morph | router | runs | completed/errors | P50 TTFT (s) | P95 TTFT (s) | P99 TTFT (s) | "
-            "mean ITL (ms) | TTFT > SLO % | req/s | KV blocks per replica: registered -> max published | "
-            "swaps | requests per replica |", "|" + "---|" * 13]
+    rows = ["| replicas | morph | router | runs | completed/errors | prefix hit rate | P50 TTFT (s) | P95 TTFT (s) | "
+            "P99 TTFT (s) | mean ITL (ms) | TTFT > SLO % | req/s | KV blocks per replica: registered -> max "
+            "published | swaps | requests per replica |", "|" + "---|" * 14]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((r["replicas"], r["mode"], r["router"]), []).append(r)
@@ -188,8 +205,11 @@ def table(results: list[dict]) -> str:
         slo = [r["slo_violation_pct"] for r in rs if r["slo_violation_pct"] is not None]
         kv = "; ".join(f"{int(b)} -> {int(m)}" for b, m in zip(rs[-1]["workers"]["base_total_blocks"],
                                                                rs[-1]["workers"]["max_total_blocks"]))
+        rates = [hit_rate(r) for r in rs if hit_rate(r) is not None]
+        spread = f" [{min(rates):.1%}-{max(rates):.1%}]" if len(rates) > 1 else ""
+        rate = f"{statistics.median(rates):.1%}{spread}" if rates else "n/a"
         rows.append(f"| {n} | {mode} | {router} | {len(rs)} | {med(lambda r: r['completed']):.0f}/"
-                    f"{med(lambda r: r['errors']):.0f} | {med(lambda r: r['ttft_s']['p50']):.3f} | "
+                    f"{med(lambda r: r['errors']):.0f} | {rate} | {med(lambda r: r['ttft_s']['p50']):.3f} | "
                     f"{med(lambda r: r['ttft_s']['p95']):.3f} | {med(lambda r: r['ttft_s']['p99']):.3f} | "
                     f"{1e3 * med(lambda r: r['itl_s']['avg']):.1f} | "
                     f"{statistics.median(slo) if slo else float('nan'):.1f} | {med(lambda r: r['throughput_rps']):.3f} | "

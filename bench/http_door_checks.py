@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
+import random
 import socket
 import statistics
 import sys
@@ -122,10 +124,15 @@ def timeout(url: str) -> dict[str, Any]:
     return {"status": status, "error": json.loads(text).get("error", "")[:90]}
 
 
-def load(url: str, n: int, prompt_words: int, max_tokens: int) -> dict[str, Any]:
+def load(url: str, n: int, prompt_words: int, max_tokens: int, arrival_rate: float = 0.0,
+         seed: int = 0) -> dict[str, Any]:
+    """``n`` streaming requests at once (``arrival_rate`` 0) or as Poisson arrivals at ``arrival_rate``/s."""
     words = "the sea is wide and deep and blue under a grey sky while".split()
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     start = threading.Barrier(n)
+    rng = random.Random(seed)
+    offsets = list(itertools.accumulate(rng.expovariate(arrival_rate) for _ in range(n))) if arrival_rate > 0 \
+        else [0.0] * n
 
     def one(i: int) -> None:
         prompt = f"Story {i}: " + " ".join(words[j % len(words)] for j in range(prompt_words))
@@ -133,6 +140,7 @@ def load(url: str, n: int, prompt_words: int, max_tokens: int) -> dict[str, Any]
         host, port = url.split(":")
         c = http.client.HTTPConnection(host, int(port), timeout=1800)
         start.wait()
+        time.sleep(offsets[i])
         t0 = time.perf_counter()
         try:
             c.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body,
@@ -172,7 +180,12 @@ def load(url: str, n: int, prompt_words: int, max_tokens: int) -> dict[str, Any]
         key = r["outcome"].split(":")[0] if r["outcome"].startswith("error") else r["outcome"]
         outcomes[key] = outcomes.get(key, 0) + 1
     q = statistics.quantiles(firsts, n=100) if len(firsts) >= 2 else [float("nan")] * 99
-    return {"requests": n, "outcomes": outcomes, "with_first_event": len(firsts),
+    refused = sorted(r["first_event_s"] for r in results if r["outcome"] == "http 503")
+    answered = sorted(r["first_event_s"] for r in results if r["outcome"] == "answer")
+    return {"requests": n, "arrival_rate": arrival_rate or "all at once", "seed": seed, "outcomes": outcomes,
+            "with_first_event": len(firsts),
+            "refused_503_p50_s": round(statistics.median(refused), 3) if refused else None,
+            "answered_ttft_p50_s": round(statistics.median(answered), 2) if answered else None,
             "first_event_p50_s": round(q[49], 2), "first_event_p95_s": round(q[94], 2),
             "first_event_max_s": round(max(firsts), 2) if firsts else None,
             "wall_s": round(time.monotonic() - t0, 1)}
@@ -187,12 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-requests", type=int, default=200)
     p.add_argument("--load-prompt-words", type=int, default=140, help="~150 prompt tokens")
     p.add_argument("--load-max-tokens", type=int, default=192)
+    p.add_argument("--load-arrival-rate", type=float, default=0.0,
+                   help="Poisson arrivals per second (0: all requests at once, the issue's check)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--load-only", action="store_true", help="run only the load check")
     args = p.parse_args(argv)
-    out: dict[str, Any] = {"deep": deep_bodies(args.url, args.launcher_log), "typed": typed(args.url)}
-    out["disconnect"] = disconnect(args.url, args.metrics)
-    out["timeout"] = timeout(args.url)
+    out: dict[str, Any] = {}
+    if not args.load_only:
+        out = {"deep": deep_bodies(args.url, args.launcher_log), "typed": typed(args.url)}
+        out["disconnect"] = disconnect(args.url, args.metrics)
+        out["timeout"] = timeout(args.url)
     if not args.skip_load:
-        out["load"] = load(args.url, args.load_requests, args.load_prompt_words, args.load_max_tokens)
+        out["load"] = load(args.url, args.load_requests, args.load_prompt_words, args.load_max_tokens,
+                           args.load_arrival_rate, args.seed)
     print(json.dumps(out, indent=1))
     return 0
 

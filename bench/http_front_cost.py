@@ -18,6 +18,7 @@ tritonserver's own HTTP server on its internal loopback port. Requests alternate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import statistics
@@ -26,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from serve.triton.server import free_port
 
@@ -71,6 +72,34 @@ def timed_stream(port: int, tokens: int) -> tuple[float, list[float], int]:
     return times[-1] - t0, [b - a for a, b in zip(times, times[1:], strict=False)], len(times)
 
 
+def grpc_generate(port: int) -> Callable[[], float]:
+    """A timed one-token request over a plain gRPC stream straight to tritonserver (no front): the
+    transport's own share of the door's cost. One stream per request, as the front opens one."""
+    import grpc  # noqa: PLC0415
+    from tritonclient.grpc import service_pb2_grpc  # noqa: PLC0415
+
+    from serve.triton.http_front import build_request, is_final, spec_from_config  # noqa: PLC0415
+
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
+    from tritonclient.grpc import service_pb2  # noqa: PLC0415
+
+    config = MessageToDict(stub.ModelConfig(service_pb2.ModelConfigRequest(name=MODEL)).config,
+                           preserving_proto_field_name=True)
+    spec = dataclasses.replace(spec_from_config(config), name=MODEL)
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        req = build_request(spec, "", {"text_input": PROMPT, "max_tokens": 1, "ignore_eos": True})
+        for msg in stub.ModelStreamInfer(iter([req])):
+            if msg.error_message:
+                raise RuntimeError(msg.error_message)
+            if is_final(msg.infer_response):
+                break
+        return time.perf_counter() - t0
+    return one
+
+
 def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -93,30 +122,36 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int, 
     if "ready" not in line:
         p.kill()
         raise RuntimeError("server did not start")
-    return p, http, internal
+    return p, http, internal, grpc
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    proc, front, direct = start_server(args)
+    proc, front, direct, grpc_port = start_server(args)
     try:
-        return measure(args, front, direct)
+        return measure(args, front, direct, grpc_port)
     finally:
         if proc.stdin:
             proc.stdin.close()
         proc.wait(timeout=120)
 
 
-def measure(args: argparse.Namespace, front: int, direct: int) -> dict[str, Any]:
+def measure(args: argparse.Namespace, front: int, direct: int, grpc_port: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": args.requests, "stream_tokens": args.stream_tokens}
     cf, cd = _conn(front), _conn(direct)
+    doors: dict[str, Callable[[], float]] = {"front": lambda: timed_generate(cf), "direct": lambda: timed_generate(cd)}
+    if grpc_port is not None:
+        doors["grpc_direct"] = grpc_generate(grpc_port)
     for _ in range(5):  # warm-up (model spec cache, connections, engine)
-        timed_generate(cf), timed_generate(cd)
-    lat: dict[str, list[float]] = {"front": [], "direct": []}
+        for door in doors.values():
+            door()
+    lat: dict[str, list[float]] = {k: [] for k in doors}
     for _ in range(args.requests):
-        lat["front"].append(timed_generate(cf))
-        lat["direct"].append(timed_generate(cd))
+        for name, door in doors.items():
+            lat[name].append(door())
     out["generate_p50_ms"] = {k: round(p50(v) * 1e3, 3) for k, v in lat.items()}
     out["generate_added_p50_ms"] = round((p50(lat["front"]) - p50(lat["direct"])) * 1e3, 3)
+    if "grpc_direct" in lat:  # what a plain gRPC stream to tritonserver costs over its HTTP, without the front
+        out["grpc_direct_added_p50_ms"] = round((p50(lat["grpc_direct"]) - p50(lat["direct"])) * 1e3, 3)
 
     gaps: dict[str, list[float]] = {"front": [], "direct": []}
     per_token: dict[str, list[float]] = {"front": [], "direct": []}

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     p.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy threshold, e.g. --policy kv_high=0.8 (repeatable)")
+    p.add_argument("--prefix-cache-across-morph", default="exact", choices=["exact", "preserve"],
+                   help="which cached prefixes serve after a layer changes precision: exact (only under the "
+                        "configuration that computed them) or preserve (under any); default: %(default)s")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--quality", action="store_true",
                    help="also measure perplexity (held-out text) of every configuration the engine ran, "
@@ -149,6 +152,10 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
                            "critical_decodes_unscheduled": engine.stats()["critical_decodes_unscheduled"]}
     result["morph"] = morph_summary(engine, timeline, duration, kv_block_tokens)
     result["tokens_by_config"] = dict(tokens_by_config)
+    stats = engine.stats()
+    queried, hit = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    result["prefix_cache"] = {"policy": engine.config.prefix_cache_across_morph, "queried_tokens": queried,
+                              "hit_tokens": hit, "hit_rate": round(hit / queried, 4) if queried else None}
     result["timeline"] = timeline
     result["requests"] = [{"arrival_s": timings[r].send_s - t0, "ttft_s": timings[r].ttft_s, "ok": timings[r].completed}
                           for r in rids]  # for the TTFT CDF and timeline plots
@@ -196,7 +203,8 @@ def engine_config(args: argparse.Namespace, spec: str) -> EngineConfig:
                         slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
                         slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                        seed=args.seed, policy_overrides={**parse_policy_overrides(args.policy), **own})
+                        seed=args.seed, policy_overrides={**parse_policy_overrides(args.policy), **own},
+                        prefix_cache_across_morph=getattr(args, "prefix_cache_across_morph", "exact"))
 
 
 def run_once(args: argparse.Namespace, spec: str) -> dict:
@@ -273,6 +281,11 @@ def print_single(result: dict) -> None:
     print(f"\nswaps {m['swaps']}, restores {m['restores']}, max quantized layers {m['max_quantized_layers']}, "
           f"KV capacity {m['kv_capacity_tokens']['base']} -> {m['kv_capacity_tokens']['max']} tokens, "
           f"time-weighted quantized share {m['time_weighted_quantized_share']:.1%}, preemptions {m['preemptions']}")
+    pc = result.get("prefix_cache")
+    if pc:
+        rate = "n/a" if pc["hit_rate"] is None else f"{pc['hit_rate']:.1%}"
+        print(f"prefix cache ({pc['policy']} across morph transitions): hit rate {rate} "
+              f"({pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens)")
     r = result["resident_mib"]
     print(f"resident memory: {r['after_load']} MiB after load, max {r['max']} MiB (+{r['growth']} MiB during the replay)")
     if "quality" in result:

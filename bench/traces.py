@@ -45,6 +45,9 @@ class TraceRequest:
     arrival_s: float
     input_tokens: int
     output_tokens: int
+    # Mooncake's hash_ids: ids of the request's prompt blocks (512 tokens each in the trace); equal ids in two
+    # requests mean a shared prefix block. Empty for traces without them.
+    block_ids: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,8 +143,8 @@ def _read_burstgpt(path: Path) -> list[tuple[float, int, int]]:
     return rows
 
 
-def _read_mooncake(path: Path) -> list[tuple[float, int, int]]:
-    rows: list[tuple[float, int, int]] = []
+def _read_mooncake(path: Path) -> list[tuple[float, int, int, tuple[int, ...]]]:
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -157,16 +160,19 @@ def _read_mooncake(path: Path) -> list[tuple[float, int, int]]:
             if missing:
                 raise ValueError(f"{where}: missing keys {missing}; found {sorted(obj)}")
             t_ms = _parse_float(obj["timestamp"], "timestamp", where)
+            ids = obj.get("hash_ids") or []
+            if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+                raise ValueError(f"{where}: hash_ids must be a list of integers")
             rows.append((t_ms / 1000.0, _parse_count(obj["input_length"], "input_length", where),
-                         _parse_count(obj["output_length"], "output_length", where)))
+                         _parse_count(obj["output_length"], "output_length", where), tuple(ids)))
     return rows
 
 
-def _rebase_and_sort(raw: list[tuple[float, int, int]]) -> list[TraceRequest]:
+def _rebase_and_sort(raw: Sequence[tuple]) -> list[TraceRequest]:
     # Stable sort keeps file order among equal timestamps (Mooncake has many).
     raw = sorted(raw, key=lambda r: r[0])
     t0 = raw[0][0]
-    return [TraceRequest(arrival_s=t - t0, input_tokens=i, output_tokens=o) for t, i, o in raw]
+    return [TraceRequest(t - t0, i, o, *rest) for t, i, o, *rest in raw]
 
 
 _TS_RE = re.compile(
@@ -261,6 +267,7 @@ def transform(
             arrival_s=(r.arrival_s - origin) * time_scale,
             input_tokens=_scale_length(r.input_tokens, length_scale, max_input_tokens, min_tokens),
             output_tokens=_scale_length(r.output_tokens, length_scale, max_output_tokens, min_tokens),
+            block_ids=r.block_ids,
         )
         for r in selected
     ]

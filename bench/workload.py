@@ -40,6 +40,17 @@ class PromptBuilder:
         if len(self.ids) < 16:
             raise ValueError("prompt text is too short (need at least 16 tokens)")
 
+    def shared_blocks_prompt(self, block_ids: tuple[int, ...], block_tokens: int, max_tokens: int | None) -> list[int]:
+        """A prompt of one ``block_tokens``-token window of text per trace block id: requests that share a block
+        id share those tokens (each id picks its own window, the same in every request and run), so the
+        trace's prefix sharing becomes real shared prefixes. Cut to ``max_tokens``."""
+        out: list[int] = []
+        for h in block_ids:
+            out += self.prompt(block_tokens, random.Random(f"block-{h}"))
+            if max_tokens is not None and len(out) >= max_tokens:
+                return out[:max_tokens]
+        return out
+
     def prompt(self, n: int, rng: random.Random) -> list[int]:
         """n tokens of contiguous text (wrapping around the corpus when n exceeds it)."""
         start = rng.randrange(len(self.ids))
@@ -59,6 +70,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-scale", type=float, default=1.0, help="multiply input and output lengths")
     g.add_argument("--max-input-tokens", type=int, default=None, help="cap on prompt tokens after scaling")
     g.add_argument("--max-output-tokens", type=int, default=None, help="cap on output tokens after scaling")
+    g.add_argument("--prefix-block-tokens", type=int, default=None, metavar="N",
+                   help="with a Mooncake trace: build each prompt from its hash_ids, N tokens of text per id, so "
+                        "requests sharing ids share prefixes (the trace's blocks are 512 tokens; N scales them to "
+                        "this machine). Prompt length = N x ids, capped by --max-input-tokens")
     g.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests")
     g.add_argument("--fixed-lengths", action="store_true",
                    help="with --trace: arrivals from the trace, every request --input-len prompt and --output-len "
@@ -136,7 +151,17 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list
     text_path = args.text or default_text_path()
     builder = PromptBuilder(tokenizer, Path(text_path).read_text(encoding="utf-8"))
     rng = random.Random(args.seed)
-    items = [WorkItem(r.arrival_s, builder.prompt(r.input_tokens, rng), r.output_tokens) for r in reqs]
+    block_tokens = getattr(args, "prefix_block_tokens", None)
+    if block_tokens is not None:
+        if block_tokens <= 0:
+            raise ValueError(f"--prefix-block-tokens must be positive, got {block_tokens}")
+        if not any(r.block_ids for r in reqs):
+            raise ValueError("--prefix-block-tokens needs a trace with hash_ids (Mooncake)")
+        items = [WorkItem(r.arrival_s, builder.shared_blocks_prompt(r.block_ids, block_tokens, args.max_input_tokens),
+                          r.output_tokens) for r in reqs]
+        desc += f", prompts from hash_ids x {block_tokens} tokens"
+    else:
+        items = [WorkItem(r.arrival_s, builder.prompt(r.input_tokens, rng), r.output_tokens) for r in reqs]
     if hasattr(args, "tight_share"):  # tools that took add_slo_arguments
         items = assign_targets(items, args.tbt_slo, args.tight_share, args.tight_tbt_slo, args.seed)
         n_tight = sum(1 for w in items if w.priority == 0)

@@ -20,6 +20,7 @@ def parse_size(text: str | int) -> int:
 
 
 SCHEDULERS = ("fcfs", "slai")
+PREFIX_CACHE_ACROSS_MORPH = ("exact", "preserve")
 DEVICE_MEMORY_AUTO = "auto"
 """device_memory="auto": a budget sized by rule (serve/memory/budget.py ``auto_budget``): on CPU the weights +
 a KV pool for one request of the full context length; on CUDA ``AUTO_CUDA_FRACTION`` of the device."""
@@ -50,6 +51,10 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of a prompt prefix seen before (vLLM's APC)
+    # Which cached prefixes serve after a layer changes precision: "exact" (only under the layer configuration
+    # that computed them; they stay cached and serve again when it returns) or "preserve" (under any
+    # configuration, as running requests keep their KV). docs/morphing.md gives the measurements.
+    prefix_cache_across_morph: str = "exact"
     max_model_len: int | None = None   # default: the model's context length
     max_num_waiting: int | None = None  # admitted, not yet running; past it add_request raises EngineOverloaded
                                         # (None: unbounded, for offline replays; the Triton model sets 256)
@@ -82,6 +87,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_waiting is not None and self.max_num_waiting <= 0:
             raise ValueError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
+        if self.prefix_cache_across_morph not in PREFIX_CACHE_ACROSS_MORPH:
+            raise ValueError(f"prefix_cache_across_morph must be one of {PREFIX_CACHE_ACROSS_MORPH}, "
+                             f"got {self.prefix_cache_across_morph!r}")
         if self.guided_backend not in ("xgrammar", "llguidance"):
             raise ValueError(f"guided_backend must be xgrammar or llguidance, got {self.guided_backend!r}")
         if not self.guided_compile_timeout_s > 0:

@@ -109,7 +109,8 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     if bank is not None:
         costs = target.step_costs(precisions) if policy.cost_aware else None
         morph = build_runtime(policy, MorphPlan(precisions, list(target.swap_order), None),  # type: ignore[arg-type]
-                              memory, config.block_size, clock=clock, costs=costs)
+                              memory, config.block_size, clock=clock, costs=costs,
+                              prefix_cache=config.prefix_cache_across_morph)
         morph.step_token_budget = config.max_num_batched_tokens
     tokenizer = prompt_tokenizer()
     cfg = target.model_config

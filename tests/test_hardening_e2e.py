@@ -250,7 +250,10 @@ def test_queue_deadline_sheds_load_with_503_and_retry_after(server: TritonServer
         th.join(timeout=300)
     assert status == 503 and "overloaded" in text and "queue_timeout_s" in text, (status, text)
     assert int(headers["Retry-After"]) >= 1
-    assert QUEUE_TIMEOUT_S <= waited < QUEUE_TIMEOUT_S + 5, waited
+    if "would wait" in text:  # the start rate measured by earlier tests already predicted the miss: at once
+        assert waited < QUEUE_TIMEOUT_S, waited
+    else:
+        assert QUEUE_TIMEOUT_S <= waited < QUEUE_TIMEOUT_S + 5, waited
 
 
 def _burst_client(srv: TritonServer, i: int, outcomes: list[str]) -> None:

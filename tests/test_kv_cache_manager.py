@@ -31,7 +31,7 @@ class Req:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
-    hash_epoch: int | None = None
+    hash_root: bytes | None = None
 
     @property
     def num_tokens(self) -> int:

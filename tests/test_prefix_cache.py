@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kv_accounting import assert_exact_accounting
-from test_morph import morph_engine
+from test_morph import FakeClock, morph_engine
 
 from policy import MorphDecision
 from serve.config import EngineConfig
@@ -96,15 +96,15 @@ def test_cached_blocks_do_not_pin_a_kv_chunk():
 
 # ---- the hashes -------------------------------------------------------------------------------------
 def test_block_hashes_name_the_whole_prefix_and_the_epoch():
-    a = extend_block_hashes([], [1, 2, 3, 4, 5, 6, 7], 2, 3, epoch=0)
+    a = extend_block_hashes([], [1, 2, 3, 4, 5, 6, 7], 2, 3, root=b"")
     assert len(a) == 3 and len(set(a)) == 3
-    assert extend_block_hashes([], [1, 2, 3, 4, 9, 9], 2, 3, epoch=0)[:2] == a[:2]
-    assert extend_block_hashes([], [0, 2, 3, 4, 5, 6], 2, 3, epoch=0)[1] != a[1]   # block 1 depends on block 0
-    assert extend_block_hashes([], [1, 2, 3, 4, 5, 6], 2, 3, epoch=1)[0] != a[0]
-    grown = extend_block_hashes(a[:1], [1, 2, 3, 4, 5, 6], 2, 3, epoch=0)            # extends in place
+    assert extend_block_hashes([], [1, 2, 3, 4, 9, 9], 2, 3, root=b"")[:2] == a[:2]
+    assert extend_block_hashes([], [0, 2, 3, 4, 5, 6], 2, 3, root=b"")[1] != a[1]   # block 1 depends on block 0
+    assert extend_block_hashes([], [1, 2, 3, 4, 5, 6], 2, 3, root=b"1")[0] != a[0]
+    grown = extend_block_hashes(a[:1], [1, 2, 3, 4, 5, 6], 2, 3, root=b"")            # extends in place
     assert grown == a
     with pytest.raises(ValueError, match="not full"):
-        extend_block_hashes([], [1, 2, 3], 2, 2, epoch=0)
+        extend_block_hashes([], [1, 2, 3], 2, 2, root=b"")
 
 
 # ---- engines ----------------------------------------------------------------------------------------
@@ -151,17 +151,68 @@ def test_prefix_caching_off_never_looks_up(tiny):
     assert (s["prefix_cache_queries"], s["prefix_cache_hits"], s["kv_blocks_cached"]) == (0, 0, 0)
 
 
-def test_a_layer_changing_precision_forgets_the_cached_prefixes(tiny):
+def _hits(e: LLMEngine) -> int:
+    return e.stats()["prefix_cache_hits"]
+
+
+def test_exact_serves_a_block_only_under_the_configuration_that_computed_it(tiny):
+    e = morph_engine(tiny, "performance", blocks=40)             # prefix_cache_across_morph="exact" (default)
+    prompt = [(7 * j) % 500 + 30 for j in range(17)]             # 4 full blocks of 4 looked up (the last token computes)
+    full = e.generate([prompt], GREEDY)[0]["token_ids"]
+    cached = e.pool.num_cached
+    assert cached > 0
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    assert e.pool.num_cached == cached and e.pool.cache_epoch == 0  # kept, not forgotten
+    e.generate([prompt], GREEDY)
+    assert _hits(e) == 0                                         # computed again with the int4 layer
+    e.generate([prompt], GREEDY)
+    assert _hits(e) == 16                                        # the int4 configuration's own blocks
+    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    assert e.morph.config_signature() == "f" * tiny.config.num_layers
+    again = e.generate([prompt], GREEDY)[0]["token_ids"]
+    assert _hits(e) == 32                                        # full precision's blocks, cached before the swap
+    assert again == full                                         # and exactly the tokens they gave then
+    assert_exact_accounting(e)
+
+
+def test_a_request_computed_across_a_transition_registers_nothing_after_it(tiny):
+    e = morph_engine(tiny, "performance", blocks=40)              # 32-token prefill chunks, blocks of 4
+    prompt = [(11 * j) % 500 + 30 for j in range(80)]
+    e.add_request(prompt, SamplingParams(max_tokens=1))
+    e.step()                                                     # tokens 0-31 at full precision: 8 blocks
+    assert len(e.pool.registered_hashes()) == 8
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    e.step()                                                     # tokens 32-63 with the int4 layer
+    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    while e.has_unfinished_requests():                           # 64-79 at full precision again, but they
+        e.step()                                                 # attend to KV the int4 layer computed
+    assert len(e.pool.registered_hashes()) == 8
+    e.generate([prompt], GREEDY)
+    assert _hits(e) == 32                                        # only the first chunk's blocks serve
+    assert_exact_accounting(e)
+
+
+def test_preserve_serves_cached_blocks_under_any_configuration(tiny):
+    e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
+                               morph_mode="performance", max_model_len=256, prefix_cache_across_morph="preserve",
+                               policy_overrides={"persist_iters": 1, "restore_persist_s": 5.0, "cost_aware": False}),
+                  loaded=tiny, clock=FakeClock())
+    prompt = [(7 * j) % 500 + 30 for j in range(17)]
+    e.generate([prompt], GREEDY)
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    e.generate([prompt], GREEDY)
+    assert _hits(e) == 16                                        # the full-precision blocks serve the int4 model
+    assert_exact_accounting(e)
+
+
+def test_reset_prefix_cache_forgets_every_configuration(tiny):
     e = morph_engine(tiny, "performance", blocks=40)
     prompt = [(7 * j) % 500 + 30 for j in range(17)]
     e.generate([prompt], GREEDY)
-    assert e.pool.num_cached > 0
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    e.reset_prefix_cache()
     assert e.pool.num_cached == 0 and e.pool.cache_epoch == 1
     e.generate([prompt], GREEDY)
-    assert e.stats()["prefix_cache_hits"] == 0                              # recomputed with the int4 layer
-    e.generate([prompt], GREEDY)
-    assert e.stats()["prefix_cache_hits"] == 16                             # reused within the new epoch
+    assert _hits(e) == 0
     assert_exact_accounting(e)
 
 

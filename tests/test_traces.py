@@ -60,10 +60,25 @@ def test_azure_reader_parses_7_digit_fractions(tmp_path: Path) -> None:
     assert [(r.input_tokens, r.output_tokens) for r in trace] == [(374, 44), (396, 109), (12, 3), (879, 55)]
 
 
-def test_mooncake_reader_ms_sorted_and_ignores_extra_keys(tmp_path: Path) -> None:
+def test_mooncake_reader_ms_sorted_and_keeps_hash_ids(tmp_path: Path) -> None:
     path = write(tmp_path, "trace.jsonl", "\n".join(json.dumps(x) for x in MOONCAKE_LINES) + "\n\n")
     trace = load_trace(path)
-    assert trace == [TraceRequest(0.0, 7322, 490), TraceRequest(1.5, 6758, 500), TraceRequest(3.0, 10, 3)]
+    assert trace == [TraceRequest(0.0, 7322, 490, (0, 2)), TraceRequest(1.5, 6758, 500, (0, 1)),
+                     TraceRequest(3.0, 10, 3)]
+    assert transform(trace, length_scale=0.5)[0].block_ids == (0, 2)  # scaling keeps the shared blocks
+    bad = write(tmp_path, "bad.jsonl", json.dumps({**MOONCAKE_LINES[0], "hash_ids": ["a"]}) + "\n")
+    with pytest.raises(ValueError, match="hash_ids"):
+        load_trace(bad)
+
+
+def test_shared_block_prompts_share_exactly_the_shared_ids(smollm) -> None:
+    from bench.workload import PromptBuilder, default_text_path
+
+    builder = PromptBuilder(smollm.tokenizer, default_text_path().read_text(encoding="utf-8"))
+    a = builder.shared_blocks_prompt((0, 1, 2), 16, None)
+    b = builder.shared_blocks_prompt((0, 1, 5), 16, None)
+    assert len(a) == len(b) == 48 and a[:32] == b[:32] and a[32:] != b[32:]
+    assert builder.shared_blocks_prompt((0, 1, 2), 16, 40) == a[:40]      # capped
 
 
 def test_burstgpt_reader_skips_failures_and_rebases(tmp_path: Path) -> None:

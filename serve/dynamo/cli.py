@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--slo-ttft-s", type=float, default=None)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: on, as in vLLM)")
+    e.add_argument("--prefix-cache-across-morph", default=None, choices=["exact", "preserve"],
+                   help="after a layer changes precision, serve cached prefixes only under the configuration that "
+                        "computed them (exact, the default) or under any (preserve); see docs/morphing.md")
     e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
     e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -70,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _ENGINE_FIELDS = ("model", "morph_mode", "device_memory", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
-                  "enable_prefix_caching")
+                  "enable_prefix_caching", "prefix_cache_across_morph")
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:

@@ -5,7 +5,8 @@ class owns the engine. Token ids come in (the frontend tokenized and applied the
 tokenizer directory this worker registers), token ids go out, streamed from the engine thread. A
 cancelled request is aborted in the engine at once, which frees its KV blocks. Live KV capacity and usage
 go to Dynamo's snapshot publisher after every engine step that changed them (so a morph transition shows
-as a new ``dynamo_component_total_blocks``); the morph gauges are bridged into the worker's ``/metrics``;
+as a new ``dynamo_component_total_blocks``); the prefix cache's blocks go to the KV-aware router as KV events
+(serve/dynamo/kv_events.py); the morph gauges are bridged into the worker's ``/metrics``;
 ``POST /engine/control/morph_state`` on the worker's system port returns the engine's state.
 """
 
@@ -21,11 +22,12 @@ from typing import Any
 from dynamo.common.backend import EngineConfig as DynamoEngineConfig
 from dynamo.common.backend import LLMEngine as DynamoLLMEngine
 from dynamo.common.backend import LlmRegistration, WorkerConfig
-from dynamo.common.backend.publisher import ComponentSnapshot
+from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from serve.dynamo.bridge import OutputStream
 from serve.dynamo.cli import WorkerOptions, parse_worker_args
+from serve.dynamo.kv_events import KvEventBridge
 from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
 from serve.dynamo.model_card import write_model_card_dir
 from serve.dynamo.requests import RequestError, chunk, to_engine_request
@@ -43,6 +45,7 @@ class MorphServeWorker(DynamoLLMEngine):
         self.card_dir = card_dir(options)
         self.capacity = CapacityPublisher(self._stats_or_none)
         self.registered_total_blocks: int | None = None
+        self.kv_events: KvEventBridge | None = None  # the prefix cache, told to Dynamo's KV-aware router
         self._inflight: dict[str, str] = {}  # Dynamo context id -> engine request id
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -69,6 +72,10 @@ class MorphServeWorker(DynamoLLMEngine):
         write_model_card_dir(self.card_dir, engine.tokenizer, engine.model_config, engine.max_model_len)
         engine.add_step_listener(self.capacity.on_step)
         self.capacity.on_step()  # the gauges have values before the first step
+        if engine.config.enable_prefix_caching:  # no cache, no events: the router scores load only
+            self.kv_events = KvEventBridge(engine.config.block_size, b"")
+            engine.set_cache_events(self.kv_events)
+            engine.add_step_listener(self.kv_events.flush)
         engine.start_background()
         stats = engine.stats()
         self.registered_total_blocks = int(stats["kv_blocks_total"])
@@ -81,6 +88,10 @@ class MorphServeWorker(DynamoLLMEngine):
                                 total_kv_blocks=self.registered_total_blocks, max_num_seqs=engine.config.max_num_seqs,
                                 max_num_batched_tokens=engine.config.max_num_batched_tokens),
         )
+
+    async def kv_event_sources(self) -> list[Any]:
+        """Dynamo builds a KvEventPublisher (block size: the registration's) and hands it to the bridge."""
+        return [] if self.kv_events is None else [PushSource(on_ready=self.kv_events.attach, dp_rank=0)]
 
     async def cleanup(self) -> None:
         engine, self.engine = self.engine, None

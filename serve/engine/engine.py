@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from policy import PolicyConfig
+from policy.shedding import StartRateMeter
 from serve.config import EngineConfig
 from serve.engine.admission import Handoff
 from serve.engine.executor import TorchExecutor
@@ -34,6 +35,7 @@ from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.guided.state import mask_guided_rows
 from serve.logging_setup import ensure_logging
+from serve.memory.block_pool import CacheEvents
 from serve.model.engine_dir import open_model
 from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
@@ -127,6 +129,7 @@ class LLMEngine:
         self.last_step_error: str | None = None
         self._morph_ok = True         # no morph failure in this iteration (the boundary's or a shortfall's)
         self._step_listeners: list[Callable[[], None]] = []
+        self.start_rate = StartRateMeter()  # waiting requests started per busy second (load shedding on arrival)
 
     def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         """The model, its memory, the morph runtime, the scheduler and the executor."""
@@ -156,7 +159,8 @@ class LLMEngine:
         self.bytes_per_block = self.ledger.slot_bytes
         self.morph: MorphRuntime | None = None
         if self.memory.bank is not None and plan is not None:
-            self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock)
+            self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock,
+                                       prefix_cache=config.prefix_cache_across_morph)
             self.morph.step_token_budget = config.max_num_batched_tokens
         self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
@@ -321,11 +325,14 @@ class LLMEngine:
             if self.morph is not None:
                 self.morph.last_step_tokens = sum(c.num_tokens for c in sched.chunks)
             produced: list[tuple[Sequence, RequestOutput]] = []
+            now = self.clock()
+            started = 0
+            for c in sched.chunks:
+                if c.seq.first_scheduled_time is None:
+                    c.seq.first_scheduled_time = now
+                    started += 1
+            self.start_rate.observe(now, started, self.num_waiting())
             if sched.chunks:
-                now = self.clock()
-                for c in sched.chunks:
-                    if c.seq.first_scheduled_time is None:
-                        c.seq.first_scheduled_time = now
                 try:
                     logits, sampled = self.executor.execute(sched.chunks)
                 except Exception as exc:  # noqa: BLE001 - fail this batch's requests only
@@ -552,6 +559,14 @@ class LLMEngine:
             if not self.step() and not self.has_unfinished_requests():
                 break
         return [results[r] for r in rids]
+
+    def set_cache_events(self, listener: CacheEvents | None) -> None:
+        """Report every change of the prefix cache to ``listener`` from now on (KV events for Dynamo's router);
+        it first hears the cache root in force. Blocks registered before this are not reported."""
+        with self._lock:
+            if listener is not None:
+                listener.root_changed(self.pool.cache_root)
+            self.pool.events = listener
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``); running requests keep their KV."""

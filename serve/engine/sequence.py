@@ -43,7 +43,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words, tokenized at admission
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: hashes of its full blocks so far
-    hash_epoch: int | None = None      # the pool's cache epoch its KV is being computed in (None: not caching)
+    hash_root: bytes | None = None     # the pool's cache root its KV is being computed under (None: not caching)
     guide: GuideState | None = None    # structured output: the grammar's state, advanced on every accepted token
 
     def __post_init__(self) -> None:

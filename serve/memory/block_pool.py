@@ -10,7 +10,18 @@ hash (``register``) stays *cached* when its last holder frees it: it counts as f
 only after the never-cached free blocks are gone, least recently freed first, and its hash is dropped then.
 Until that happens a new sequence with the same prefix can ``take`` it (``lookup``) instead of recomputing
 it; a block taken by several sequences is freed when the last one lets it go. ``clear_cache`` forgets every
-hash (the runtime calls it whenever a layer changes precision: KV computed by other weights is not reused).
+hash (``LLMEngine.reset_prefix_cache``).
+
+Across morph transitions (``EngineConfig.prefix_cache_across_morph``): every hash chain starts from the pool's
+``cache_root``, its epoch plus the layer configuration the cache serves (``set_config_tag``). Under ``exact`` the
+runtime sets the tag to the new configuration at every transition: blocks computed under another configuration
+stay cached, are not found until that configuration comes back (the LIFO ladder makes that likely), and are
+evicted as usual. Under ``preserve`` the tag never changes: cached blocks serve under any configuration, as the
+KV of running requests already does.
+
+``events`` (optional, ``CacheEvents``) hears every registration's end (``removed``), every change of the root
+(``root_changed``) and every reset (``cleared``); registrations themselves are reported by the KV-cache manager,
+which knows their tokens. Dynamo's KV-aware router is fed from them (serve/dynamo/kv_events.py).
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class BlockPoolError(RuntimeError):
@@ -35,6 +47,18 @@ class Chunk:
         return self.start + self.num_blocks
 
 
+class CacheEvents(Protocol):
+    """What happens to the prefix cache, for a listener outside the engine (called under the engine lock)."""
+
+    def stored(self, block_hash: bytes, parent: bytes | None, tokens: list[int], root: bytes) -> None: ...
+
+    def removed(self, block_hash: bytes) -> None: ...
+
+    def root_changed(self, root: bytes) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, max_blocks: int | None = None) -> None:
         if num_blocks <= 0:
@@ -50,6 +74,8 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}       # registered block (in use or cached) -> content hash
         self._block_of: dict[bytes, int] = {}
         self.cache_epoch = 0                       # bumped by clear_cache(); part of every hash chain
+        self.config_tag = b""                      # the layer configuration the cache serves (set_config_tag)
+        self.events: CacheEvents | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -111,14 +137,32 @@ class BlockPool:
                 heapq.heappush(self._free, i)
 
     # ---- prefix caching --------------------------------------------------------------------------
-    def register(self, block: int, block_hash: bytes) -> None:
+    @property
+    def cache_root(self) -> bytes:
+        """Where every hash chain starts now: the epoch and the configuration tag."""
+        return self.cache_epoch.to_bytes(8, "little") + self.config_tag
+
+    def set_config_tag(self, tag: bytes) -> None:
+        """The cache now serves KV computed under configuration ``tag`` (blocks of other tags stay cached)."""
+        if tag != self.config_tag:
+            self.config_tag = tag
+            if self.events is not None:
+                self.events.root_changed(self.cache_root)
+
+    def register(self, block: int, block_hash: bytes) -> bool:
         """Block ``block`` (in use, full) holds the KV of the prefix ``block_hash`` names. The first block
-        registered for a hash keeps it; a block keeps its first hash."""
+        registered for a hash keeps it; a block keeps its first hash. True when this registered it."""
         if block not in self._refs:
             raise BlockPoolError(f"block {block} is not in use")
         if block_hash not in self._block_of and block not in self._hash_of:
             self._hash_of[block] = block_hash
             self._block_of[block_hash] = block
+            return True
+        return False
+
+    def registered_hashes(self) -> set[bytes]:
+        """Every hash the pool holds a block for (in use or cached), whatever its root."""
+        return set(self._block_of)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest run of ``hashes``, from the first, that are registered (nothing taken)."""
@@ -144,6 +188,9 @@ class BlockPool:
     def clear_cache(self) -> None:
         """Forget every registered prefix: cached blocks become plain free blocks, in-use ones stay in use."""
         self.cache_epoch += 1
+        if self.events is not None:
+            self.events.cleared()
+            self.events.root_changed(self.cache_root)
         for i in self._cached:
             self._free_set.add(i)
             heapq.heappush(self._free, i)
@@ -155,6 +202,8 @@ class BlockPool:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
+            if self.events is not None:
+                self.events.removed(h)
 
     def add_chunk(self, owner: str, n: int) -> Chunk:
         if n <= 0:

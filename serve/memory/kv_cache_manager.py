@@ -32,7 +32,7 @@ class KVRequest(Protocol):
     block_ids: list[int]
     num_computed_tokens: int
     block_hashes: list[bytes]
-    hash_epoch: int | None
+    hash_root: bytes | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -63,11 +63,12 @@ class KVCacheManager:
         its logits give the next token). None when caching is off or ``req`` does not start from scratch."""
         if not (self.enable_caching and req.num_computed_tokens == 0 and not req.block_ids):
             return None
-        if req.hash_epoch != self.pool.cache_epoch:
-            req.block_hashes, req.hash_epoch = [], self.pool.cache_epoch
+        root = self.pool.cache_root
+        if req.hash_root != root:
+            req.block_hashes, req.hash_root = [], root
         full = (req.num_tokens - 1) // self.block_size
         return self.pool.lookup(extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, full,
-                                                    req.hash_epoch)[:full])
+                                                    root)[:full])
 
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Blocks for ``num_new_tokens`` more tokens of ``req`` (counted after ``computed_blocks``, what
@@ -91,14 +92,24 @@ class KVCacheManager:
 
     def cache_full_blocks(self, req: KVRequest, num_computed_before: int) -> None:
         """``req`` computed its tokens from ``num_computed_before`` to ``num_computed_tokens``: register the
-        blocks this filled (they hold KV for a known prefix), only while the epoch ``req`` started computing in
-        is current, so every block of a chain came from the same weights."""
+        blocks this filled (they hold KV for a known prefix), only while the root ``req`` started computing under
+        is current, so every block of a chain came from the same weights (or, under ``preserve``, the same epoch).
+        Each block this registers is reported to the pool's ``events`` with its tokens and parent."""
         bs = self.block_size
         full = req.num_computed_tokens // bs
-        if self.enable_caching and full > num_computed_before // bs and req.hash_epoch == self.pool.cache_epoch:
-            hashes = extend_block_hashes(req.block_hashes, req.token_ids, bs, full, req.hash_epoch)
-            for j in range(num_computed_before // bs, full):
-                self.pool.register(req.block_ids[j], hashes[j])
+        root = req.hash_root
+        if not (self.enable_caching and full > num_computed_before // bs) or root is None:
+            return
+        if root != self.pool.cache_root:
+            # computed partly under another root: no later block of it is registered, even if the root comes
+            # back (those blocks attend to KV another configuration computed); recomputing starts afresh
+            req.hash_root = None
+            return
+        hashes = extend_block_hashes(req.block_hashes, req.token_ids, bs, full, root)
+        events = self.pool.events
+        for j in range(num_computed_before // bs, full):
+            if self.pool.register(req.block_ids[j], hashes[j]) and events is not None:
+                events.stored(hashes[j], hashes[j - 1] if j else None, req.token_ids[j * bs:(j + 1) * bs], root)
 
     def free(self, req: KVRequest) -> None:
         if req.block_ids:

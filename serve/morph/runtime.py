@@ -71,8 +71,10 @@ class MorphStats:
 class MorphRuntime:
     def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
                  ledger: MemoryLedger, kv: PagedKVCache, block_size: int, window_s: float = 10.0,
-                 clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None,
+                 prefix_cache: str = "exact") -> None:
         self.config = config
+        self.prefix_cache = prefix_cache  # EngineConfig.prefix_cache_across_morph
         self.costs = costs
         self.controller = MorphController(config, swap_order, costs)
         self.last_step_tokens = 0  # tokens in the last batch, set by the engine; the cost rule reads it
@@ -100,6 +102,7 @@ class MorphRuntime:
                              f"(have {sorted(bank.precisions)}); rebuild the engine with them")
         region = bank.regions[0].num_slots
         self.blocks_per_layer_chunk = {p: region - bank.slots(0, p) for p in bank.precisions}
+        self._configuration_changed()  # the cache's tag names the starting configuration (all full precision)
 
     # ---- signals -----------------------------------------------------------------------------------
     def record_first_token(self, now: float, ttft_s: float) -> None:
@@ -226,7 +229,7 @@ class MorphRuntime:
                 self._finish_quantize(p, before, layer_obj, elapsed_ms)
             else:
                 self.bank.install(p.layer, layer_obj)
-                self.pool.clear_cache()  # cached prefixes hold KV the old weights computed
+                self._configuration_changed()
                 self.stats.restores += 1
                 self._event("restore", layer=p.layer, from_precision=before, to_precision=p.target,
                             time_ms=round(elapsed_ms, 3), reason=p.reason)
@@ -254,7 +257,7 @@ class MorphRuntime:
         old = self.bank.tail(p.layer, before)
         new = self.bank.tail(p.layer, p.target)
         self.bank.install(p.layer, self.bank.copy_now(staged, new))
-        self.pool.clear_cache()  # cached prefixes hold KV the old weights computed
+        self._configuration_changed()
         freed = SlotRange(old.start, new.start - old.start)
         self.ledger.layer_slots[p.layer] = new.num_slots
         owner = f"layer{p.layer}:{before}->{p.target}" if freed.num_slots else ""
@@ -305,6 +308,12 @@ class MorphRuntime:
         counts: dict[str, int] = collections.Counter(layer.precision for layer in self.bank.model.layers)
         counts.pop(FULL, None)
         return dict(counts)
+
+    def _configuration_changed(self) -> None:
+        """A layer now serves at another precision: under ``exact`` the prefix cache serves only blocks this
+        configuration computed (the others stay cached for when it returns); under ``preserve`` nothing changes."""
+        if self.prefix_cache == "exact":
+            self.pool.set_config_tag(self.config_signature().encode())
 
     def config_signature(self) -> str:
         """The model's current shape, one character per layer: f(ull), 8 (int8), 4 (int4), e (fp8)."""

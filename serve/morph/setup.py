@@ -149,14 +149,14 @@ def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> S
 
 
 def build_runtime(policy: PolicyConfig, plan: MorphPlan, memory: EngineMemory, block_size: int,
-                  clock=None, costs: StepCosts | None = None) -> MorphRuntime:
+                  clock=None, costs: StepCosts | None = None, prefix_cache: str = "exact") -> MorphRuntime:
     """The morph runtime; a cost-aware dynamic mode gets this machine's step costs (``costs`` or looked up)."""
     kwargs = {"clock": clock} if clock is not None else {}
     assert memory.bank is not None
     if costs is None and policy.cost_aware and policy.strategy == "dynamic":
         costs = step_costs(memory.bank.model, memory.bank, plan.engine_dir)
     runtime = MorphRuntime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv, block_size,
-                           costs=costs, **kwargs)
+                           costs=costs, prefix_cache=prefix_cache, **kwargs)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)

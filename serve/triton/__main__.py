@@ -48,6 +48,8 @@ _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "queue_timeout_s": ("--queue-timeout-s", float, "a request without its first token this many seconds after "
                         "arrival is refused with 503 + Retry-After, \"overloaded ... retry later\" (config.pbtxt default 30; "
                         "0: no deadline)"),
+    "shed_on_arrival": ("--shed-on-arrival", str, "true (default) or false: with a queue deadline, refuse at once "
+                        "(503 + Retry-After) a request that the measured start rate says cannot start within it"),
 }
 
 

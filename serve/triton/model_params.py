@@ -23,6 +23,9 @@ class ServerParams:
     # A request with no first token this long after arrival is refused with UNAVAILABLE "overloaded ...
     # retry after N s" (HTTP 503): load is shed at the defaults. 0: no deadline (offline replays).
     queue_timeout_s: float = 30.0
+    # With a queue deadline: refuse at once (same 503) a request that the engine's measured start rate says
+    # cannot start within it (policy/shedding.py), instead of holding it until the deadline passes.
+    shed_on_arrival: bool = True
 
     @classmethod
     def from_params(cls, params: dict[str, str], default_max_tokens: int) -> ServerParams:
@@ -46,7 +49,7 @@ class ServerParams:
 
 # Parameters the Triton model consumes itself rather than passing to EngineConfig.
 MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
-                     "max_prompt_bytes", "max_list_items", "queue_timeout_s"}
+                     "max_prompt_bytes", "max_list_items", "queue_timeout_s", "shed_on_arrival"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
 # enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching; policy is a JSON object of
 # PolicyConfig fields (e.g. {"kv_high": 0.7}), the same overrides as --policy KEY=VALUE.

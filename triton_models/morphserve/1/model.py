@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkout-fallback: a plain checkout
     sys.path.append(str(REPO_ROOT))  # checkout-fallback (python -m serve.triton --write-repository drops these)
 
+from policy.shedding import shed_on_arrival  # noqa: E402
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
@@ -130,6 +131,7 @@ class TritonPythonModel:
         self.poll_interval_s = server.poll_interval_s
         self.limits = InputLimits(max_prompt_bytes=server.max_prompt_bytes, max_list_items=server.max_list_items)
         self.queue_timeout_s = server.queue_timeout_s
+        self.shed_on_arrival = server.shed_on_arrival
 
         from serve.config import EngineConfig  # noqa: PLC0415 - heavy imports after logging is set up
         from serve.engine import LLMEngine  # noqa: PLC0415
@@ -199,6 +201,15 @@ class TritonPythonModel:
             slo = self._RequestSLO(**dataclasses.asdict(slo_inputs))
         except (InputError, ValueError, TypeError) as exc:
             self._reject(sender, request_id, client_id, str(exc))
+            return
+        # refuse at once what the measured start rate says cannot start within queue_timeout_s
+        shed = shed_on_arrival(self.engine.num_waiting(), self.engine.start_rate.rate_at(self.engine.clock()),
+                               self.queue_timeout_s if self.shed_on_arrival else 0.0)
+        if shed.shed:
+            self.metrics.request_finished("overloaded", 0)
+            log.info("request_shed", request_id=request_id, client_request_id=client_id, on_arrival=True,
+                     predicted_wait_s=round(shed.predicted_wait_s or 0.0, 3), queue_timeout_s=self.queue_timeout_s)
+            self._reject(sender, request_id, client_id, shed.reason, pb_utils.TritonError.UNAVAILABLE)
             return
         inflight = _InFlight(request_id, client_id, request, sender, parsed.stream, arrival,
                              deadline=None if parsed.timeout_s is None else arrival + parsed.timeout_s)

@@ -1,0 +1,150 @@
+"""What serving cached prefixes across morph transitions costs in quality (``prefix_cache_across_morph``).
+
+Under ``preserve`` a prompt prefix cached while every layer ran at full precision serves a later request
+after k layers moved to int4; under ``exact`` that request recomputes the prefix with the int4 layers. For k
+in ``--layers`` (the engine's own swap order, int4) and prompts of real text this measures, against exact:
+
+- token agreement: the greedy continuation of ``prefix + suffix`` from a preserve engine that reuses the
+  full-precision prefix, against the same engine after ``reset_prefix_cache`` (recomputed under the int4
+  configuration): prefix match and position-wise match rates (``bench.quality.match_rates``);
+- perplexity of the continuation text: its tokens are scored in the int4 configuration with the prefix's KV
+  computed at full precision (preserve) or in the int4 configuration (exact), through ``engine.model.forward``
+  as ``bench.quality.QualityEvaluator`` does; the reuse side writes the prefix's KV first, installs the int4
+  layers, then runs the continuation as a chunk that attends to it.
+
+Example: ``python -m bench.prefix_reuse_quality --layers 4,8,16 --prompts 8 --json out.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.quality import QualityEvaluator, aggregate_match, match_rates
+from bench.workload import PromptBuilder, default_text_path
+from policy import MorphDecision
+
+
+def _forward(ev: QualityEvaluator, ids: list[int], start: int, want_logits: bool) -> torch.Tensor | None:
+    """Run ``ids`` at positions start.. over the evaluator's KV (slots = positions), attending to slots < start."""
+    from serve.model.llama import ForwardBatch, PrefillChunk  # noqa: PLC0415
+
+    m = ev.engine.model
+    dev = m.device
+    n = len(ids)
+    pos = torch.arange(start, start + n, device=dev)
+    ctx = torch.arange(start + n, device=dev)
+    mask = None if start == 0 else (ctx[None, :] <= pos[:, None])
+    batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=pos, slot_mapping=pos, num_decodes=0,
+                         prefills=[PrefillChunk(0, n, ctx, mask)],
+                         sample_indices=torch.arange(n - 1, device=dev) if want_logits else torch.tensor([n - 1], device=dev))
+    out = m.forward(batch, ev._kv)
+    return out if want_logits else None
+
+
+def _with_layers(ev: QualityEvaluator, layers: list[int], precision: str, fn: Any) -> Any:
+    try:
+        for i in layers:
+            ev.bank.install(i, ev.bank.detached(i, precision))
+        return fn()
+    finally:
+        for i in layers:
+            ev.bank.install(i, ev.bank.full_views[i])
+
+
+def continuation_nll(ev: QualityEvaluator, prefix: list[int], text: list[int], layers: list[int], reuse: bool) -> float:
+    """Summed NLL of ``text[1:]`` given ``prefix + text[:1]``, in the int4-on-``layers`` configuration; the prefix's
+    KV computed at full precision (``reuse``) or in that configuration."""
+    with torch.inference_mode():
+        if reuse:
+            _forward(ev, prefix, 0, want_logits=False)
+        else:
+            _with_layers(ev, layers, "int4", lambda: _forward(ev, prefix, 0, want_logits=False))
+        logits = _with_layers(ev, layers, "int4", lambda: _forward(ev, text, len(prefix), want_logits=True))
+        target = torch.tensor(text[1:], device=logits.device)
+        return float(torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum"))
+
+
+def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: list[int], max_tokens: int) -> dict:
+    from serve.engine.sampling_params import SamplingParams  # noqa: PLC0415
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.reset_prefix_cache()
+    engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at full precision
+    engine.morph.apply_now(MorphDecision("quantize", tuple(layers), "int4", "prefix reuse quality"))
+    hits = engine.stats()["prefix_cache_hits"]
+    reused = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
+    hit_tokens = engine.stats()["prefix_cache_hits"] - hits
+    engine.reset_prefix_cache()
+    recomputed = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
+    for layer in reversed(layers):  # LIFO back to full precision
+        engine.morph.apply_now(MorphDecision("restore", (layer,), None, "prefix reuse quality"))
+    return {**match_rates(recomputed, reused), "hit_tokens": hit_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.prefix_reuse_quality", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--layers", default="4,8,16", help="numbers of layers at int4 (the swap order's first k)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prefix-tokens", type=int, default=256, help="the cached prefix (a multiple of 16)")
+    p.add_argument("--suffix-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    p.add_argument("--text-tokens", type=int, default=128, help="continuation tokens scored for perplexity")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    from serve.config import EngineConfig  # noqa: PLC0415
+    from serve.engine.engine import LLMEngine  # noqa: PLC0415
+
+    ks = [int(k) for k in args.layers.split(",")]
+    window = args.prefix_tokens + max(args.text_tokens, args.suffix_tokens + args.max_tokens)
+    ev = QualityEvaluator(args.model, window=window, num_threads=args.threads)
+    engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions="int8,int4",
+                                    prefix_cache_across_morph="preserve", num_kv_blocks=2 * math.ceil(window / 16) + 8,
+                                    max_model_len=window + 16, num_threads=args.threads))
+    order = list(engine.morph.controller.swap_order)
+    builder = PromptBuilder(engine.tokenizer, default_text_path().read_text(encoding="utf-8"))
+    rng = random.Random(args.seed)
+    samples = [builder.prompt(args.prefix_tokens + args.text_tokens, rng) for _ in range(args.prompts)]
+    out: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "prefix_tokens": args.prefix_tokens,
+                           "suffix_tokens": args.suffix_tokens, "max_tokens": args.max_tokens,
+                           "text_tokens": args.text_tokens, "by_layers": {}}
+    try:
+        for k in ks:
+            layers = order[:k]
+            rows, nll_reuse, nll_exact, count = [], 0.0, 0.0, 0
+            for ids in samples:
+                prefix, rest = ids[:args.prefix_tokens], ids[args.prefix_tokens:]
+                rows.append(token_agreement(engine, prefix, rest[:args.suffix_tokens], layers, args.max_tokens))
+                nll_reuse += continuation_nll(ev, prefix, rest, layers, reuse=True)
+                nll_exact += continuation_nll(ev, prefix, rest, layers, reuse=False)
+                count += len(rest) - 1
+            ppl_exact, ppl_reuse = math.exp(nll_exact / count), math.exp(nll_reuse / count)
+            out["by_layers"][k] = {
+                "int4_layers": layers, "agreement": aggregate_match(rows),
+                "hit_tokens_per_prompt": sum(r["hit_tokens"] for r in rows) / len(rows),
+                "perplexity_exact": round(ppl_exact, 4), "perplexity_preserve": round(ppl_reuse, 4),
+                "perplexity_change_pct": round((ppl_reuse / ppl_exact - 1) * 100, 3),
+            }
+            print(json.dumps({k: out["by_layers"][k]}), file=sys.stderr, flush=True)
+    finally:
+        engine.shutdown()
+        ev.shutdown()
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

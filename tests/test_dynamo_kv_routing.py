@@ -1,0 +1,56 @@
+"""KV-aware routing with real processes: two MorphServe workers publish their prefix caches as KV events and
+Dynamo's frontend in ``--router-mode kv`` sends a request whose prefix one worker holds to that worker."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from dynamo_cluster_support import openai_client, running_cluster, worker_metric
+
+pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(900)]
+
+# ~240 tokens: 15 full blocks of 16 (the workers' block size), well inside max_model_len 256 with a suffix
+SHARED = ("You are the support assistant of a lighthouse museum. Answer briefly and politely. The museum opens at "
+          "nine and closes at five, every day except Monday. Tickets cost eight euros, children under twelve enter "
+          "free, and groups of ten or more get a guide. The tower has two hundred and seventeen steps; the lamp "
+          "room is closed when the wind is above force seven. Dogs on a lead are welcome in the garden but not in "
+          "the tower. There is a cafe by the gate that serves soup, bread and apple cake. Question: ")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster(replicas=2, router_mode="kv") as c:
+        yield c
+
+
+def _hits(proc) -> float:
+    return worker_metric(proc, "morphserve_prefix_cache_hits_total")
+
+
+def _routed_overlaps(cluster) -> list[int]:
+    """overlap_blocks of every request the frontend's KV router placed (its INFO log, one line each)."""
+    text = cluster.frontend.log_path.read_text(errors="replace")
+    return [int(m) for m in re.findall(r"overlap_blocks=(\d+)", text)]
+
+
+def test_a_shared_prefix_goes_to_the_worker_that_holds_it(cluster) -> None:
+    client = openai_client(cluster)
+    first = client.completions.create(model="morphserve", prompt=SHARED + "When do you open?", max_tokens=1,
+                                      temperature=0)
+    assert first.choices[0].text is not None
+    holder = next(w for w in cluster.workers if worker_metric(w, "dynamo_component_requests_total") > 0)
+    other = next(w for w in cluster.workers if w is not holder)
+    before = [_hits(holder), _hits(other)]
+    time.sleep(1.0)  # the router applies events asynchronously (~0.5 s on loopback)
+    for q in ["How much is a ticket?", "Can I bring my dog?", "Is the lamp room open?", "What does the cafe serve?",
+              "Do groups get a guide?"]:
+        client.completions.create(model="morphserve", prompt=SHARED + q, max_tokens=1, temperature=0)
+    after = [_hits(holder), _hits(other)]
+    assert after[1] == before[1], f"the other worker served a shared-prefix request: hits {before} -> {after}"
+    # the shared text is ~200 tokens: at least 12 full blocks of 16 whatever the tokenizer does at the seam
+    assert after[0] - before[0] >= 5 * 12 * 16, f"the holder reused the prefix 5 times: hits {before} -> {after}"
+    overlaps = _routed_overlaps(cluster)
+    assert len(overlaps) >= 6 and min(overlaps[-5:]) >= 12, overlaps  # the router saw the holder's blocks
