@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_arguments(p)
     g = p.add_argument_group("deployment")
     g.add_argument("--configs", default="1:off,1:default,2:off,2:default",
-                   help="REPLICAS:MORPH_MODE[:ROUTER] list (default: %(default)s)")
+                   help="REPLICAS:MORPH_MODE[:ROUTER[:PREFIX_POLICY]] list, PREFIX_POLICY exact (default) or preserve "
+                        "(--prefix-cache-across-morph of the workers) (default: %(default)s)")
     g.add_argument("--router-mode", default="least-loaded", help="default router (default: %(default)s)")
     g.add_argument("--device-memory", default="600MiB", help="memory budget of each replica (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=512)
@@ -122,10 +123,12 @@ def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, 
             *replay_args(trace, n, artifacts)]
 
 
-def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, trace: Path, n: int, out: Path) -> dict:
+def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, trace: Path, n: int, out: Path,
+            prefix_policy: str = "exact") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     worker_args = ["--morph-mode", mode, "--device-memory", args.device_memory, "--max-model-len",
-                   str(args.max_model_len), "--num-threads", str(args.worker_threads)]
+                   str(args.max_model_len), "--num-threads", str(args.worker_threads),
+                   "--prefix-cache-across-morph", prefix_policy]
     cluster = Cluster(ClusterConfig(replicas=replicas, model=args.model, http_port=free_port(), system_port_base=0,
                                     router_mode=router, worker_args=worker_args, python=args.python,
                                     log_dir=out / "logs"))
@@ -149,7 +152,8 @@ def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, tra
     found = sorted((out / "artifacts").rglob("profile_export_aiperf.json"))
     if not found:
         raise RuntimeError(f"AIPerf wrote no profile_export_aiperf.json; see {out / 'aiperf.log'}")
-    result = {"replicas": replicas, "mode": mode, "router": router, "ready_s": ready_s, "aiperf_wall_s": wall,
+    result = {"replicas": replicas, "mode": mode, "router": router, "prefix_policy": prefix_policy,
+              "ready_s": ready_s, "aiperf_wall_s": wall,
               **parse_aiperf(found[-1], args.slo_ttft_s), "workers": sampler.summary(), "command": cmd}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result
@@ -194,13 +198,13 @@ def hit_rate(result: dict) -> float | None:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| replicas | morph | router | runs | completed/errors | prefix hit rate | P50 TTFT (s) | P95 TTFT (s) | "
+    rows = ["| replicas | morph | router | prefix cache across transitions | runs | completed/errors | prefix hit rate | P50 TTFT (s) | P95 TTFT (s) | "
             "P99 TTFT (s) | mean ITL (ms) | TTFT > SLO % | req/s | KV blocks per replica: registered -> max "
-            "published | swaps | requests per replica |", "|" + "---|" * 14]
+            "published | swaps | requests per replica |", "|" + "---|" * 15]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["replicas"], r["mode"], r["router"]), []).append(r)
-    for (n, mode, router), rs in groups.items():
+        groups.setdefault((r["replicas"], r["mode"], r["router"], r.get("prefix_policy", "exact")), []).append(r)
+    for (n, mode, router, policy), rs in groups.items():
         med = lambda f: statistics.median(f(r) for r in rs)  # noqa: E731
         slo = [r["slo_violation_pct"] for r in rs if r["slo_violation_pct"] is not None]
         kv = "; ".join(f"{int(b)} -> {int(m)}" for b, m in zip(rs[-1]["workers"]["base_total_blocks"],
@@ -208,7 +212,7 @@ def table(results: list[dict]) -> str:
         rates = [hit_rate(r) for r in rs if hit_rate(r) is not None]
         spread = f" [{min(rates):.1%}-{max(rates):.1%}]" if len(rates) > 1 else ""
         rate = f"{statistics.median(rates):.1%}{spread}" if rates else "n/a"
-        rows.append(f"| {n} | {mode} | {router} | {len(rs)} | {med(lambda r: r['completed']):.0f}/"
+        rows.append(f"| {n} | {mode} | {router} | {policy} | {len(rs)} | {med(lambda r: r['completed']):.0f}/"
                     f"{med(lambda r: r['errors']):.0f} | {rate} | {med(lambda r: r['ttft_s']['p50']):.3f} | "
                     f"{med(lambda r: r['ttft_s']['p95']):.3f} | {med(lambda r: r['ttft_s']['p99']):.3f} | "
                     f"{1e3 * med(lambda r: r['itl_s']['avg']):.1f} | "
@@ -232,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):  # interleaved: each run visits every configuration
         for c in configs:
             replicas, mode, router = int(c[0]), c[1], (c[2] if len(c) > 2 else args.router_mode)
-            out = args.output_dir / f"run{run}" / f"{replicas}x-{mode}-{router}"
-            print(f"run {run}: {replicas} x {mode} ({router}) ...", file=sys.stderr, flush=True)
-            results.append(run_one(args, replicas, mode, router, trace, n, out))
+            policy = c[3] if len(c) > 3 else "exact"
+            out = args.output_dir / f"run{run}" / f"{replicas}x-{mode}-{router}-{policy}"
+            print(f"run {run}: {replicas} x {mode} ({router}, prefix cache {policy}) ...", file=sys.stderr, flush=True)
+            results.append(run_one(args, replicas, mode, router, trace, n, out, policy))
             (args.output_dir / "results.json").write_text(json.dumps(results, indent=2))
     md = f"Workload: {desc}.\n\n{table(results)}\n"
     (args.output_dir / "results.md").write_text(md)

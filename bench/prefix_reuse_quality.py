@@ -1,12 +1,14 @@
 """What serving cached prefixes across morph transitions costs in quality (``prefix_cache_across_morph``).
 
 Under ``preserve`` a prompt prefix cached while every layer ran at full precision serves a later request
-after k layers moved to int4; under ``exact`` that request recomputes the prefix with the int4 layers. For k
-in ``--layers`` (the engine's own swap order, int4) and prompts of real text this measures, against exact:
+after k layers moved to int4 (and one cached with k int4 layers serves after they are restored); under
+``exact`` that request recomputes the prefix in the configuration it runs in. For k in ``--layers`` (the
+engine's own swap order, int4), in both directions, and prompts of real text this measures, against exact:
 
 - token agreement: the greedy continuation of ``prefix + suffix`` from a preserve engine that reuses the
   full-precision prefix, against the same engine after ``reset_prefix_cache`` (recomputed under the int4
-  configuration): prefix match and position-wise match rates (``bench.quality.match_rates``);
+  configuration): prefix match and position-wise match rates (``bench.quality.match_rates``); both also
+  against every layer at full precision (the quality both approximate);
 - perplexity of the continuation text: its tokens are scored in the int4 configuration with the prefix's KV
   computed at full precision (preserve) or in the int4 configuration (exact), through ``engine.model.forward``
   as ``bench.quality.QualityEvaluator`` does; the reuse side writes the prefix's KV first, installs the int4
@@ -59,15 +61,13 @@ def _with_layers(ev: QualityEvaluator, layers: list[int], precision: str, fn: An
             ev.bank.install(i, ev.bank.full_views[i])
 
 
-def continuation_nll(ev: QualityEvaluator, prefix: list[int], text: list[int], layers: list[int], reuse: bool) -> float:
-    """Summed NLL of ``text[1:]`` given ``prefix + text[:1]``, in the int4-on-``layers`` configuration; the prefix's
-    KV computed at full precision (``reuse``) or in that configuration."""
+def continuation_nll(ev: QualityEvaluator, prefix: list[int], text: list[int], prefix_layers: list[int],
+                     text_layers: list[int]) -> float:
+    """Summed NLL of ``text[1:]`` given ``prefix + text[:1]``: the prefix's KV computed with ``prefix_layers`` at
+    int4, the text with ``text_layers`` at int4 (the rest at full precision)."""
     with torch.inference_mode():
-        if reuse:
-            _forward(ev, prefix, 0, want_logits=False)
-        else:
-            _with_layers(ev, layers, "int4", lambda: _forward(ev, prefix, 0, want_logits=False))
-        logits = _with_layers(ev, layers, "int4", lambda: _forward(ev, text, len(prefix), want_logits=True))
+        _with_layers(ev, prefix_layers, "int4", lambda: _forward(ev, prefix, 0, want_logits=False))
+        logits = _with_layers(ev, text_layers, "int4", lambda: _forward(ev, text, len(prefix), want_logits=True))
         target = torch.tensor(text[1:], device=logits.device)
         return float(torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum"))
 
@@ -77,6 +77,8 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.reset_prefix_cache()
+    full = engine.generate([prefix + suffix], greedy)[0]["token_ids"]  # every layer at full precision
+    engine.reset_prefix_cache()
     engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at full precision
     engine.morph.apply_now(MorphDecision("quantize", tuple(layers), "int4", "prefix reuse quality"))
     hits = engine.stats()["prefix_cache_hits"]
@@ -84,9 +86,15 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
     hit_tokens = engine.stats()["prefix_cache_hits"] - hits
     engine.reset_prefix_cache()
     recomputed = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
+    engine.reset_prefix_cache()
+    engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at int4
     for layer in reversed(layers):  # LIFO back to full precision
         engine.morph.apply_now(MorphDecision("restore", (layer,), None, "prefix reuse quality"))
-    return {**match_rates(recomputed, reused), "hit_tokens": hit_tokens}
+    back = engine.generate([prefix + suffix], greedy)[0]["token_ids"]  # preserve: full precision on int4 KV
+    return {"to_int4": {"preserve_vs_exact": match_rates(recomputed, reused),
+                        "exact_vs_full": match_rates(full, recomputed), "preserve_vs_full": match_rates(full, reused)},
+            "to_full": {"preserve_vs_exact": match_rates(full, back)},  # exact recomputes at full precision
+            "hit_tokens": hit_tokens}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,19 +129,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for k in ks:
             layers = order[:k]
-            rows, nll_reuse, nll_exact, count = [], 0.0, 0.0, 0
+            rows: list[dict] = []
+            nll = {"int4": 0.0, "full_kv_int4": 0.0, "full": 0.0, "int4_kv_full": 0.0}
+            count = 0
             for ids in samples:
                 prefix, rest = ids[:args.prefix_tokens], ids[args.prefix_tokens:]
                 rows.append(token_agreement(engine, prefix, rest[:args.suffix_tokens], layers, args.max_tokens))
-                nll_reuse += continuation_nll(ev, prefix, rest, layers, reuse=True)
-                nll_exact += continuation_nll(ev, prefix, rest, layers, reuse=False)
+                nll["int4"] += continuation_nll(ev, prefix, rest, layers, layers)          # exact, int4 config
+                nll["full_kv_int4"] += continuation_nll(ev, prefix, rest, [], layers)      # preserve, int4 config
+                nll["full"] += continuation_nll(ev, prefix, rest, [], [])                  # exact, full config
+                nll["int4_kv_full"] += continuation_nll(ev, prefix, rest, layers, [])      # preserve, full config
                 count += len(rest) - 1
-            ppl_exact, ppl_reuse = math.exp(nll_exact / count), math.exp(nll_reuse / count)
+            ppl = {name: math.exp(v / count) for name, v in nll.items()}
             out["by_layers"][k] = {
-                "int4_layers": layers, "agreement": aggregate_match(rows),
+                "int4_layers": layers,
+                "full_kv_served_to_int4": {
+                    "agreement": {pair: aggregate_match(r["to_int4"][pair] for r in rows)
+                                  for pair in ("preserve_vs_exact", "exact_vs_full", "preserve_vs_full")},
+                    "perplexity_exact": round(ppl["int4"], 4), "perplexity_preserve": round(ppl["full_kv_int4"], 4),
+                    "perplexity_change_pct": round((ppl["full_kv_int4"] / ppl["int4"] - 1) * 100, 3)},
+                "int4_kv_served_to_full": {
+                    "agreement": {"preserve_vs_exact": aggregate_match(r["to_full"]["preserve_vs_exact"] for r in rows)},
+                    "perplexity_exact": round(ppl["full"], 4), "perplexity_preserve": round(ppl["int4_kv_full"], 4),
+                    "perplexity_change_pct": round((ppl["int4_kv_full"] / ppl["full"] - 1) * 100, 3)},
                 "hit_tokens_per_prompt": sum(r["hit_tokens"] for r in rows) / len(rows),
-                "perplexity_exact": round(ppl_exact, 4), "perplexity_preserve": round(ppl_reuse, 4),
-                "perplexity_change_pct": round((ppl_reuse / ppl_exact - 1) * 100, 3),
             }
             print(json.dumps({k: out["by_layers"][k]}), file=sys.stderr, flush=True)
     finally:
