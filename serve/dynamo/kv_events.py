@@ -20,6 +20,7 @@ The pool calls ``stored``/``removed``/``root_changed``/``cleared`` on the engine
 from __future__ import annotations
 
 import threading
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ def block_id(block_hash: bytes) -> int:
 class HeldBlock:
     root: bytes
     parent: bytes | None
-    tokens: tuple[int, ...]
+    tokens: array  # the block's token ids, 4 bytes each (a pool may hold 10^5 blocks)
     depth: int
 
 
@@ -61,7 +62,7 @@ class KvEventBridge:
     def stored(self, block_hash: bytes, parent: bytes | None, tokens: list[int], root: bytes) -> None:
         parent_block = self.held.get(parent) if parent is not None else None
         depth = parent_block.depth + 1 if parent_block is not None else 0
-        self.held[block_hash] = HeldBlock(root, parent, tuple(tokens), depth)
+        self.held[block_hash] = HeldBlock(root, parent, array("i", tokens), depth)
         if root == self.root:
             self._publish_stored(block_hash)
 
@@ -111,7 +112,7 @@ class KvEventBridge:
             self.unreachable += 1
             return
         self.published.add(block_hash)
-        self._queue({"type": "stored", "token_ids": list(b.tokens), "num_block_tokens": [len(b.tokens)],
+        self._queue({"type": "stored", "token_ids": b.tokens.tolist(), "num_block_tokens": [len(b.tokens)],
                      "block_hashes": [block_id(block_hash)],
                      "parent_hash": block_id(b.parent) if b.parent is not None else None})
 
