@@ -10,9 +10,9 @@ engine's own swap order, int4), in both directions, and prompts of real text thi
   configuration): prefix match and position-wise match rates (``bench.quality.match_rates``); both also
   against every layer at full precision (the quality both approximate);
 - perplexity of the continuation text: its tokens are scored in the int4 configuration with the prefix's KV
-  computed at full precision (preserve) or in the int4 configuration (exact), through ``engine.model.forward``
-  as ``bench.quality.QualityEvaluator`` does; the reuse side writes the prefix's KV first, installs the int4
-  layers, then runs the continuation as a chunk that attends to it.
+  computed at full precision (preserve) or in the int4 configuration (exact), with
+  ``bench.quality.QualityEvaluator``: the prefix's KV is written in one configuration, then the continuation
+  runs in the other as a chunk that attends to it (``QualityEvaluator.forward``).
 
 Example: ``python -m bench.prefix_reuse_quality --layers 4,8,16 --prompts 8 --json out.json``.
 """
@@ -31,34 +31,11 @@ import torch
 
 from bench.quality import QualityEvaluator, aggregate_match, match_rates
 from bench.workload import PromptBuilder, default_text_path
-from policy import MorphDecision
+from policy import FULL, MorphDecision, signature
 
 
-def _forward(ev: QualityEvaluator, ids: list[int], start: int, want_logits: bool) -> torch.Tensor | None:
-    """Run ``ids`` at positions start.. over the evaluator's KV (slots = positions), attending to slots < start."""
-    from serve.model.llama import ForwardBatch, PrefillChunk  # noqa: PLC0415
-
-    m = ev.engine.model
-    dev = m.device
-    n = len(ids)
-    pos = torch.arange(start, start + n, device=dev)
-    ctx = torch.arange(start + n, device=dev)
-    mask = None if start == 0 else (ctx[None, :] <= pos[:, None])
-    batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=pos, slot_mapping=pos, num_decodes=0,
-                         prefills=[PrefillChunk(0, n, ctx, mask)],
-                         sample_indices=torch.arange(n - 1, device=dev) if want_logits else torch.tensor([n - 1], device=dev))
-    out = m.forward(batch, ev._kv)
-    return out if want_logits else None
-
-
-def _with_layers(ev: QualityEvaluator, layers: list[int], precision: str, fn: Any) -> Any:
-    try:
-        for i in layers:
-            ev.bank.install(i, ev.bank.detached(i, precision))
-        return fn()
-    finally:
-        for i in layers:
-            ev.bank.install(i, ev.bank.full_views[i])
+def _signature(ev: QualityEvaluator, int4_layers: list[int]) -> str:
+    return signature("int4" if i in int4_layers else FULL for i in range(ev.num_layers))
 
 
 def continuation_nll(ev: QualityEvaluator, prefix: list[int], text: list[int], prefix_layers: list[int],
@@ -66,8 +43,10 @@ def continuation_nll(ev: QualityEvaluator, prefix: list[int], text: list[int], p
     """Summed NLL of ``text[1:]`` given ``prefix + text[:1]``: the prefix's KV computed with ``prefix_layers`` at
     int4, the text with ``text_layers`` at int4 (the rest at full precision)."""
     with torch.inference_mode():
-        _with_layers(ev, prefix_layers, "int4", lambda: _forward(ev, prefix, 0, want_logits=False))
-        logits = _with_layers(ev, text_layers, "int4", lambda: _forward(ev, text, len(prefix), want_logits=True))
+        with ev.configuration(_signature(ev, prefix_layers)):
+            ev.forward(prefix, 0)  # writes the prefix's KV at slots 0..len(prefix)-1
+        with ev.configuration(_signature(ev, text_layers)):
+            logits = ev.forward(text, len(prefix))
         target = torch.tensor(text[1:], device=logits.device)
         return float(torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum"))
 

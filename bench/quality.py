@@ -24,8 +24,9 @@ position-wise match: positions with equal tokens, over the reference length.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -149,22 +150,27 @@ class QualityEvaluator:
         if signature in self._nll:
             return self._nll[signature]
         self.check_signature(signature)
-        
+        with self.configuration(signature):
+            total, count = 0.0, 0
+            for w in self.windows:
+                s, c = self._window_nll(w)
+                total, count = total + s, count + c
+        self._nll[signature] = total / count
+        return self._nll[signature]
+
+    @contextlib.contextmanager
+    def configuration(self, signature: str) -> Iterator[None]:
+        """Install the variants ``signature`` names (f = full stays) for the block; full precision after."""
         changed = []
         try:
             for i, code in enumerate(signature):
                 if code != PRECISION_CODE[FULL]:
                     self.bank.install(i, self.bank.detached(i, CODE_PRECISION[code]))
                     changed.append(i)
-            total, count = 0.0, 0
-            for w in self.windows:
-                s, c = self._window_nll(w)
-                total, count = total + s, count + c
+            yield
         finally:
             for i in changed:
                 self.bank.install(i, self.bank.full_views[i])
-        self._nll[signature] = total / count
-        return self._nll[signature]
 
     def perplexity(self, signature: str) -> float:
         return math.exp(self.nll(signature))
@@ -174,17 +180,25 @@ class QualityEvaluator:
         self._nll.clear()
 
     def _window_nll(self, ids: list[int]) -> tuple[float, int]:
+        logits = self.forward(ids, 0)
+        nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:], device=logits.device),
+                                                reduction="sum")
+        return float(nll), len(ids) - 1
+
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Logits predicting ``ids[1:]`` for ``ids`` at positions ``start``.. (KV slot = position), attending to
+        the KV already written at slots below ``start`` (a cached prefix) and causally among themselves."""
         from serve.model.llama import ForwardBatch, PrefillChunk  # noqa: PLC0415
 
         m = self.engine.model
-        n = len(ids)
         dev = m.device
-        ar = torch.arange(n, device=dev)
-        batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=ar, slot_mapping=ar, num_decodes=0,
-                             prefills=[PrefillChunk(0, n, ar, None)], sample_indices=ar[:-1])
-        logits = m.forward(batch, self._kv)
-        nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:], device=dev), reduction="sum")
-        return float(nll), n - 1
+        n = len(ids)
+        pos = torch.arange(start, start + n, device=dev)
+        ctx = torch.arange(start + n, device=dev)
+        mask = None if start == 0 else ctx[None, :] <= pos[:, None]  # None: a whole prompt, plain causal
+        batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=pos, slot_mapping=pos, num_decodes=0,
+                             prefills=[PrefillChunk(0, n, ctx, mask)], sample_indices=torch.arange(n - 1, device=dev))
+        return m.forward(batch, self._kv)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

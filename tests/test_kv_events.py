@@ -89,7 +89,7 @@ def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, m
                                     morph_mode=mode, max_model_len=128, prefix_cache_across_morph=policy,
                                     slo_ttft_s=1e6, slo_tbt_s=1e6, policy_overrides=morph),  # calm = KV only
                        loaded=tiny, clock=clock)
-    bridge = KvEventBridge(BS, b"")
+    bridge = KvEventBridge()
     view = RouterView()
     engine.set_cache_events(bridge)
     bridge.attach(view)
@@ -131,7 +131,7 @@ def test_a_configuration_that_returns_republishes_its_blocks(tiny):
                                     policy_overrides={"persist_iters": 1, "restore_persist_s": 5.0,
                                                       "cost_aware": False}),
                        loaded=tiny, clock=FakeClock())
-    bridge, view = KvEventBridge(BS, b""), RouterView()
+    bridge, view = KvEventBridge(), RouterView()
     engine.set_cache_events(bridge)
     bridge.attach(view)
     prompt = [(7 * j) % 500 + 30 for j in range(17)]
@@ -148,7 +148,8 @@ def test_a_configuration_that_returns_republishes_its_blocks(tiny):
 
 
 def test_events_wait_for_the_publisher_and_a_full_queue_drops_and_counts(tiny):
-    bridge = KvEventBridge(BS, b"", max_pending=2)
+    bridge = KvEventBridge(max_pending=2)
+    bridge.root_changed(b"")  # what LLMEngine.set_cache_events tells it first
     for i in range(3):
         bridge.stored(bytes([i]) * 32, None, [1, 2, 3, 4], b"")
     assert bridge.dropped == 1

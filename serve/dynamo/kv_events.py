@@ -45,9 +45,8 @@ class HeldBlock:
 class KvEventBridge:
     """Mirrors the pool's registered blocks and queues the router's view of them (see the module docstring)."""
 
-    def __init__(self, block_size: int, root: bytes, max_pending: int = 100_000) -> None:
-        self.block_size = block_size
-        self.root = root
+    def __init__(self, max_pending: int = 100_000) -> None:
+        self.root: bytes | None = None              # the cache root in force (set_cache_events tells it first)
         self.max_pending = max_pending
         self.held: dict[bytes, HeldBlock] = {}     # every registered block, whatever its root
         self.published: set[bytes] = set()          # what the router was told this worker holds
@@ -79,16 +78,16 @@ class KvEventBridge:
         for h in serving:
             self._publish_stored(h)
 
-    def cleared(self) -> None:
-        self._unpublish_all()
+    def cleared(self, root: bytes) -> None:
         self.held.clear()
+        self.root_changed(root)  # withdraws everything published; nothing is held to publish again
 
     # ---- publishing --------------------------------------------------------------------------------------
     def attach(self, publisher: Any) -> None:
         """``PushSource.on_ready``: Dynamo's ``KvEventPublisher`` for this worker; what was queued goes first."""
         with self._lock:
             self._publisher = publisher
-        log.info("kv_events_attached", block_size=self.block_size, queued=len(self._pending))
+        log.info("kv_events_attached", queued=len(self._pending))
         self.flush()
 
     def flush(self) -> None:

@@ -73,7 +73,7 @@ class MorphServeWorker(DynamoLLMEngine):
         engine.add_step_listener(self.capacity.on_step)
         self.capacity.on_step()  # the gauges have values before the first step
         if engine.config.enable_prefix_caching:  # no cache, no events: the router scores load only
-            self.kv_events = KvEventBridge(engine.config.block_size, b"")
+            self.kv_events = KvEventBridge()
             engine.set_cache_events(self.kv_events)
             engine.add_step_listener(self.kv_events.flush)
         engine.start_background()

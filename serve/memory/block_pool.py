@@ -20,7 +20,7 @@ evicted as usual. Under ``preserve`` the tag never changes: cached blocks serve 
 KV of running requests already does.
 
 ``events`` (optional, ``CacheEvents``) hears every registration's end (``removed``), every change of the root
-(``root_changed``) and every reset (``cleared``); registrations themselves are reported by the KV-cache manager,
+(``root_changed``) and every reset (``cleared``, with the new root); registrations themselves are reported by the KV-cache manager,
 which knows their tokens. Dynamo's KV-aware router is fed from them (serve/dynamo/kv_events.py).
 """
 
@@ -56,7 +56,7 @@ class CacheEvents(Protocol):
 
     def root_changed(self, root: bytes) -> None: ...
 
-    def cleared(self) -> None: ...
+    def cleared(self, root: bytes) -> None: ...
 
 
 class BlockPool:
@@ -189,8 +189,7 @@ class BlockPool:
         """Forget every registered prefix: cached blocks become plain free blocks, in-use ones stay in use."""
         self.cache_epoch += 1
         if self.events is not None:
-            self.events.cleared()
-            self.events.root_changed(self.cache_root)
+            self.events.cleared(self.cache_root)
         for i in self._cached:
             self._free_set.add(i)
             heapq.heappush(self._free, i)

@@ -204,8 +204,8 @@ class TritonPythonModel:
             return
         # refuse at once what the measured start rate says cannot start within queue_timeout_s
         shed = shed_on_arrival(self.engine.num_waiting(), self.engine.start_rate.rate_at(self.engine.clock()),
-                               self.queue_timeout_s if self.shed_on_arrival else 0.0)
-        if shed.shed:
+                               self.queue_timeout_s) if self.shed_on_arrival else None
+        if shed is not None and shed.shed:
             self.metrics.request_finished("overloaded", 0)
             log.info("request_shed", request_id=request_id, client_request_id=client_id, on_arrival=True,
                      predicted_wait_s=round(shed.predicted_wait_s or 0.0, 3), queue_timeout_s=self.queue_timeout_s)
