@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from . import cost_rule
 from .costs import StepCosts
 from .decision import MorphDecision
+from .memory_yield import YieldRule, mib
 from .modes import PolicyConfig
 from .telemetry import Telemetry
 
@@ -69,6 +70,10 @@ def describe(t: Telemetry) -> str:
         parts.append(f"ttft slack {t.min_ttft_slack_s * 1e3:.0f} ms")
     if t.device_mem_used_bytes is not None and t.device_mem_total_bytes:
         parts.append(f"device mem {t.device_mem_used_bytes / t.device_mem_total_bytes:.1%}")
+    if t.memory_free_bytes is not None:
+        parts.append(f"{t.memory_source or 'outside'} free {mib(t.memory_free_bytes)}")
+    if t.yielded_bytes:
+        parts.append(f"yielded {mib(t.yielded_bytes)}")
     parts.append(f"quantized {len(t.quantized_layers)}/{t.num_layers}")
     return "[" + ", ".join(parts) + "]"
 
@@ -86,6 +91,7 @@ class MorphController:
         self._ladder: tuple[str, ...] | None = None if self.costs is not None else config.ladder
         self._pressure_streak = 0
         self._calm_since: float | None = None
+        self.yield_rule = YieldRule(config, order)
 
     def ladder(self, t: Telemetry) -> tuple[str, ...]:
         """The rungs in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
@@ -108,7 +114,13 @@ class MorphController:
             return MorphDecision.nothing(f"mode {self.config.mode}: never morphs {describe(t)}")
         if strategy == "static":
             return self._static(t)
-        return self._dynamic(t)
+        memory = self.yield_rule.decide(t, self.ladder(t), describe)
+        if memory is not None and (memory.action != "none" or self.yield_rule.shortfall(t)[0] > 0):
+            return memory  # outside memory first: a co-tenant's out-of-memory error outranks our queue
+        decision = self._dynamic(t)
+        if decision.action == "none" and memory is not None:
+            return memory  # the reclaim rule's reason for waiting is the one that says why nothing moves
+        return decision
 
     # -- static baselines ---------------------------------------------------------
 
@@ -244,6 +256,9 @@ class MorphController:
             self._calm_since = t.now_s
         if not t.quantized_layers:
             return MorphDecision.nothing(f"calm, nothing quantized {describe(t)}")
+        if t.top_is_yielded:
+            return MorphDecision.nothing(f"calm, but the newest transition gave its bytes back: reclaim decides "
+                                         f"when they return {describe(t)}")
         calm_for = t.now_s - self._calm_since
         persist, persist_name = (c.slow_restore_persist_s, "slow_restore_persist_s (the layer is slower here)") \
             if slow else (c.restore_persist_s, "restore_persist_s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Action = Literal["quantize", "restore", "none"]
+Action = Literal["quantize", "restore", "yield", "reclaim", "none"]
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,10 @@ class MorphDecision:
     * ``restore``: undo the most recent transition of ``layers``: back to
       ``precision`` (the milder rung of the ladder, e.g. int4 -> int8) or to full
       precision when ``precision`` is None; the transition's KV chunk leaves the pool.
+    * ``yield``: give memory back to the device (or host). With a ``precision``: move ``layers`` to it as a
+      quantize does, but release the freed bytes instead of adding them to the KV pool. Without one:
+      release the newest transition's KV chunk (``layers`` names its layer; the chunk is entirely free).
+    * ``reclaim``: take the newest yielded bytes back and undo that transition (as ``restore`` does).
     * ``none``: do nothing; ``reason`` says why.
     """
 
@@ -29,9 +33,9 @@ class MorphDecision:
         if self.action == "quantize":
             if not self.layers or not self.precision:
                 raise ValueError("a quantize decision needs layers and a precision")
-        elif self.action == "restore":
+        elif self.action in ("restore", "yield", "reclaim"):
             if not self.layers:
-                raise ValueError("a restore decision needs layers")
+                raise ValueError(f"a {self.action} decision needs layers")
         elif self.action == "none":
             if self.layers or self.precision is not None:
                 raise ValueError("a none decision carries no layers or precision")

@@ -66,6 +66,16 @@ class PolicyConfig:
     slow_restore_persist_s: float = 0.5
     """Cost-aware only: calm needed before restoring a layer whose precision makes steps slower here (nothing
     waiting, no pressure, the pool after the shrink at most ``kv_high``): such a layer costs every step."""
+    memory_floor_bytes: int | None = None
+    """Yield (``policy/memory_yield.py``): when the memory outside the engine (NVML: the device's free bytes,
+    every process counted; CPU: the host's or the cgroup's room) falls below this, quantize layers and give
+    the freed bytes back instead of turning them into KV. None (the default): never yield on pressure,
+    because giving memory away changes the model's precision without the operator asking."""
+    memory_reclaim_bytes: int | None = None
+    """Reclaim the newest yielded bytes only when the outside memory stays at or above this *after* taking
+    them back (None: ``memory_floor_bytes``); a mark above the floor adds hysteresis."""
+    memory_reclaim_calm_s: float = 10.0
+    """Seconds the reclaim condition must hold unbroken before each reclaim (one transition, LIFO)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -110,6 +120,17 @@ class PolicyConfig:
             errors.append(f"cost_aware must be true or false, got {self.cost_aware!r}")
         if not self.slow_restore_persist_s >= 0:
             errors.append(f"slow_restore_persist_s must be >= 0, got {self.slow_restore_persist_s}")
+        for name in ("memory_floor_bytes", "memory_reclaim_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                errors.append(f"{name} must be an integer number of bytes >= 0 or None, got {v!r}")
+        if self.memory_reclaim_bytes is not None and self.memory_floor_bytes is not None \
+                and isinstance(self.memory_reclaim_bytes, int) and isinstance(self.memory_floor_bytes, int) \
+                and self.memory_reclaim_bytes < self.memory_floor_bytes:
+            errors.append(f"memory_reclaim_bytes ({self.memory_reclaim_bytes}) must be >= memory_floor_bytes "
+                          f"({self.memory_floor_bytes}), or reclaiming would fall straight back under the floor")
+        if not 0 <= self.memory_reclaim_calm_s < float("inf"):
+            errors.append(f"memory_reclaim_calm_s must be a finite number >= 0, got {self.memory_reclaim_calm_s!r}")
         if errors:
             raise ValueError("invalid PolicyConfig: " + "; ".join(errors))
 

@@ -60,6 +60,20 @@ class Telemetry:
     """Tokens per KV block (turns the waiting prompts' blocks into prompt tokens for the cost rule)."""
     device_mem_used_bytes: int | None = None
     device_mem_total_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    """Memory free outside the engine's budget as its pressure source reads it (NVML: the device's total
+    minus every process's use; CPU: the host's MemAvailable or the cgroup's limit minus usage); None when
+    no source is read."""
+    memory_source: str = ""
+    """Which source ``memory_free_bytes`` came from (nvml, cgroup, meminfo, a test's name)."""
+    yield_request_bytes: int | None = None
+    """Bytes an operator asked to keep yielded (a standing request until cleared); None: no request."""
+    yielded_bytes: int = 0
+    """Bytes the engine has given back and not reclaimed."""
+    top_is_yielded: bool = False
+    """The newest transition (last of ``quantized_layers``) gave its bytes back instead of to the KV pool."""
+    block_bytes: int = 0
+    """Bytes of one KV block (= one arena slot): turns ``blocks_per_layer_chunk`` into bytes."""
     quantized_layers: tuple[tuple[int, str], ...] = ()
     pending_restore_chunk_free: bool = False
     blocks_per_layer_chunk: Mapping[str, int] = field(default_factory=dict)
@@ -79,6 +93,8 @@ class Telemetry:
                              "must be >= 0, block_tokens >= 1")
         if self.critical_decodes_unscheduled < 0:
             raise ValueError(f"critical_decodes_unscheduled must be >= 0, got {self.critical_decodes_unscheduled}")
+        if self.yielded_bytes < 0 or self.block_bytes < 0:
+            raise ValueError("yielded_bytes and block_bytes must be >= 0")
         if self.oldest_wait_s < 0:
             raise ValueError(f"oldest_wait_s must be >= 0, got {self.oldest_wait_s}")
         layers = [layer for layer, _ in self.quantized_layers]

@@ -69,6 +69,14 @@ class EngineConfig:
                                        # Triton model's default; see DEVICE_MEMORY_AUTO); None: the KV pool is
                                        # num_kv_blocks / kv_cache_memory and the budget is what that needs
     memory_reserve: str = "16MiB"      # kept free inside the budget (activations, allocator slack)
+    # Yield (docs/memory-yield.md): below this much free memory outside the engine (CUDA: NVML, every
+    # process; CPU: the host's MemAvailable or the cgroup's room) a dynamic mode quantizes layers and gives
+    # the bytes back; it takes them back above memory_reclaim_mark (default: the floor) after
+    # memory_reclaim_calm_s. None (default): never on pressure, since it changes precision unasked. "0": no
+    # floor, but the operator's yield control is armed (on CUDA this is what builds the arena from VMM segments).
+    memory_floor: str | None = None
+    memory_reclaim_mark: str | None = None
+    memory_pressure_source: str = "auto"  # auto (NVML on CUDA, host on CPU) | nvml | host | none
     slo_ttft_s: float = 2.0
     morph_precisions: str = ""  # extra precisions to hold beyond the mode's ladder (e.g. "int8,int4" for evaluation)
     int4_group_size: int | None = None   # on-the-fly int4 group (default: 128 if it divides, else 64)
@@ -109,6 +117,13 @@ class EngineConfig:
         parse_size(self.kv_cache_memory)
         check_device_memory(self.device_memory)
         parse_size(self.memory_reserve)
+        for name in ("memory_floor", "memory_reclaim_mark"):
+            if getattr(self, name) is not None:
+                parse_size(getattr(self, name))
+        if self.memory_reclaim_mark is not None and self.memory_floor is None:
+            raise ValueError("memory_reclaim_mark needs memory_floor")
+        if self.memory_pressure_source not in ("auto", "nvml", "host", "none"):
+            raise ValueError(f"memory_pressure_source must be auto, nvml, host or none, got {self.memory_pressure_source!r}")
         from policy import MODES, PolicyConfig  # the policy package is pure and cheap to import
 
         if self.morph_mode not in MODES:
@@ -116,9 +131,15 @@ class EngineConfig:
         if not isinstance(self.policy_overrides, dict):
             raise ValueError(f"policy overrides must be a mapping of PolicyConfig fields, got {self.policy_overrides!r}")
         try:
-            PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
+            policy = PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
         except ValueError as exc:
             raise ValueError(f"policy overrides {self.policy_overrides} for morph_mode {self.morph_mode!r}: {exc}") from None
+        if self.memory_floor is not None and policy.strategy != "dynamic":
+            raise ValueError(f"memory_floor needs a dynamic morph mode (default, performance, accuracy); "
+                             f"{self.morph_mode!r} never changes layers at run time")
+        if self.memory_floor is not None:
+            floor, mark = self.memory_policy()
+            PolicyConfig.for_mode(self.morph_mode, **{**self.policy_overrides, **floor, **mark})
         if self.slo_ttft_s <= 0:
             raise ValueError(f"slo_ttft_s must be positive, got {self.slo_ttft_s}")
         if self.scheduler not in SCHEDULERS:
@@ -136,6 +157,23 @@ class EngineConfig:
             raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
         if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
+
+
+    def policy_config(self):
+        """The controller's PolicyConfig: the mode's preset, the TTFT SLO, --policy overrides, the memory floor."""
+        from policy import PolicyConfig  # noqa: PLC0415
+
+        floor, mark = self.memory_policy()
+        return PolicyConfig.for_mode(self.morph_mode, **{"ttft_slo_s": self.slo_ttft_s, **self.policy_overrides,
+                                                         **floor, **mark})
+
+    def memory_policy(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``memory_floor`` / ``memory_reclaim_mark`` as PolicyConfig overrides (empty when unset; a floor of
+        0 arms the operator's control without a floor)."""
+        floor = parse_size(self.memory_floor) if self.memory_floor is not None else 0
+        floor_kw = {"memory_floor_bytes": floor} if floor else {}
+        mark_kw = {"memory_reclaim_bytes": parse_size(self.memory_reclaim_mark)} if self.memory_reclaim_mark else {}
+        return floor_kw, mark_kw
 
 
 def parse_policy_overrides(pairs: list[str]) -> dict[str, Any]:

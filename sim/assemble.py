@@ -86,7 +86,7 @@ def resolve_budget(target: Target, text: str) -> int:
 
 def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> LLMEngine:
     """The planner's engine for ``config`` (its mode, memory budget, scheduler) on ``target``."""
-    policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+    policy = config.policy_config()
     morphing = policy.strategy != "off"
     extra = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
     precisions = sorted(set(policy.ladder) | set(extra)) if morphing else []

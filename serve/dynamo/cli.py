@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-cache-across-morph", default=None, choices=["exact", "preserve"],
                    help="after a layer changes precision, serve cached prefixes only under the configuration that "
                         "computed them (exact, the default) or under any (preserve); see docs/morphing.md")
+    e.add_argument("--memory-floor", default=None, metavar="SIZE",
+                   help="yield: below this much free memory outside the engine (NVML on CUDA, the host on CPU) quantize "
+                        "layers and give the bytes back; 0 arms only the system port's /engine/control/memory_yield control "
+                        "(default: off; see docs/memory-yield.md)")
+    e.add_argument("--memory-reclaim-mark", default=None, metavar="SIZE",
+                   help="take yielded bytes back only while this much stays free after (default: the floor)")
+    e.add_argument("--memory-pressure-source", default=None, choices=["auto", "nvml", "host", "none"],
+                   help="where outside free memory is read (default auto: NVML on CUDA, the host on CPU)")
     e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
     e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -73,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 _ENGINE_FIELDS = ("model", "morph_mode", "device_memory", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
-                  "enable_prefix_caching", "prefix_cache_across_morph")
+                  "enable_prefix_caching", "prefix_cache_across_morph", "memory_floor", "memory_reclaim_mark",
+                  "memory_pressure_source")
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:

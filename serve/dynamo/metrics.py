@@ -84,6 +84,14 @@ _GAUGES = (
     ("morphserve_prefix_cache_hits_total", "counter", "prompt tokens served from the prefix cache (not recomputed)",
      "prefix_cache_hits"),
     ("morphserve_generation_tokens_total", "counter", "tokens generated", "num_generated_tokens"),
+    ("morphserve_memory_held_bytes", "gauge", "bytes the engine holds (budget minus what it gave back)",
+     "memory_held_bytes"),
+    ("morphserve_memory_yielded_bytes", "gauge", "bytes given back to the device or host under outside pressure",
+     "memory_yielded_bytes"),
+    ("morphserve_memory_outside_free_bytes", "gauge", "free memory outside the engine as its pressure source reads it",
+     "memory_outside_free_bytes"),
+    ("morphserve_memory_yields_total", "counter", "yield steps (layers or KV chunks given back)", "memory_yields_total"),
+    ("morphserve_memory_reclaims_total", "counter", "yielded transitions taken back", "memory_reclaims_total"),
 )
 PRECISIONS = ("int8", "int4", "fp8")
 

@@ -25,6 +25,7 @@ from dynamo.common.backend import LlmRegistration, WorkerConfig
 from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
+from serve.config import parse_size
 from serve.dynamo.bridge import OutputStream
 from serve.dynamo.cli import WorkerOptions, parse_worker_args
 from serve.dynamo.kv_events import KvEventBridge
@@ -36,6 +37,8 @@ from serve.logging_setup import configure_logging, get_logger
 
 log = get_logger("morphserve.dynamo.worker")
 MORPH_STATE_CONTROL = "morph_state"
+MEMORY_YIELD_CONTROL = "memory_yield"      # body {"size": "512MiB"} (or {"bytes": N}): keep that much given back
+MEMORY_RECLAIM_CONTROL = "memory_reclaim"  # body {}: clear the request; yielded bytes return under the reclaim rule
 
 
 class MorphServeWorker(DynamoLLMEngine):
@@ -171,9 +174,11 @@ class MorphServeWorker(DynamoLLMEngine):
         metrics.register_prometheus_expfmt_callback(render)
 
     def supported_controls(self) -> set[str]:
-        return {MORPH_STATE_CONTROL}
+        return {MORPH_STATE_CONTROL, MEMORY_YIELD_CONTROL, MEMORY_RECLAIM_CONTROL}
 
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        if control in (MEMORY_YIELD_CONTROL, MEMORY_RECLAIM_CONTROL):
+            return await self._memory_control(control, body)
         if control != MORPH_STATE_CONTROL:
             return {"status": "error", "message": f"unsupported engine control: {control}"}
         stats = await asyncio.to_thread(self._stats_or_none)
@@ -187,6 +192,33 @@ class MorphServeWorker(DynamoLLMEngine):
                           "kv_total_blocks": last.total_blocks if last else None,
                           "kv_used_blocks": last.used_blocks if last else None},
         }
+
+
+    async def _memory_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        engine = self.engine
+        if engine is None:
+            return {"status": "error", "message": "the engine is not running"}
+        try:
+            nbytes = yield_request_bytes(body) if control == MEMORY_YIELD_CONTROL else None
+            state = await asyncio.to_thread(engine.request_memory_yield, nbytes)
+        except ValueError as exc:
+            return {"status": "error", "message": str(exc)}
+        log.info("memory_control", control=control, yield_request_bytes=nbytes)
+        return {"status": "ok", "memory_yield": state}
+
+
+def yield_request_bytes(body: dict[str, Any]) -> int:
+    """``{"size": "512MiB"}`` or ``{"bytes": 536870912}`` -> bytes; ValueError naming what is wrong."""
+    if not isinstance(body, dict) or ("size" in body) == ("bytes" in body):
+        raise ValueError('memory_yield takes exactly one of {"size": "512MiB"} or {"bytes": N}')
+    if "size" in body:
+        if not isinstance(body["size"], str):
+            raise ValueError(f'memory_yield "size" must be a string such as "512MiB", got {body["size"]!r}')
+        return parse_size(body["size"])
+    value = body["bytes"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f'memory_yield "bytes" must be an integer >= 0, got {value!r}')
+    return value
 
 
 def card_dir(options: WorkerOptions) -> Path:

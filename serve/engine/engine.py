@@ -43,6 +43,7 @@ from serve.model.model_config import ModelConfig
 from serve.model.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from serve.morph.runtime import MorphRuntime
+from serve.memory.pressure import pressure_source
 from serve.morph.setup import EngineMemory, MorphPlan, build_memory, build_runtime, rtn_plan
 
 Callback = Callable[[RequestOutput], None]
@@ -144,7 +145,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
-        policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+        policy = config.policy_config()
         if policy.strategy != "off" and plan is None:
             plan = rtn_plan(loaded.weights, loaded.config.num_layers, _precisions(config, policy), config.int4_group_size)
         elif plan is not None:  # an engine dir may hold more variants (fp8) than this mode uses
@@ -160,7 +161,9 @@ class LLMEngine:
         self.morph: MorphRuntime | None = None
         if self.memory.bank is not None and plan is not None:
             self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock,
-                                       prefix_cache=config.prefix_cache_across_morph)
+                                       prefix_cache=config.prefix_cache_across_morph,
+                                       pressure=pressure_source(config.memory_pressure_source, self.device)
+                                       if policy.strategy == "dynamic" else None)
             self.morph.step_token_budget = config.max_num_batched_tokens
         self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
@@ -176,7 +179,7 @@ class LLMEngine:
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
         self.morph = parts.morph
-        policy = PolicyConfig.for_mode(config.morph_mode, **{"ttft_slo_s": config.slo_ttft_s, **config.policy_overrides})
+        policy = config.policy_config()
         self.reachable_blocks = self._reachable_blocks(policy)
         self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
         self.executor = parts.executor
@@ -600,9 +603,31 @@ class LLMEngine:
                 "restores_total": self.morph.stats.restores if self.morph else 0,
                 "kv_blocks_base": self.pool.base_blocks,
                 "memory": self.ledger.as_dict(),
+                "memory_yield": self.morph.memory_stats() if self.morph else {},
+                **self._memory_gauges(),
                 "healthy": self.healthy,
                 "last_step_error": self.last_step_error,
             }
+
+    def _memory_gauges(self) -> dict:
+        """Flat numbers for the metric catalogues: bytes held and given back, outside free memory, counts."""
+        mem = self.morph.memory_stats() if self.morph else {}
+        out = {"memory_held_bytes": self.ledger.as_dict()["held"], "memory_yielded_bytes": mem.get("yielded_bytes", 0),
+               "memory_yields_total": mem.get("yields_total", 0), "memory_reclaims_total": mem.get("reclaims_total", 0)}
+        if mem.get("outside_free_bytes") is not None:
+            out["memory_outside_free_bytes"] = mem["outside_free_bytes"]
+        return out
+
+    def request_memory_yield(self, nbytes: int | None) -> dict:
+        """The operator's yield control: keep ``nbytes`` given back to the device (or host) until cleared
+        (None/0: reclaim under the reclaim rule). ValueError when this engine cannot yield."""
+        if self.morph is None:
+            raise ValueError(f"morph mode {self.config.morph_mode!r} holds no quantized layers and cannot yield "
+                             "memory; serve a dynamic mode (default, performance, accuracy)")
+        with self._lock:
+            self.morph.request_yield(nbytes)
+        self._handoff.work.set()  # an idle loop wakes and ticks until the request is met
+        return self.morph.memory_stats()
 
     def shutdown(self) -> None:
         self.stop()

@@ -12,6 +12,10 @@ Quantizing layer i writes the variant into the tail slots of its region and hand
 KV pool, at the very addresses the full weights had (the paper's in-place reuse). Nothing else is
 allocated afterwards, so the process's resident memory (CPU: the arena is touched at start) or the
 device's allocated memory (CUDA) does not grow while KV capacity does.
+
+Yield (policy/memory_yield.py) goes the other way: ``release`` gives the whole pages (CPU, madvise) or
+segments (CUDA, a VMM-backed arena: serve/memory/cuda_vmm.py) inside a slot range back to the system, and
+``recommit`` takes them again at the same addresses; views into the arena stay valid throughout.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from serve.memory import host_pages
+from serve.memory.cuda_vmm import CudaDriver, Driver, VmmBuffer
 
 ALIGN = 64
 """Byte alignment of every tensor placed in the arena (the int8/int4 CPU kernels want 64-byte operands)."""
@@ -46,16 +53,51 @@ class SlotRange:
 class Arena:
     """A uint8 buffer of ``num_slots * slot_bytes`` bytes on ``device``; typed views into it on demand."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, device: torch.device, touch: bool = True) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, device: torch.device, touch: bool = True,
+                 releasable: bool = False, driver: Driver | None = None) -> None:
+        """``releasable`` on CUDA builds the buffer from VMM segments so ``release`` can return them to the
+        driver (``driver``: the CUDA driver by default); on CPU every arena can release pages."""
         if num_slots <= 0 or slot_bytes <= 0 or slot_bytes % ALIGN:
             raise ValueError(f"arena needs num_slots > 0 and slot_bytes a positive multiple of {ALIGN}, "
                              f"got {num_slots} x {slot_bytes}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.device = device
-        self.buf = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+        self.vmm: VmmBuffer | None = None
+        if releasable and device.type == "cuda":
+            self.vmm = VmmBuffer(driver or CudaDriver(device.index or 0), num_slots * slot_bytes)
+            self.buf = self.vmm.as_tensor(device)
+        else:
+            self.buf = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
         if touch:  # commit every page now: the budget is taken at start, not lazily as KV fills
             self.buf.zero_()
+
+    @property
+    def can_release(self) -> bool:
+        return self.device.type == "cpu" or self.vmm is not None
+
+    def release(self, r: SlotRange) -> int:
+        """Give the whole pages (CPU) or segments (CUDA VMM) inside ``r`` back; returns the bytes given back.
+        The slots' contents are lost; nothing may read them until ``recommit``."""
+        start, end = r.start * self.slot_bytes, r.end * self.slot_bytes
+        if self.vmm is not None:
+            return self.vmm.release(start, end)
+        if self.device.type != "cpu":
+            return 0
+        base = self.buf.data_ptr()
+        return host_pages.release_pages(base + start, base + end)
+
+    def recommit(self, r: SlotRange) -> int:
+        """Take the memory of ``r`` back (CPU: fault the pages in now, zeroed, so the bytes are ours again
+        before anything is copied there; CUDA VMM: map fresh segments); returns the bytes taken."""
+        start, end = r.start * self.slot_bytes, r.end * self.slot_bytes
+        if self.vmm is not None:
+            return self.vmm.recommit(start, end)
+        if self.device.type != "cpu":
+            return 0
+        first, last = host_pages.page_interior(self.buf.data_ptr() + start, self.buf.data_ptr() + end)
+        self.buf[start:end].zero_()
+        return max(0, last - first)
 
     @property
     def nbytes(self) -> int:

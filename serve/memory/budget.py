@@ -170,6 +170,8 @@ class MemoryLedger:
     layer_slots: list[int]
     staging_slots: int
     kv_blocks: int
+    yielded_slots: int = 0
+    """Slots whose memory was given back (yield): in no layer, not staging, not KV, not resident."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -177,16 +179,16 @@ class MemoryLedger:
 
     @property
     def used_slots(self) -> int:
-        return sum(self.layer_slots) + self.staging_slots + self.kv_blocks
+        return sum(self.layer_slots) + self.staging_slots + self.kv_blocks + self.yielded_slots
 
     @property
     def used(self) -> int:
-        return self.non_arena_bytes + self.used_slots * self.slot_bytes
+        return self.non_arena_bytes + (self.used_slots - self.yielded_slots) * self.slot_bytes
 
     def check(self) -> None:
         if self.used_slots > self.arena_slots:
             raise AssertionError(f"arena over-committed: layers {sum(self.layer_slots)} + staging {self.staging_slots} "
-                                 f"+ KV {self.kv_blocks} slots > {self.arena_slots}")
+                                 f"+ KV {self.kv_blocks} + yielded {self.yielded_slots} slots > {self.arena_slots}")
         if self.non_arena_bytes + self.arena_slots * self.slot_bytes + self.reserve > self.budget:
             raise AssertionError(f"memory budget exceeded: arena {self.arena_slots * self.slot_bytes} + other "
                                  f"{self.non_arena_bytes} + reserve {self.reserve} > budget {self.budget}")
@@ -195,4 +197,6 @@ class MemoryLedger:
         return {"budget": self.budget, "reserve": self.reserve,
                 "weights": self.non_arena_bytes + sum(self.layer_slots) * self.slot_bytes,
                 "staging": self.staging_slots * self.slot_bytes, "kv": self.kv_blocks * self.slot_bytes,
-                "arena": self.arena_slots * self.slot_bytes, "used": self.used}
+                "arena": self.arena_slots * self.slot_bytes, "used": self.used,
+                "yielded": self.yielded_slots * self.slot_bytes,
+                "held": self.non_arena_bytes + (self.arena_slots - self.yielded_slots) * self.slot_bytes}

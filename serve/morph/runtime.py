@@ -7,6 +7,10 @@ were) to the KV pool as a chunk owned by that transition; undoing a transition f
 (only when entirely free, LIFO), parks the variant in staging and copies the milder variant back into the
 region. One copy is in flight at a time. In-flight requests keep their KV cache: weight-only quantization
 does not change the KV layout.
+
+Yield (policy/memory_yield.py) runs the same copies, but a yielded transition's freed slots go back to the
+system (``Arena.release``) instead of into the pool, or the newest transition's free KV chunk leaves the
+pool and is released as it stands; reclaim recommits the slots and undoes the transition as a restore does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
 from serve.memory.arena import SlotRange
+from serve.memory.pressure import PressureSource
 from serve.model.kv_cache import PagedKVCache
 from serve.model.llama import DecoderLayer
 from serve.morph.layer_bank import CopyJob, LayerBank
@@ -48,11 +53,12 @@ class Transition:
     owner: str          # the KV chunk's owner id in the pool ("" when the swap freed no whole slot)
     blocks: int
     slots: SlotRange    # the arena slots the chunk's blocks occupy (where the milder variant's bytes were)
+    yielded: bool = False  # the slots were given back to the system instead of the KV pool
 
 
 @dataclass
 class PendingSwap:
-    kind: str           # "quantize" | "restore"
+    kind: str           # "quantize" | "yield" | "restore" | "reclaim"
     layer: int
     target: str
     job: CopyJob
@@ -64,6 +70,8 @@ class PendingSwap:
 class MorphStats:
     swaps: int = 0
     restores: int = 0
+    yields: int = 0
+    reclaims: int = 0
     failed_copies: int = 0
     swap_ms: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
 
@@ -72,7 +80,7 @@ class MorphRuntime:
     def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
                  ledger: MemoryLedger, kv: PagedKVCache, block_size: int, window_s: float = 10.0,
                  clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None,
-                 prefix_cache: str = "exact") -> None:
+                 prefix_cache: str = "exact", pressure: PressureSource | None = None) -> None:
         self.config = config
         self.prefix_cache = prefix_cache  # EngineConfig.prefix_cache_across_morph
         self.costs = costs
@@ -92,6 +100,9 @@ class MorphRuntime:
         # multi-layer decision runs over consecutive iterations.
         self.queued: collections.deque[tuple[str, int, str, str]] = collections.deque()
         self.stats = MorphStats()
+        self.pressure = pressure  # outside memory, read at each boundary (rate-limited by the source)
+        self.yield_request: int | None = None  # an operator's standing request (bytes); set from other threads
+        self.last_free = None
         self.events: collections.deque[dict] = collections.deque(maxlen=10_000)
         self.tokens_served = 0  # tokens generated so far; events carry it so logs give tokens per configuration
         self._ttfts: collections.deque[tuple[float, float]] = collections.deque()
@@ -123,9 +134,10 @@ class MorphRuntime:
         latest: dict[int, tuple[int, str]] = {}
         for i, tr in enumerate(self.stack):
             latest[tr.layer] = (i, tr.to_precision)
-        accepted = [(p.kind, p.layer, p.target) for p in self.pending if p.kind == "quantize"]  # restores left the stack
+        # restores and reclaims left the stack when they started
+        accepted = [(p.kind, p.layer, p.target) for p in self.pending if p.kind in ("quantize", "yield")]
         for j, (kind, layer, target) in enumerate(accepted + [(k, layer, target) for k, layer, target, _ in self.queued]):
-            if kind == "quantize":
+            if kind in ("quantize", "yield"):
                 latest[layer] = (len(self.stack) + j, target)
             elif target == FULL:
                 latest.pop(layer, None)
@@ -139,6 +151,7 @@ class MorphRuntime:
         top_free = top is not None and (not top.owner or self.pool.chunk_is_free(top.owner))
         mem = query_device_memory(self.bank.device)
         critical_unscheduled, ttft_slack = scheduler.slo_signals(now)
+        self.last_free = free = self.pressure.free(now) if self.pressure is not None else None
         return Telemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
             num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(), num_waiting=scheduler.num_waiting(),
@@ -150,6 +163,10 @@ class MorphRuntime:
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
             blocks_per_layer_chunk=self.blocks_per_layer_chunk,
+            memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
+            yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
+            top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
+            block_bytes=self.ledger.slot_bytes,
         )
 
     # ---- the iteration boundary ----------------------------------------------------------------------
@@ -164,32 +181,54 @@ class MorphRuntime:
         return decision
 
     def start(self, decision: MorphDecision) -> None:
+        if decision.action == "yield" and decision.precision is None:
+            self._yield_chunk(decision.layers[0], decision.reason)
+            return
         for layer in decision.layers:
-            if decision.action == "quantize":
-                self.queued.append(("quantize", layer, decision.precision, decision.reason))  # type: ignore[arg-type]
+            if decision.action in ("quantize", "yield"):
+                self.queued.append((decision.action, layer, decision.precision, decision.reason))  # type: ignore[arg-type]
             else:
-                self.queued.append(("restore", layer, decision.precision or FULL, decision.reason))
+                self.queued.append((decision.action, layer, decision.precision or FULL, decision.reason))
         self._start_next()
 
     def _start_next(self) -> None:
         while not self.pending and self.queued:
             kind, layer, target, reason = self.queued.popleft()
-            started = self._start_quantize(layer, target, reason) if kind == "quantize" else \
-                self._start_restore(layer, target, reason)
+            started = self._start_quantize(layer, target, reason, kind) if kind in ("quantize", "yield") else \
+                self._start_restore(layer, target, reason, kind)
             if not started:
                 self.queued.clear()  # the rest of the decision depended on this step
 
-    def _start_quantize(self, layer: int, target: str, reason: str) -> bool:
+    def _yield_chunk(self, layer: int, reason: str) -> None:
+        """Give the newest transition's KV chunk back to the system as it stands (every block of it is free:
+        the controller checked, and nothing ran since)."""
+        top = self.stack[-1] if self.stack else None
+        if top is None or top.layer != layer or top.yielded or not top.owner or not self.pool.chunk_is_free(top.owner):
+            self._event("yield_skipped", layer=layer, reason="the newest transition has no free KV chunk")
+            return
+        chunk = self.pool.remove_chunk(top.owner)
+        self.kv.unmap_blocks(chunk.start, chunk.num_blocks)
+        self.ledger.kv_blocks -= top.blocks
+        released = self.bank.arena.release(top.slots)
+        self.ledger.yielded_slots += top.blocks
+        top.owner, top.yielded = "", True
+        self.stats.yields += 1
+        self.ledger.check()
+        self._event("yield", layer=layer, precision=top.to_precision, source="kv_chunk",
+                    bytes_yielded=top.blocks * self.ledger.slot_bytes, bytes_released=released,
+                    kv_blocks_total=self.pool.num_blocks, reason=reason)
+
+    def _start_quantize(self, layer: int, target: str, reason: str, kind: str = "quantize") -> bool:
         """Copy the variant from the host bank into staging (asynchronously); installed at a later boundary."""
         before = self.bank.precision_of(layer)
         if self.bank.slots(layer, target) > self.bank.slots(layer, before):
             self._event("swap_skipped", layer=layer, to_precision=target, reason=f"{target} is not smaller than {before}")
             return False
         job = self.bank.copy_async(self.bank.host[layer][target], self.bank.staging)
-        self.pending.append(PendingSwap("quantize", layer, target, job, reason, self.clock()))
+        self.pending.append(PendingSwap(kind, layer, target, job, reason, self.clock()))
         return True
 
-    def _start_restore(self, layer: int, target: str, reason: str) -> bool:
+    def _start_restore(self, layer: int, target: str, reason: str, kind: str = "restore") -> bool:
         """Undo the newest transition: its KV chunk leaves the pool, the current variant moves to staging, and
         the milder variant is copied from the host bank back into the region (asynchronously)."""
         top = self.stack[-1] if self.stack else None
@@ -199,6 +238,11 @@ class MorphRuntime:
         if top.owner and not self.pool.chunk_is_free(top.owner):
             self._event("restore_skipped", layer=layer, to_precision=target, reason="its KV chunk is in use")
             return False
+        if top.yielded:  # the bytes come back before anything is copied over them
+            recommitted = self.bank.arena.recommit(top.slots)
+            self.ledger.yielded_slots -= top.blocks
+            self._event("reclaim_memory", layer=layer, bytes_reclaimed=top.blocks * self.ledger.slot_bytes,
+                        bytes_recommitted=recommitted)
         if top.owner:
             chunk = self.pool.remove_chunk(top.owner)
             self.kv.unmap_blocks(chunk.start, chunk.num_blocks)
@@ -209,7 +253,7 @@ class MorphRuntime:
         self.bank.install(layer, staged)  # serves from staging while the region is rewritten
         self.ledger.layer_slots[layer] = self.bank.slots(layer, target)
         job = self.bank.copy_async(self.bank.host[layer][target], self.bank.tail(layer, target))
-        self.pending.append(PendingSwap("restore", layer, target, job, reason, self.clock()))
+        self.pending.append(PendingSwap("reclaim" if top.yielded else "restore", layer, target, job, reason, self.clock()))
         return True
 
     def complete_ready(self, wait: bool) -> None:
@@ -225,13 +269,16 @@ class MorphRuntime:
             before = self.bank.precision_of(p.layer)
             elapsed_ms = (self.clock() - p.started) * 1e3
             self.stats.swap_ms[f"{before}->{p.target}"].append(elapsed_ms)
-            if p.kind == "quantize":
+            if p.kind in ("quantize", "yield"):
                 self._finish_quantize(p, before, layer_obj, elapsed_ms)
             else:
                 self.bank.install(p.layer, layer_obj)
                 self._configuration_changed()
-                self.stats.restores += 1
-                self._event("restore", layer=p.layer, from_precision=before, to_precision=p.target,
+                if p.kind == "reclaim":
+                    self.stats.reclaims += 1
+                else:
+                    self.stats.restores += 1
+                self._event(p.kind, layer=p.layer, from_precision=before, to_precision=p.target,
                             time_ms=round(elapsed_ms, 3), reason=p.reason)
             self.ledger.check()
             self._start_next()
@@ -245,7 +292,7 @@ class MorphRuntime:
         self._event("swap_failed", level="warning", layer=p.layer, kind=p.kind, to_precision=p.target,
                     error=f"{type(exc).__name__}: {exc}",
                     action="dropped" if p.kind == "quantize" else "copied again synchronously")
-        if p.kind == "restore":
+        if p.kind in ("restore", "reclaim"):
             return self.bank.copy_now(self.bank.host[p.layer][p.target], self.bank.tail(p.layer, p.target))
         self.queued.clear()  # the rest of the decision depended on this step
         self.ledger.check()
@@ -260,12 +307,23 @@ class MorphRuntime:
         self._configuration_changed()
         freed = SlotRange(old.start, new.start - old.start)
         self.ledger.layer_slots[p.layer] = new.num_slots
-        owner = f"layer{p.layer}:{before}->{p.target}" if freed.num_slots else ""
-        if freed.num_slots:
+        yielded = p.kind == "yield"
+        owner = f"layer{p.layer}:{before}->{p.target}" if freed.num_slots and not yielded else ""
+        released = 0
+        if yielded:
+            released = self.bank.arena.release(freed)
+            self.ledger.yielded_slots += freed.num_slots
+            self.stats.yields += 1
+        elif freed.num_slots:
             chunk = self.pool.add_chunk(owner, freed.num_slots)
             self.kv.map_blocks(chunk.start, list(range(freed.start, freed.end)))
             self.ledger.kv_blocks += freed.num_slots
-        self.stack.append(Transition(p.layer, before, p.target, owner, freed.num_slots, freed))
+        self.stack.append(Transition(p.layer, before, p.target, owner, freed.num_slots, freed, yielded))
+        if yielded:
+            self._event("yield", layer=p.layer, from_precision=before, to_precision=p.target, source="layer",
+                        bytes_yielded=freed.num_slots * self.ledger.slot_bytes, bytes_released=released,
+                        time_ms=round(elapsed_ms, 3), reason=p.reason)
+            return
         self.stats.swaps += 1
         self._event("swap", layer=p.layer, from_precision=before, to_precision=p.target,
                     bytes_freed=freed.num_slots * self.ledger.slot_bytes, blocks_added=freed.num_slots,
@@ -281,7 +339,7 @@ class MorphRuntime:
         if deficit <= 0:
             return 0
         wanted = self.pool.num_free + deficit
-        self.queued = collections.deque(q for q in self.queued if q[0] == "quantize")  # no restore under pressure
+        self.queued = collections.deque(q for q in self.queued if q[0] in ("quantize", "yield"))  # no restore under pressure
         self.complete_ready(wait=True)
         while (left := wanted - self.pool.num_free) > 0:
             decision = self.controller.cover_deficit(self.telemetry(self.clock(), scheduler), left)
@@ -319,9 +377,31 @@ class MorphRuntime:
         """The model's current shape, one character per layer: f(ull), 8 (int8), 4 (int4), e (fp8)."""
         return signature(layer.precision for layer in self.bank.model.layers)
 
+    def request_yield(self, nbytes: int | None) -> None:
+        """An operator's standing request: keep ``nbytes`` given back (None or 0: none; yielded bytes then
+        return under the reclaim rule). Takes effect at the next iteration boundary."""
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise ValueError(f"bytes to yield must be an integer >= 0, got {nbytes!r}")
+        if self.config.strategy != "dynamic":
+            raise ValueError(f"morph mode {self.config.mode!r} cannot yield memory: only dynamic modes "
+                             "(default, performance, accuracy) change layers at run time")
+        if nbytes and not self.bank.arena.can_release:
+            raise ValueError("this arena cannot give memory back: on CUDA set memory_floor (which builds the "
+                             "arena from CUDA VMM segments)")
+        self.yield_request = nbytes or None
+
+    def memory_stats(self) -> dict:
+        free = self.last_free
+        return {"yielded_bytes": self.ledger.yielded_slots * self.ledger.slot_bytes,
+                "yield_request_bytes": self.yield_request or 0, "yields_total": self.stats.yields,
+                "reclaims_total": self.stats.reclaims,
+                "outside_free_bytes": free.free_bytes if free else None, "outside_source": free.source if free else ""}
+
     def is_settled(self) -> bool:
-        """Nothing in flight and every layer at full precision (the state an idle engine returns to)."""
-        return not self.pending and not self.queued and not self.stack
+        """Nothing in flight, every layer at full precision and no outside memory to watch (the state an
+        idle engine sleeps in; otherwise it keeps ticking so the controller can restore, yield or reclaim)."""
+        watching = (self.config.memory_floor_bytes is not None and self.pressure is not None) or bool(self.yield_request)
+        return not self.pending and not self.queued and not self.stack and not watching
 
     def _event(self, event: str, level: str = "info", **fields) -> None:
         record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}

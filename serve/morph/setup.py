@@ -22,6 +22,7 @@ from serve.config import EngineConfig
 from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, auto_budget, resolve_budget
+from serve.memory.pressure import PressureSource
 from serve.memory.sizing import plan_arena
 from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
@@ -113,7 +114,8 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
         variants = [{p: arena_nbytes(v) for p, v in per_layer.items() if p != FULL} for per_layer in host.values()]
     sizes = plan_arena(config, slot, [arena_nbytes(layer) for layer in model.layers], variants,
                        model.non_layer_nbytes + norms, lambda text: resolve_budget(model.device, text, 0))
-    arena = Arena(sizes.arena_slots, slot, model.device)
+    # On CUDA only a VMM-built arena can give segments back; built when the operator armed yield (memory_floor).
+    arena = Arena(sizes.arena_slots, slot, model.device, releasable=morphing and config.memory_floor is not None)
     for i, r in enumerate(sizes.regions):  # full weights move into their regions; the originals are dropped
         model.layers[i] = remap(model.layers[i], arena.allocator(r).place)
     base_range = sizes.base
@@ -149,14 +151,15 @@ def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> S
 
 
 def build_runtime(policy: PolicyConfig, plan: MorphPlan, memory: EngineMemory, block_size: int,
-                  clock=None, costs: StepCosts | None = None, prefix_cache: str = "exact") -> MorphRuntime:
+                  clock=None, costs: StepCosts | None = None, prefix_cache: str = "exact",
+                  pressure: PressureSource | None = None) -> MorphRuntime:
     """The morph runtime; a cost-aware dynamic mode gets this machine's step costs (``costs`` or looked up)."""
     kwargs = {"clock": clock} if clock is not None else {}
     assert memory.bank is not None
     if costs is None and policy.cost_aware and policy.strategy == "dynamic":
         costs = step_costs(memory.bank.model, memory.bank, plan.engine_dir)
     runtime = MorphRuntime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv, block_size,
-                           costs=costs, prefix_cache=prefix_cache, **kwargs)
+                           costs=costs, prefix_cache=prefix_cache, pressure=pressure, **kwargs)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)

@@ -96,9 +96,19 @@ class Metrics:
                                 "Prompt tokens looked up in the prefix cache at admission.", "COUNTER")
         self.prefix_hits = g("morphserve_prefix_cache_hits_total",
                              "Prompt tokens served from the prefix cache (their KV reused, not recomputed).", "COUNTER")
+        self.memory_held = g("morphserve_memory_held_bytes", "Bytes the engine holds (budget minus what it gave back).",
+                             "GAUGE")
+        self.memory_yielded = g("morphserve_memory_yielded_bytes",
+                                "Bytes given back to the device or host under outside pressure.", "GAUGE")
+        self.memory_outside_free = g("morphserve_memory_outside_free_bytes",
+                                     "Free memory outside the engine as its pressure source reads it.", "GAUGE")
+        self.memory_yields = g("morphserve_memory_yields_total", "Yield steps (layers or KV chunks given back).",
+                               "COUNTER")
+        self.memory_reclaims = g("morphserve_memory_reclaims_total", "Yielded transitions taken back.", "COUNTER")
         # engine.stats() totals mirrored into counters: stats key -> counter, and the total last seen
         self._totals = {"swaps_total": self.swaps, "restores_total": self.restores, "num_preemptions": self.preemptions,
-                        "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
+                        "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                        "memory_yields_total": self.memory_yields, "memory_reclaims_total": self.memory_reclaims}
         self._last_totals = dict.fromkeys(self._totals, 0.0)
         self.queue_time = _Histogram(self._pb, self._families, "morphserve_request_queue_time_seconds",
                                      "Time from arrival at the engine to first scheduling.", self._labels,
@@ -133,6 +143,10 @@ class Metrics:
             self.running.set(float(stats.get("num_running", 0)))
             self.waiting.set(float(stats.get("num_waiting", 0)))
             self.healthy.set(1.0 if stats.get("healthy", True) else 0.0)
+            self.memory_held.set(float(stats.get("memory_held_bytes", 0)))
+            self.memory_yielded.set(float(stats.get("memory_yielded_bytes", 0)))
+            if stats.get("memory_outside_free_bytes") is not None:
+                self.memory_outside_free.set(float(stats["memory_outside_free_bytes"]))
             layers = dict(stats.get("layers_quantized") or {})
             for precision in set(layers) | set(self._layers):
                 m = self._layers.get(precision)

@@ -135,6 +135,30 @@ def cancel_target(parameters: str | Mapping[str, Any] | None) -> str | None:
     return None if value is None else str(value)
 
 
+MEMORY_PARAMETER = "morphserve_memory"
+"""A control request's parameter: ``"yield 512MiB"`` (keep that much given back to the device or host) or
+``"reclaim"`` (clear the request); the response's ``text_output`` is the engine's memory state as JSON."""
+
+
+def memory_control(parameters: str | Mapping[str, Any] | None) -> int | None | str:
+    """What a memory control request asks: bytes to keep yielded, 0 for reclaim; ``"none"`` for an ordinary
+    request. ValueError on a malformed control."""
+    if not parameters:
+        return "none"
+    params = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
+    value = params.get(MEMORY_PARAMETER)
+    if value is None:
+        return "none"
+    words = str(value).split()
+    if words == ["reclaim"]:
+        return 0
+    if len(words) == 2 and words[0] == "yield":
+        from serve.config import parse_size  # noqa: PLC0415
+
+        return parse_size(words[1])
+    raise ValueError(f'{MEMORY_PARAMETER} must be "yield SIZE" (e.g. "yield 512MiB") or "reclaim", got {value!r}')
+
+
 def parse_parameters(parameters: str | Mapping[str, Any] | None) -> dict[str, np.ndarray]:
     """A request's parameters -> input arrays, by input name. Unknown names are refused; Triton's own
     (``triton_*``, e.g. triton_enable_empty_final_response) are ignored."""

@@ -39,7 +39,7 @@ from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
 from serve.triton.request_inputs import InputError, InputLimits, parse_request, parse_slo_inputs  # noqa: E402
-from serve.triton.trtllm import cancel_target, with_parameters  # noqa: E402
+from serve.triton.trtllm import cancel_target, memory_control, with_parameters  # noqa: E402
 
 log = get_logger("triton_model")
 
@@ -191,6 +191,16 @@ class TritonPythonModel:
         if target is not None:  # a BLS model passing on its client's cancellation
             self._cancel_client_request(target)
             sender.send(flags=FINAL)
+            return
+        try:
+            memory = memory_control(request.parameters())
+            if memory != "none":  # the operator's yield/reclaim control (docs/memory-yield.md)
+                state = self.engine.request_memory_yield(memory or None)
+                log.info("memory_control", yield_request_bytes=memory, client_request_id=client_id)
+                sender.send(_response(json.dumps(state), 0, 0, "stop"), flags=FINAL)
+                return
+        except ValueError as exc:
+            self._reject(sender, request_id, client_id, str(exc))
             return
         try:
             get_input = lambda name: _input_array(request, name)  # noqa: E731

@@ -1,0 +1,137 @@
+"""Yield and reclaim: memory given back to another tenant of the device (or host), and taken back later.
+
+MorphServe's usual trade turns the bytes a quantized layer frees into KV cache. Under *outside* pressure
+(another process on the GPU, another container on the host) the same bytes can instead be handed back:
+
+* **Yield** when the outside memory (``Telemetry.memory_free_bytes``) is below ``memory_floor_bytes``, or an
+  operator asked for bytes (``yield_request_bytes``) the engine has not yielded yet. The shortfall is
+  covered, in this order, by (1) the newest transition's KV chunk when every block of it is free (nothing
+  is recomputed, no request loses anything), then (2) layers moved down the ladder as a quantize step
+  moves them (fresh layers to the mildest rung in swap order, then one rung down), sized to the
+  shortfall. Unlike a KV quantize step a yield may use every layer: the alternative is another tenant's
+  out-of-memory error. It acts at once, without persistence: the reading is a fact, not a noisy signal.
+* **Reclaim** the newest yielded transition (LIFO, one per decision) when, after taking its bytes back,
+  the outside memory would still be at or above ``memory_reclaim_bytes`` (default: the floor), the
+  operator's request would still be met, and both held for ``memory_reclaim_calm_s`` seconds.
+
+Only dynamic modes yield (a static mode's layers are fixed, mode off holds no quantized variants). A
+transition that yielded is never undone by the KV restore rule; reclaim owns it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from .decision import MorphDecision
+from .modes import PolicyConfig
+from .telemetry import Telemetry
+
+
+def mib(n: int | float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class YieldRule:
+    """The yield/reclaim part of the controller. Keeps one piece of state: since when reclaim has been possible."""
+
+    def __init__(self, config: PolicyConfig, swap_order: Sequence[int]) -> None:
+        self.config = config
+        self.swap_order = tuple(swap_order)
+        self._reclaimable_since: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.config.strategy == "dynamic"
+
+    def shortfall(self, t: Telemetry) -> tuple[int, list[str]]:
+        """Bytes still to yield (0: none) and why."""
+        short, why = 0, []
+        floor = self.config.memory_floor_bytes
+        if floor is not None and t.memory_free_bytes is not None and t.memory_free_bytes < floor:
+            short = floor - t.memory_free_bytes
+            why.append(f"{t.memory_source or 'outside'} free {mib(t.memory_free_bytes)} < floor {mib(floor)}")
+        if t.yield_request_bytes is not None and t.yielded_bytes < t.yield_request_bytes:
+            short = max(short, t.yield_request_bytes - t.yielded_bytes)
+            why.append(f"operator asked to yield {mib(t.yield_request_bytes)}, {mib(t.yielded_bytes)} yielded")
+        return short, why
+
+    def decide(self, t: Telemetry, ladder: Sequence[str], describe: Callable[[Telemetry], str]) -> MorphDecision | None:
+        """A yield or reclaim decision, a ``none`` that says why a needed yield cannot happen, or None when
+        memory asks for nothing (the KV rules decide)."""
+        if not self.active:
+            return None
+        short, why = self.shortfall(t)
+        if short > 0:
+            self._reclaimable_since = None
+            return self._yield(t, ladder, short, "; ".join(why), describe(t))
+        return self._reclaim(t, ladder, describe)
+
+    def _chunk_bytes(self, t: Telemetry, precision: str, milder: str | None) -> int:
+        chunk = t.blocks_per_layer_chunk
+        return (chunk.get(precision, 0) - (chunk.get(milder, 0) if milder else 0)) * t.block_bytes
+
+    @staticmethod
+    def _milder(precision: str, ladder: Sequence[str]) -> str | None:
+        i = list(ladder).index(precision) if precision in ladder else 0
+        return ladder[i - 1] if i > 0 else None
+
+    def _yield(self, t: Telemetry, ladder: Sequence[str], short: int, why: str, describe: str) -> MorphDecision:
+        if t.quantized_layers and not t.top_is_yielded and t.pending_restore_chunk_free:
+            layer, precision = t.quantized_layers[-1]
+            size = self._chunk_bytes(t, precision, self._milder(precision, ladder))
+            if size > 0:
+                return MorphDecision("yield", (layer,), None,
+                                     f"yield: {why}; short {mib(short)} -> release layer {layer}'s free KV chunk "
+                                     f"({precision}, {mib(size)}) {describe}")
+        precision_of = t.precision_of
+        fresh = [layer for layer in self.swap_order if layer not in precision_of]
+        candidates, target, gain = fresh, ladder[0], self._chunk_bytes(t, ladder[0], None)
+        if not fresh:
+            candidates = []
+            for milder, target in zip(ladder, ladder[1:]):
+                candidates = [layer for layer in self.swap_order if precision_of.get(layer) == milder]
+                if candidates:
+                    gain = self._chunk_bytes(t, target, milder)
+                    break
+        if not candidates or gain <= 0:
+            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last rung and "
+                                         f"no free KV chunk is on top: nothing left to give back {describe}")
+        k = min(len(candidates), math.ceil(short / gain))
+        return MorphDecision("yield", tuple(candidates[:k]), target,
+                             f"yield: {why}; short {mib(short)}, {mib(gain)} per layer -> move {k} layer(s) to "
+                             f"{target} and give the bytes back {describe}")
+
+    def _reclaim(self, t: Telemetry, ladder: Sequence[str], describe_t: Callable[[Telemetry], str]) -> MorphDecision | None:
+        if not (t.quantized_layers and t.top_is_yielded):
+            self._reclaimable_since = None
+            return None
+        layer, precision = t.quantized_layers[-1]
+        target = self._milder(precision, ladder)
+        size = self._chunk_bytes(t, precision, target)
+        c = self.config
+        describe = describe_t(t)
+        blocked = []
+        if t.yield_request_bytes is not None and t.yielded_bytes - size < t.yield_request_bytes:
+            blocked.append(f"the operator's request of {mib(t.yield_request_bytes)} holds it")
+        mark = c.memory_reclaim_bytes if c.memory_reclaim_bytes is not None else c.memory_floor_bytes
+        if mark is not None:
+            if t.memory_free_bytes is None:
+                blocked.append("no reading of outside memory")
+            elif t.memory_free_bytes - size < mark:
+                blocked.append(f"{t.memory_source or 'outside'} free {mib(t.memory_free_bytes)} - {mib(size)} "
+                               f"< reclaim mark {mib(mark)}")
+        if blocked:
+            self._reclaimable_since = None
+            return MorphDecision.nothing(f"reclaim of layer {layer} waits: {'; '.join(blocked)} {describe}")
+        if self._reclaimable_since is None:
+            self._reclaimable_since = t.now_s
+        held = t.now_s - self._reclaimable_since
+        calm = c.memory_reclaim_calm_s if mark is not None else 0.0  # a manual reclaim acts at once
+        if held < calm:
+            return MorphDecision.nothing(f"reclaim of layer {layer} possible for {held:.2f} s < "
+                                         f"memory_reclaim_calm_s {calm} s {describe}")
+        self._reclaimable_since = t.now_s
+        return MorphDecision("reclaim", (layer,), target,
+                             f"reclaim: {mib(size)} back from layer {layer} ({precision} -> {target or 'full precision'}, "
+                             f"LIFO) after {held:.2f} s with room {describe}")
