@@ -12,7 +12,9 @@ MorphServe's usual trade turns the bytes a quantized layer frees into KV cache. 
   out-of-memory error. It acts at once, without persistence: the reading is a fact, not a noisy signal.
 * **Reclaim** the newest yielded transition (LIFO, one per decision) when, after taking its bytes back,
   the outside memory would still be at or above ``memory_reclaim_bytes`` (default: the floor), the
-  operator's request would still be met, and both held for ``memory_reclaim_calm_s`` seconds.
+  operator's request would still be met, and both have held for ``memory_reclaim_calm_s`` seconds; the next
+  transitions follow at the next decisions while that still holds (the calm period restarts only when the
+  condition breaks).
 
 Only dynamic modes yield (a static mode's layers are fixed, mode off holds no quantized variants). A
 transition that yielded is never undone by the KV restore rule; reclaim owns it.
@@ -131,7 +133,8 @@ class YieldRule:
         if held < calm:
             return MorphDecision.nothing(f"reclaim of layer {layer} possible for {held:.2f} s < "
                                          f"memory_reclaim_calm_s {calm} s {describe}")
-        self._reclaimable_since = t.now_s
+        # the calm period is not restarted: once room has held that long, the yielded transitions come back one
+        # per decision while it still holds (each decision re-checks the room after its own take-back)
         return MorphDecision("reclaim", (layer,), target,
                              f"reclaim: {mib(size)} back from layer {layer} ({precision} -> {target or 'full precision'}, "
                              f"LIFO) after {held:.2f} s with room {describe}")

@@ -79,6 +79,11 @@ class PressureSource:
         self._last: FreeMemory | None = None
         self._last_at: float | None = None
 
+    def invalidate(self) -> None:
+        """The next ``free`` reads afresh (the engine just gave memory back or took it: a cached reading
+        would ask for the same bytes twice)."""
+        self._last_at = None
+
     def free(self, now: float) -> FreeMemory | None:
         if self._last_at is None or now - self._last_at >= self.interval_s:
             self._last = self._read()

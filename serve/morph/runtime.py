@@ -211,6 +211,7 @@ class MorphRuntime:
         self.ledger.kv_blocks -= top.blocks
         released = self.bank.arena.release(top.slots)
         self.ledger.yielded_slots += top.blocks
+        self._memory_moved()
         top.owner, top.yielded = "", True
         self.stats.yields += 1
         self.ledger.check()
@@ -241,6 +242,7 @@ class MorphRuntime:
         if top.yielded:  # the bytes come back before anything is copied over them
             recommitted = self.bank.arena.recommit(top.slots)
             self.ledger.yielded_slots -= top.blocks
+            self._memory_moved()
             self._event("reclaim_memory", layer=layer, bytes_reclaimed=top.blocks * self.ledger.slot_bytes,
                         bytes_recommitted=recommitted)
         if top.owner:
@@ -313,6 +315,7 @@ class MorphRuntime:
         if yielded:
             released = self.bank.arena.release(freed)
             self.ledger.yielded_slots += freed.num_slots
+            self._memory_moved()
             self.stats.yields += 1
         elif freed.num_slots:
             chunk = self.pool.add_chunk(owner, freed.num_slots)
@@ -402,6 +405,10 @@ class MorphRuntime:
         idle engine sleeps in; otherwise it keeps ticking so the controller can restore, yield or reclaim)."""
         watching = (self.config.memory_floor_bytes is not None and self.pressure is not None) or bool(self.yield_request)
         return not self.pending and not self.queued and not self.stack and not watching
+
+    def _memory_moved(self) -> None:
+        if self.pressure is not None:
+            self.pressure.invalidate()
 
     def _event(self, event: str, level: str = "info", **fields) -> None:
         record = {"event": event, **fields, "config": self.config_signature(), "tokens_served": self.tokens_served}
