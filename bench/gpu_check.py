@@ -172,6 +172,44 @@ def swap_costs(model) -> list[dict]:
     return rows
 
 
+def memory_yield(model) -> dict:
+    """Yield and reclaim through the operator's control: the device's used memory (NVML, every process) before,
+    while 8 layers are given back, and after they are reclaimed (on CPU: this process's resident memory)."""
+    from serve.memory.budget import query_device_memory  # noqa: PLC0415
+    from serve.memory.host_pages import resident_bytes  # noqa: PLC0415
+
+    e = _engine(model, "default", num_kv_blocks=64, memory_floor="0", memory_pressure_source="none",
+                policy_overrides={"cost_aware": False})
+
+    def used() -> int:
+        _sync()
+        info = query_device_memory(torch.device(DEVICE))
+        return info.used_bytes if info is not None else resident_bytes()
+
+    def settle() -> None:
+        for _ in range(64):
+            e.morph.on_iteration_boundary(e.scheduler)
+            e.morph.complete_ready(wait=True)
+
+    m = e.morph
+    want = 8 * m.blocks_per_layer_chunk[m.config.ladder[0]] * e.ledger.slot_bytes
+    before = used()
+    e.request_memory_yield(want)
+    settle()
+    yielded = e.ledger.yielded_slots * e.ledger.slot_bytes
+    during = used()
+    e.request_memory_yield(None)
+    settle()
+    after = used()
+    row = {"source": "nvml" if DEVICE == "cuda" else "VmRSS", "vmm_arena": e.memory.arena.vmm is not None,
+           "asked_mib": round(want / 2**20, 1), "yielded_mib": round(yielded / 2**20, 1),
+           "used_before_mib": round(before / 2**20, 1), "used_yielded_mib": round(during / 2**20, 1),
+           "used_after_reclaim_mib": round(after / 2**20, 1), "drop_mib": round((before - during) / 2**20, 1),
+           "back_mib": round((after - during) / 2**20, 1), "layers_after": m.quantized_by_precision()}
+    e.shutdown()
+    return row
+
+
 def replay_modes(model, seconds: float) -> dict:
     """A bursty arrival pattern at a budget where full precision runs out of KV, off vs default."""
     import random  # noqa: PLC0415
@@ -220,6 +258,13 @@ def to_markdown(report: dict) -> str:
         lines += [f"| {r['precision']} | {r['variant_mib']} | {r['full_mib']} | {r['kv_blocks_gained']} | "
                   f"{r['swap_ms_median']} | {r['restore_ms_median']} |" for r in report["swap_costs"]]
         lines.append("")
+    if report.get("memory_yield"):
+        y = report["memory_yield"]
+        lines += ["## Yield and reclaim (operator control, 8 layers; docs/memory-yield.md)", "",
+                  f"Arena from VMM segments: {y['vmm_arena']}. Asked {y['asked_mib']} MiB, yielded {y['yielded_mib']} MiB. "
+                  f"Used memory ({y['source']}): {y['used_before_mib']} MiB before, {y['used_yielded_mib']} MiB yielded "
+                  f"(drop {y['drop_mib']} MiB), {y['used_after_reclaim_mib']} MiB after reclaim (back {y['back_mib']} MiB); "
+                  f"layers quantized after reclaim: {y['layers_after'] or 'none'}.", ""]
     if report.get("replay"):
         lines += ["## Bursty replay, off vs default (180-block base pool)", "",
                   "| mode | completed | TTFT p50 s | TTFT p95 s | TPOT mean s | SLO violations | swaps | max quantized |",
@@ -263,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu-check-tests.log").write_text(report["tests"]["tail"])
     model = make_tiny_model(seed=11, **MODEL_SHAPE)
     for name, fn in (("layer_costs", lambda: layer_costs(model)), ("step_costs", lambda: step_costs(model)),
-                     ("swap_costs", lambda: swap_costs(model)),
+                     ("swap_costs", lambda: swap_costs(model)), ("memory_yield", lambda: memory_yield(model)),
                      ("replay", lambda: replay_modes(model, args.replay_seconds))):
         t0 = time.perf_counter()
         try:

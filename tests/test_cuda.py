@@ -132,3 +132,44 @@ def test_swap_mid_decode_on_the_gpu_keeps_state(model):
     def run(swap_step):
         return decode_with_swap_at(make, swap_step, "int4" if _capability() >= (8, 0) else "int8", list(range(30, 70)))
     assert_swap_mid_decode_keeps_state(run)
+
+
+def test_vmm_arena_gives_segments_back_to_the_driver_and_tokens_survive():
+    """A VMM-built arena (memory_floor set): yielding 2 of 4 layers of a model with 8 MiB layers releases
+    whole 4 MiB segments (NVML's used memory falls by them), reclaim maps them again, and a request decoded
+    across the round trip equals one on an engine that never yielded."""
+    big = make_tiny_model(seed=5, vocab_size=257, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                          num_heads=16, num_kv_heads=4, head_dim=64)
+
+    def engine(floor):
+        return LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+                                      morph_mode="default", memory_floor=floor, memory_pressure_source="none",
+                                      policy_overrides={"cost_aware": False}), loaded=big)
+
+    def run(e, yield_at):
+        out = []
+        e.add_request(list(range(10, 60)), SamplingParams(max_tokens=12, ignore_eos=True),
+                      callback=lambda o: out.extend(o.new_token_ids))
+        step = 0
+        while e.has_unfinished_requests():
+            if step == yield_at:
+                used = lambda: query_device_memory(CUDA).used_bytes  # noqa: E731
+                torch.cuda.synchronize()
+                before = used()
+                e.request_memory_yield(1)  # the smallest request: one layer
+                e.morph.on_iteration_boundary(e.scheduler)
+                e.morph.complete_ready(wait=True)
+                torch.cuda.synchronize()
+                released = before - used()
+                e.request_memory_yield(None)
+                e.morph.on_iteration_boundary(e.scheduler)
+                e.morph.complete_ready(wait=True)
+                torch.cuda.synchronize()
+                assert e.memory.arena.vmm is not None and e.ledger.yielded_slots == 0
+                assert released >= e.memory.arena.vmm.segment_bytes, released
+                assert abs(used() - before) < e.memory.arena.vmm.segment_bytes
+            e.step()
+            step += 1
+        return out
+
+    assert run(engine("0"), 3) == run(engine(None), -1)

@@ -81,6 +81,7 @@ class Arena:
         The slots' contents are lost; nothing may read them until ``recommit``."""
         start, end = r.start * self.slot_bytes, r.end * self.slot_bytes
         if self.vmm is not None:
+            torch.cuda.synchronize(self.device)  # kernels already queued may still read the old bytes: unmap after
             return self.vmm.release(start, end)
         if self.device.type != "cpu":
             return 0
