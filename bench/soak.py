@@ -7,6 +7,12 @@ Prints one JSON object: requests by outcome (full answers, cancelled, overloaded
 other errors, hangs), peak resident memory of the server's process group, and the idle state after
 the load (KV blocks used, waiting requests, quantized layers, engine health), which must return to 0 /
 0 / 0 / 1.
+
+Resident memory over time (issue 36): the process group's RSS is sampled every ``--rss-every-s`` seconds
+during the load (``rss_samples``, [seconds, MiB]); ``rss_second_half`` gives the growth over the run's second
+half (the last sample minus the one at the midpoint) and the spread (max - min) there, and ``flat`` says
+whether that growth is within ``--rss-flat-mib`` (the pass mark, 16 MiB): after warm-up a server under steady
+load must not keep growing.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import collections
 import json
 import os
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -29,6 +36,8 @@ from serve.triton.server import TritonServer
 MODEL = "morphserve"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Tell me about the sea.",
            "List three colors:", "In 1969, humans"]
+RSS_FLAT_MIB = 16.0
+"""Pass mark: resident memory may grow at most this much over the second half of a soak."""
 BAD_BODIES = [b'{"text_input": 5}', b'{"text_input": ""}', b'{"text_input": "hi", "max_tokens": 0}',
               b'{"text_input": "hi", "top_p": 2}', b'{"text_input": "hi", "stop": ["' + b"s" * 400 + b'"]}',
               b'{"text_input": "hi", "timeout_s": -1}', b'{"max_tokens": 4}']
@@ -48,6 +57,22 @@ def group_rss_bytes(pgid: int) -> int:
         except (OSError, IndexError, ValueError):
             continue
     return total
+
+
+def second_half_growth(samples: list[tuple[float, float]], duration_s: float,
+                       limit_mib: float = RSS_FLAT_MIB) -> dict[str, Any]:
+    """Growth of resident memory over the second half of a run from ``samples`` ([seconds since the load
+    started, MiB], in time order): the last sample minus the first one at or after ``duration_s / 2``, the
+    spread (max - min) of the samples from there on, and whether the growth is within ``limit_mib``."""
+    half = [(t, mib) for t, mib in samples if t >= duration_s / 2]
+    if len(half) < 2:
+        return {"from_s": None, "growth_mib": None, "max_minus_min_mib": None, "limit_mib": limit_mib,
+                "flat": None, "note": "fewer than two samples in the second half"}
+    values = [mib for _, mib in half]
+    growth = values[-1] - values[0]
+    return {"from_s": round(half[0][0], 1), "to_s": round(half[-1][0], 1), "growth_mib": round(growth, 1),
+            "max_minus_min_mib": round(max(values) - min(values), 1), "limit_mib": limit_mib,
+            "flat": growth <= limit_mib}
 
 
 def one_request(srv: TritonServer, rng: random.Random) -> str:
@@ -99,8 +124,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert srv.proc is not None
         pgid = os.getpgid(srv.proc.pid)
         idle_rss = peak = group_rss_bytes(pgid)
-        deadline = time.monotonic() + args.duration_s
+        start = time.monotonic()
+        deadline = start + args.duration_s
         stop = threading.Event()
+        samples: list[tuple[float, float]] = [(0.0, idle_rss / 2**20)]
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
@@ -111,8 +138,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def sampler() -> None:
             nonlocal peak
+            next_sample = start + args.rss_every_s
             while not stop.wait(1.0):
-                peak = max(peak, group_rss_bytes(pgid))
+                rss = group_rss_bytes(pgid)
+                peak = max(peak, rss)
+                now = time.monotonic()
+                if now >= next_sample and now <= deadline:
+                    samples.append((round(now - start, 1), round(rss / 2**20, 1)))
+                    next_sample += args.rss_every_s
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.workers)]
         mon = threading.Thread(target=sampler, daemon=True)
@@ -121,12 +154,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t.start()
         for t in threads:
             t.join()
+        samples.append((round(time.monotonic() - start, 1), round(group_rss_bytes(pgid) / 2**20, 1)))
         idle = wait_idle(srv, args.idle_timeout_s)
         stop.set()
         return {"duration_s": args.duration_s, "workers": args.workers, "ready_s": round(ready_s, 1),
                 "requests": sum(outcomes.values()), "outcomes": dict(sorted(outcomes.items())),
                 "rss_idle_mib": round(idle_rss / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
-                "rss_after_mib": round(group_rss_bytes(pgid) / 2**20, 1), "after": idle,
+                "rss_after_mib": round(group_rss_bytes(pgid) / 2**20, 1),
+                "rss_second_half": second_half_growth(samples, args.duration_s, args.rss_flat_mib),
+                "rss_samples": [[t, mib] for t, mib in samples], "after": idle,
                 "server_alive": srv.proc.poll() is None, "params": params}
 
 
@@ -159,7 +195,17 @@ def main() -> None:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--max-num-waiting", type=int, default=16)
     p.add_argument("--idle-timeout-s", type=float, default=300.0)
-    print(json.dumps(run(p.parse_args()), indent=2))
+    p.add_argument("--rss-every-s", type=float, default=10.0,
+                   help="sample the server process group's resident memory this often (default: %(default)s)")
+    p.add_argument("--rss-flat-mib", type=float, default=RSS_FLAT_MIB,
+                   help="pass mark: most growth over the run's second half, MiB (default: %(default)s)")
+    result = run(p.parse_args())
+    print(json.dumps(result, indent=2))
+    h = result["rss_second_half"]
+    if h["flat"] is not None:
+        print(f"resident memory over the second half ({h['from_s']}-{h['to_s']} s): {h['growth_mib']:+.1f} MiB "
+              f"(max-min {h['max_minus_min_mib']} MiB), {'PASS' if h['flat'] else 'FAIL'} "
+              f"(<= {h['limit_mib']} MiB)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from serve import INHERITED_OMP, OMP_DEFAULTS
+from serve import INHERITED_OMP, INHERITED_ONEDNN, OMP_DEFAULTS, ONEDNN_CACHE_DEFAULTS
 
 
 def free_port() -> int:
@@ -31,9 +31,10 @@ def free_port() -> int:
 
 
 def peer_env() -> dict[str, str]:
-    """This environment without the OpenMP defaults our package set on import (serve/__init__.py): peers run
-    with their own defaults, as their users get them; values exported before we started are kept."""
-    return {k: v for k, v in os.environ.items() if k not in OMP_DEFAULTS or k in INHERITED_OMP}
+    """This environment without the OpenMP and oneDNN-cache defaults our package set on import (serve/__init__.py):
+    peers run with their own defaults, as their users get them; values exported before we started are kept."""
+    ours, kept = {**OMP_DEFAULTS, **ONEDNN_CACHE_DEFAULTS}, INHERITED_OMP | INHERITED_ONEDNN
+    return {k: v for k, v in os.environ.items() if k not in ours or k in kept}
 
 
 def vllm_env(threads: int) -> dict[str, str]:

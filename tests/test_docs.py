@@ -286,7 +286,7 @@ def config_pbtxt_parameters() -> set[str]:
 
 def environment_variables() -> set[str]:
     """Names the code reads from the environment: quoted upper-case names on lines that touch os.environ,
-    getenv or the launcher's _env_port, plus the OpenMP defaults serve/__init__.py sets."""
+    getenv or the launcher's _env_port, plus the OpenMP and oneDNN-cache defaults serve/__init__.py sets."""
     names: set[str] = set()
     for root in CODE_ROOTS:
         for py in (REPO / root).rglob("*.py"):
@@ -295,7 +295,7 @@ def environment_variables() -> set[str]:
                     names |= set(re.findall(r"""["']([A-Z][A-Z0-9_]*[A-Z0-9])["']""", line))
     import serve
 
-    names |= set(serve.OMP_DEFAULTS)
+    names |= set(serve.OMP_DEFAULTS) | set(serve.ONEDNN_CACHE_DEFAULTS)
     return names - {"PATH"}  # PATH: only prepended to while the kernels build
 
 

@@ -10,7 +10,8 @@ teams of two threads on two CPUs.
 
 So the serving process keeps exactly one team, the stepping thread's:
 - :func:`on_short_lived_thread` runs heavy setup (loading and packing the weights) on a thread that exits after,
-  and libgomp frees a thread's team when the thread exits;
+  and libgomp frees a thread's team when the thread exits (the setup's freed temporaries go back to the OS
+  then too: serve/model/heap.py);
 - :func:`serial_torch_here` makes a long-lived helper thread (the morph runtime's copy worker) run its torch ops
   without a team of its own.
 """
@@ -26,12 +27,15 @@ from typing import TypeVar
 
 import torch
 
+from serve.model.heap import release_free_heap
+
 T = TypeVar("T")
 
 
 def on_short_lived_thread(fn: Callable[[], T], name: str) -> T:
-    """``fn()`` run on a new thread that ends when it returns: its OpenMP team goes with it. Returns what ``fn``
-    returns and raises what it raises, in the caller."""
+    """``fn()`` run on a new thread that ends when it returns: its OpenMP team goes with it, and the C heap's free
+    pages (the setup's temporaries) go back to the OS. Returns what ``fn`` returns and raises what it raises, in
+    the caller."""
     result: list[T] = []
     error: list[BaseException] = []
 
@@ -44,6 +48,7 @@ def on_short_lived_thread(fn: Callable[[], T], name: str) -> T:
     thread = threading.Thread(target=run, name=name, daemon=True)  # Ctrl-C during a load does not wait for it
     thread.start()
     thread.join()
+    release_free_heap()
     if error:
         raise error[0]
     return result[0]
