@@ -3,9 +3,11 @@
   .venv/bin/python -m bench.memory_yield_demo [--floor 4GiB] [--shortfall 160MiB] [--hold-s 20]
 
 1. Starts the server (mode ``default``, ``memory_floor`` = --floor, reclaim mark = floor + --margin) and two
-   clients sending requests for the whole run.
-2. After --baseline-s, a second process allocates (and touches) memory until the host's MemAvailable is
-   --shortfall below the floor: the engine yields layers and gives their pages back.
+   clients sending requests for the whole run. After --baseline-s the operator's control yields --manual and
+   then reclaims it (the ``morphserve_memory`` request parameter through the HTTP front).
+2. Then a second process allocates (and touches) what the host's MemAvailable is above floor - --shortfall
+   (once more if other processes freed memory meanwhile and nothing was yielded): the engine yields layers and
+   gives their pages back.
 3. After --hold-s the second process exits; once there is room (and --calm-s has passed) the engine reclaims.
 
 Samples every 0.5 s: the host's MemAvailable, the server's resident memory (its process group), and the
@@ -33,23 +35,16 @@ from serve.triton.client import GenerationError, generate_http, metric_value, sc
 from serve.triton.server import TritonServer
 
 MODEL = "morphserve"
-# The second process: allocates (and touches) what the host's MemAvailable is above the target, topping up once if
-# other processes freed memory meanwhile and the floor was not reached; says so; holds until told to exit (stdin).
+# The second process: for each line "N" on stdin allocates (and touches) N more bytes and answers "ok"; an empty
+# line ends it (its memory goes back to the host).
 HOG = """
 import sys
-def avail():
-    for line in open('/proc/meminfo'):
-        if line.startswith('MemAvailable:'):
-            return int(line.split()[1]) * 1024
-target, floor, held = int(sys.argv[1]), int(sys.argv[2]), []
-need = avail() - target  # a fixed amount: chasing the target would take whatever the engine gives back
-while need > 0:
-    held.append(bytearray(b'\\x01') * min(need, 1 << 30))
-    need -= len(held[-1])
-    if need <= 0 and avail() > floor:  # others freed memory meanwhile and nothing was yielded yet: top up once
-        need, floor = avail() - target, 1 << 62
-print(sum(map(len, held)), flush=True)
-sys.stdin.readline()
+held = []
+for line in sys.stdin:
+    if not line.strip():
+        break
+    held.append(bytearray(b'\\x01') * int(line))
+    print('ok', flush=True)
 """
 
 
@@ -80,12 +75,34 @@ def clients(srv: TritonServer, stop: threading.Event, counts: dict[str, int], n:
     return threads
 
 
+def control(srv: TritonServer, command: str) -> dict[str, Any]:
+    """The memory control request: its text_output is the engine's memory state as JSON."""
+    import urllib.request  # noqa: PLC0415
+
+    body = json.dumps({"text_input": "", "morphserve_memory": command}).encode()
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{MODEL}/generate", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - loopback
+        return json.loads(json.loads(r.read())["text_output"])
+
+
+class reached(threading.Event):  # noqa: N801 - reads as a condition
+    """Set once the newest timeline sample satisfies ``test`` (checked whenever ``is_set`` is asked)."""
+
+    def __init__(self, test, timeline: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self._test, self._timeline = test, timeline
+
+    def is_set(self) -> bool:
+        return bool(self._timeline) and self._test(self._timeline[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--floor", default="4GiB", help="memory_floor of the server (default: %(default)s)")
     p.add_argument("--margin", default="256MiB", help="reclaim mark = floor + this (default: %(default)s)")
     p.add_argument("--shortfall", default="160MiB", help="how far below the floor the second process pushes the host")
     p.add_argument("--baseline-s", type=float, default=10.0)
+    p.add_argument("--manual", default="48MiB", help="what the operator's control yields first (default: %(default)s)")
     p.add_argument("--hold-s", type=float, default=20.0, help="how long the second process holds its memory")
     p.add_argument("--after-s", type=float, default=40.0, help="how long to watch after it exits")
     p.add_argument("--calm-s", type=float, default=5.0, help="memory_reclaim_calm_s of the server")
@@ -117,21 +134,42 @@ def main(argv: list[str] | None = None) -> int:
             return round(time.monotonic() - t0, 2)
 
         watch(args.baseline_s)
+        # the operator's control first: yield --manual, then reclaim (a request parameter through the HTTP front)
+        state = control(srv, f"yield {args.manual}")
+        events.append({"t_s": now(), "event": "manual_yield", "response": state})
+        watch(30, until=reached(lambda s: s["yielded_mib"] * 2**20 >= parse_size(args.manual), timeline))
+        events.append({"t_s": now(), "event": "manual_reclaim", "response": control(srv, "reclaim")})
+        watch(30, until=reached(lambda s: s["yielded_mib"] == 0, timeline))
+        events.append({"t_s": now(), "event": "manual_done"})
+        watch(args.baseline_s / 2)
         avail = meminfo_available() or 0
         if avail <= floor:
             raise SystemExit(f"MemAvailable {avail / 2**30:.1f} GiB is already below the floor; choose a lower --floor")
         events.append({"t_s": now(), "event": "second_process_allocates", "target_mem_available_mib":
                        round((floor - shortfall) / 2**20), "mem_available_mib": round(avail / 2**20)})
-        hog = subprocess.Popen([sys.executable, "-c", HOG, str(floor - shortfall), str(floor)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-        allocated = threading.Event()
-        hog_bytes: list[str] = []
-        threading.Thread(target=lambda: (hog_bytes.append(hog.stdout.readline().strip()), allocated.set()),
-                         daemon=True).start()
-        watch(600, until=allocated)
-        events.append({"t_s": now(), "event": "second_process_holds", "bytes_mib": round(int(hog_bytes[0] or 0) / 2**20)})
+        hog = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hog_total = 0
+
+        def allocate(nbytes: int) -> None:  # in the background: the timeline goes on while the pages are touched
+            nonlocal hog_total
+            done = threading.Event()
+
+            def ask() -> None:
+                hog.stdin.write(f"{nbytes}\n")
+                hog.stdin.flush()
+                hog.stdout.readline()
+                done.set()
+            threading.Thread(target=ask, daemon=True).start()
+            watch(600, until=done)
+            hog_total += nbytes
+
+        allocate(avail - (floor - shortfall))
+        # Other processes' memory moves too: if the floor was never crossed (nothing yielded) top up once.
+        if timeline[-1]["yielded_mib"] == 0 and (meminfo_available() or 0) > floor:
+            allocate((meminfo_available() or 0) - (floor - shortfall))
+        events.append({"t_s": now(), "event": "second_process_holds", "bytes_mib": round(hog_total / 2**20)})
         watch(args.hold_s)
-        hog.communicate("exit\n", timeout=60)
+        hog.communicate("\n", timeout=60)
         events.append({"t_s": now(), "event": "second_process_exited", "rc": hog.returncode})
         watch(args.after_s)
         stop.set()
@@ -155,8 +193,15 @@ def summarize(timeline: list[dict], events: list[dict], counts: dict, log_text: 
     during = [s for s in timeline if start <= s["t_s"] <= end]
     after = [s for s in timeline if s["t_s"] > end]
     first_yield = next((s["t_s"] for s in during if s["yielded_mib"] > 0), None)
+    at = {e["event"]: e["t_s"] for e in events}
+    manual = [s for s in timeline if at.get("manual_yield", 0) <= s["t_s"] <= at.get("manual_done", -1)]
+    manual_peak = max(manual, key=lambda s: s["yielded_mib"], default=None)
     back = next((s["t_s"] for s in after if s["yielded_mib"] == 0), None)
     return {
+        "manual_yielded_mib": manual_peak["yielded_mib"] if manual_peak else None,
+        "manual_rss_drop_mib": round(manual[0]["server_rss_mib"] - manual_peak["server_rss_mib"], 1) if manual_peak else None,
+        "manual_seconds_to_yield": round(manual_peak["t_s"] - at["manual_yield"], 2) if manual_peak else None,
+        "manual_seconds_to_reclaim": round(at["manual_done"] - at["manual_reclaim"], 2) if "manual_done" in at else None,
         "server_rss_before_mib": before[-1]["server_rss_mib"] if before else None,
         "server_rss_min_during_mib": min(s["server_rss_mib"] for s in during) if during else None,
         "server_rss_end_mib": timeline[-1]["server_rss_mib"],

@@ -105,12 +105,20 @@ class YieldRule:
                              f"{target} and give the bytes back {describe}")
 
     def _reclaim(self, t: Telemetry, ladder: Sequence[str], describe_t: Callable[[Telemetry], str]) -> MorphDecision | None:
-        if not (t.quantized_layers and t.top_is_yielded):
+        if not (t.quantized_layers and (t.top_is_yielded or t.yielded_layers)):
             self._reclaimable_since = None
             return None
-        layer, precision = t.quantized_layers[-1]
-        target = self._milder(precision, ladder)
-        size = self._chunk_bytes(t, precision, target)
+        if t.top_is_yielded:  # the newest transition: its bytes come back and the layer is restored
+            layer, precision = t.quantized_layers[-1]
+            target = self._milder(precision, ladder)
+            how = f"{precision} -> {target or 'full precision'}, LIFO"
+        else:  # buried under KV transitions (load went on): the bytes come back as that layer's KV chunk, and
+            # its precision returns later under the restore rule, in LIFO order
+            layer = t.yielded_layers[-1]
+            precision = t.precision_of[layer]
+            target = precision
+            how = f"as KV blocks under newer transitions; {precision} until the restore rule reaches it"
+        size = self._chunk_bytes(t, precision, self._milder(precision, ladder))
         c = self.config
         describe = describe_t(t)
         blocked = []
@@ -136,5 +144,5 @@ class YieldRule:
         # the calm period is not restarted: once room has held that long, the yielded transitions come back one
         # per decision while it still holds (each decision re-checks the room after its own take-back)
         return MorphDecision("reclaim", (layer,), target,
-                             f"reclaim: {mib(size)} back from layer {layer} ({precision} -> {target or 'full precision'}, "
-                             f"LIFO) after {held:.2f} s with room {describe}")
+                             f"reclaim: {mib(size)} back from layer {layer} ({how}) after {held:.2f} s with room "
+                             f"{describe}")

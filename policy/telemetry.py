@@ -72,6 +72,8 @@ class Telemetry:
     """Bytes the engine has given back and not reclaimed."""
     top_is_yielded: bool = False
     """The newest transition (last of ``quantized_layers``) gave its bytes back instead of to the KV pool."""
+    yielded_layers: tuple[int, ...] = ()
+    """Layers whose newest transition gave its bytes back, oldest first (the top one included)."""
     block_bytes: int = 0
     """Bytes of one KV block (= one arena slot): turns ``blocks_per_layer_chunk`` into bytes."""
     quantized_layers: tuple[tuple[int, str], ...] = ()

@@ -298,3 +298,51 @@ def test_vmm_buffer_releases_only_whole_segments_inside_a_range_and_maps_them_ba
     assert len(drv.mapped) == 26
     buf.close()
     assert drv.freed
+
+
+# ---- the controls' parsing -------------------------------------------------------------------------------------
+
+def test_triton_memory_control_parameter() -> None:
+    from serve.triton.trtllm import memory_control
+
+    assert memory_control(None) == "none" and memory_control('{"max_tokens": 4}') == "none"
+    assert memory_control('{"morphserve_memory": "yield 512MiB"}') == 512 * MiB
+    assert memory_control({"morphserve_memory": "reclaim"}) == 0
+    for bad in ("yield", "yield lots", "give 5MiB", 7):
+        with pytest.raises(ValueError):
+            memory_control({"morphserve_memory": bad})
+
+
+def test_dynamo_memory_control_body() -> None:
+    from serve.dynamo.cli import yield_request_bytes
+
+    assert yield_request_bytes({"size": "2GiB"}) == 2 * 2**30 and yield_request_bytes({"bytes": 5}) == 5
+    for bad in ({}, {"size": "2GiB", "bytes": 1}, {"bytes": -1}, {"bytes": True}, {"size": 5}):
+        with pytest.raises(ValueError):
+            yield_request_bytes(bad)
+
+
+def test_yielded_bytes_under_newer_kv_transitions_come_back_as_kv(tiny) -> None:
+    """Load went on after a yield, so KV steps stacked newer transitions on top. Reclaim does not wait for
+    them to be restored: the buried transition's slots come back as its KV chunk (the pool grows, nothing is
+    yielded) and the transition moves to the top, where the restore rule undoes it first, LIFO as ever."""
+    from test_morph import assert_memory_exact
+
+    e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_model_len=256, morph_mode="default",
+                               policy_overrides={"cost_aware": False}), loaded=tiny)
+    first, second = e.morph.controller.swap_order[:2]
+    e.request_memory_yield(1)
+    assert boundary(e).layers == (first,)
+    e.morph.apply_now(MorphDecision("quantize", (second,), "int4", "KV pressure"))
+    grown = e.pool.num_blocks
+    e.request_memory_yield(None)
+    d = boundary(e)
+    assert (d.action, d.layers) == ("reclaim", (first,)) and "as KV blocks" in d.reason
+    chunk = e.morph.stack[-1].blocks
+    assert e.ledger.yielded_slots == 0 and e.pool.num_blocks == grown + chunk
+    assert [t.layer for t in e.morph.stack] == [second, first] and not any(t.yielded for t in e.morph.stack)
+    assert_memory_exact(e)
+    e.morph.apply_now(MorphDecision("restore", (first,), None, "calm"))
+    e.morph.apply_now(MorphDecision("restore", (second,), None, "calm"))
+    assert not e.morph.stack and e.pool.num_blocks == e.pool.base_blocks
+    assert_memory_exact(e)

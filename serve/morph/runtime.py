@@ -166,6 +166,7 @@ class MorphRuntime:
             memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
             yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
             top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
+            yielded_layers=self._yielded_layers(),
             block_bytes=self.ledger.slot_bytes,
         )
 
@@ -184,6 +185,9 @@ class MorphRuntime:
         if decision.action == "yield" and decision.precision is None:
             self._yield_chunk(decision.layers[0], decision.reason)
             return
+        if decision.action == "reclaim" and self.stack and self.stack[-1].layer != decision.layers[0]:
+            self._reclaim_as_kv(decision.layers[0], decision.reason)
+            return
         for layer in decision.layers:
             if decision.action in ("quantize", "yield"):
                 self.queued.append((decision.action, layer, decision.precision, decision.reason))  # type: ignore[arg-type]
@@ -198,6 +202,33 @@ class MorphRuntime:
                 self._start_restore(layer, target, reason, kind)
             if not started:
                 self.queued.clear()  # the rest of the decision depended on this step
+
+    def _yielded_layers(self) -> tuple[int, ...]:
+        newest = {tr.layer: tr for tr in self.stack}
+        return tuple(tr.layer for tr in self.stack if tr.yielded and newest[tr.layer] is tr)
+
+    def _reclaim_as_kv(self, layer: int, reason: str) -> None:
+        """Take back the bytes of layer's yielded transition that newer (KV) transitions cover: recommit its
+        slots and give them to the pool as its KV chunk; the transition moves to the top of the stack (its
+        chunk is now the pool's newest), so the restore rule later undoes it in LIFO order as any other."""
+        tr = next((t for t in reversed(self.stack) if t.layer == layer), None)
+        if tr is None or not tr.yielded:
+            self._event("reclaim_skipped", layer=layer, reason="the layer's newest transition gave nothing back")
+            return
+        recommitted = self.bank.arena.recommit(tr.slots)
+        self.ledger.yielded_slots -= tr.blocks
+        self._memory_moved()
+        tr.owner, tr.yielded = (f"layer{layer}:{tr.from_precision}->{tr.to_precision}" if tr.blocks else ""), False
+        if tr.blocks:
+            chunk = self.pool.add_chunk(tr.owner, tr.blocks)
+            self.kv.map_blocks(chunk.start, list(range(tr.slots.start, tr.slots.end)))
+            self.ledger.kv_blocks += tr.blocks
+        self.stack.remove(tr)
+        self.stack.append(tr)
+        self.stats.reclaims += 1
+        self.ledger.check()
+        self._event("reclaim_memory", layer=layer, as_kv=True, bytes_reclaimed=tr.blocks * self.ledger.slot_bytes,
+                    bytes_recommitted=recommitted, kv_blocks_total=self.pool.num_blocks, reason=reason)
 
     def _yield_chunk(self, layer: int, reason: str) -> None:
         """Give the newest transition's KV chunk back to the system as it stands (every block of it is free:
