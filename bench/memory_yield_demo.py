@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     params = {"engine_dir": "smollm2-135m", "morph_mode": "default", "max_model_len": 512, "num_threads": 1,
               "memory_floor": str(floor), "memory_reclaim_mark": str(floor + margin),
               "policy": json.dumps({"memory_reclaim_calm_s": args.calm_s}), "queue_timeout_s": 0}
-    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"morphserve-yield-demo-{os.getpid()}"
+    log_dir = Path(tempfile.gettempdir()) / f"morphserve-yield-demo-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     timeline: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []

@@ -62,3 +62,18 @@ def test_morph_transitions_change_the_published_total_blocks() -> None:
         state = post_json(control, {})
         assert state["stats"]["restores_total"] > 0 and state["stats"]["kv_blocks_total"] == registered
         assert state["published"]["kv_total_blocks"] == registered
+
+        # The operator's memory control on the system port (docs/memory-yield.md): yield, then reclaim.
+        base = f"http://127.0.0.1:{worker.port}/engine/control"
+        bad = post_json(f"{base}/memory_yield", {"size": 5})
+        assert bad["status"] == "error" and "512MiB" in bad["message"]
+        asked = post_json(f"{base}/memory_yield", {"size": "20MiB"})
+        assert asked["status"] == "ok" and asked["memory_yield"]["yield_request_bytes"] == 20 * 2**20
+        wait_for(lambda: (worker_metric(worker, "morphserve_memory_yielded_bytes") or 0) >= 20 * 2**20, 60,
+                 interval_s=0.2, what="20 MiB to be yielded")
+        held = worker_metric(worker, "morphserve_memory_held_bytes")
+        assert post_json(f"{base}/memory_reclaim", {})["status"] == "ok"
+        wait_for(lambda: worker_metric(worker, "morphserve_memory_yielded_bytes") == 0, 60, interval_s=0.2,
+                 what="the yielded bytes to be reclaimed")
+        assert worker_metric(worker, "morphserve_memory_held_bytes") > held
+        assert worker_metric(worker, "morphserve_memory_reclaims_total") >= 1

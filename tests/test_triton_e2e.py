@@ -349,6 +349,16 @@ def test_bad_http_input_answered_with_error(triton_server: TritonServer, body: d
     assert expected.lower() in json.loads(raw)["error"].lower(), raw
 
 
+def test_memory_control_reaches_the_engine(triton_server: TritonServer) -> None:
+    """The operator's yield control (docs/memory-yield.md) through the HTTP front and the model: this server's
+    mode (off) holds no quantized layers, so the engine's own refusal comes back as a 400; a malformed control
+    is refused before the engine."""
+    status, raw = _post(triton_server, "generate", {"text_input": "", "morphserve_memory": "yield 1MiB"})
+    assert status == 400 and "cannot yield memory" in json.loads(raw)["error"], raw
+    status, raw = _post(triton_server, "generate", {"text_input": "", "morphserve_memory": "give 1MiB"})
+    assert status == 400 and "yield SIZE" in json.loads(raw)["error"], raw
+
+
 def test_server_keeps_serving_after_bad_inputs(triton_server: TritonServer) -> None:
     for make in (lambda: request_inputs("hi", max_tokens=0), lambda: request_inputs(b"\xff", max_tokens=2)):
         _grpc_error(make(), triton_server)

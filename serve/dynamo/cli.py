@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from serve.config import EngineConfig, parse_policy_overrides
+from serve.config import EngineConfig, parse_policy_overrides, parse_size
 
 DEFAULT_MODEL_NAME = "morphserve"
 
@@ -98,3 +99,17 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:
         request_plane=args.request_plane, event_plane=args.event_plane, model_card_dir=args.model_card_dir,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level,
     )
+
+
+def yield_request_bytes(body: dict[str, Any]) -> int:
+    """``{"size": "512MiB"}`` or ``{"bytes": 536870912}`` -> bytes; ValueError naming what is wrong."""
+    if not isinstance(body, dict) or ("size" in body) == ("bytes" in body):
+        raise ValueError('memory_yield takes exactly one of {"size": "512MiB"} or {"bytes": N}')
+    if "size" in body:
+        if not isinstance(body["size"], str):
+            raise ValueError(f'memory_yield "size" must be a string such as "512MiB", got {body["size"]!r}')
+        return parse_size(body["size"])
+    value = body["bytes"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f'memory_yield "bytes" must be an integer >= 0, got {value!r}')
+    return value

@@ -25,9 +25,8 @@ from dynamo.common.backend import LlmRegistration, WorkerConfig
 from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
-from serve.config import parse_size
 from serve.dynamo.bridge import OutputStream
-from serve.dynamo.cli import WorkerOptions, parse_worker_args
+from serve.dynamo.cli import WorkerOptions, parse_worker_args, yield_request_bytes
 from serve.dynamo.kv_events import KvEventBridge
 from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
 from serve.dynamo.model_card import write_model_card_dir
@@ -205,20 +204,6 @@ class MorphServeWorker(DynamoLLMEngine):
             return {"status": "error", "message": str(exc)}
         log.info("memory_control", control=control, yield_request_bytes=nbytes)
         return {"status": "ok", "memory_yield": state}
-
-
-def yield_request_bytes(body: dict[str, Any]) -> int:
-    """``{"size": "512MiB"}`` or ``{"bytes": 536870912}`` -> bytes; ValueError naming what is wrong."""
-    if not isinstance(body, dict) or ("size" in body) == ("bytes" in body):
-        raise ValueError('memory_yield takes exactly one of {"size": "512MiB"} or {"bytes": N}')
-    if "size" in body:
-        if not isinstance(body["size"], str):
-            raise ValueError(f'memory_yield "size" must be a string such as "512MiB", got {body["size"]!r}')
-        return parse_size(body["size"])
-    value = body["bytes"]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f'memory_yield "bytes" must be an integer >= 0, got {value!r}')
-    return value
 
 
 def card_dir(options: WorkerOptions) -> Path:
