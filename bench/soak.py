@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.monotonic()
         deadline = start + args.duration_s
         stop = threading.Event()
-        samples: list[tuple[float, float]] = [(0.0, idle_rss / 2**20)]
+        samples: list[tuple[float, float]] = [(0.0, round(idle_rss / 2**20, 1))]
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
