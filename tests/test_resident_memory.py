@@ -156,3 +156,12 @@ def test_soak_second_half_growth_and_its_pass_mark() -> None:
     rising = second_half_growth(samples + [(60.0, 1200.0)], duration_s=60.0)
     assert (rising["from_s"], rising["growth_mib"], rising["flat"]) == (30.0, 40.0, False)
     assert second_half_growth([(0.0, 1.0), (10.0, 2.0)], duration_s=60.0)["flat"] is None  # too few samples
+
+
+def test_peers_run_with_their_own_onednn_cache_defaults() -> None:
+    from bench.vllm_server import peer_env
+
+    env = peer_env()
+    for name in serve.ONEDNN_CACHE_DEFAULTS:
+        assert os.environ.get(name) is not None  # ours, set on import (or exported before)
+        assert (name in env) == (name in serve.INHERITED_ONEDNN), name
