@@ -42,6 +42,7 @@ from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
 from serve.model.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from serve.engine.resources import ResourceManager, StaticResources
 from serve.morph.runtime import MorphRuntime
 from serve.memory.pressure import pressure_source
 from serve.morph.setup import EngineMemory, MorphPlan, build_memory, build_runtime, rtn_plan
@@ -96,7 +97,6 @@ class EngineParts:
     memory: EngineMemory
     morph: MorphRuntime | None
     executor: Any
-    reachable_blocks: int | None = None  # None: computed from the policy as for a built engine
 
 
 class LLMEngine:
@@ -165,8 +165,7 @@ class LLMEngine:
                                        pressure=pressure_source(config.memory_pressure_source, self.device)
                                        if policy.strategy == "dynamic" else None)
             self.morph.step_token_budget = config.max_num_batched_tokens
-        self.reachable_blocks = self._reachable_blocks(policy)
-        self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
+        self._wire_resources(config)
         self.executor = TorchExecutor(self.model, self.kv)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -179,25 +178,20 @@ class LLMEngine:
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
         self.morph = parts.morph
-        policy = config.policy_config()
-        self.reachable_blocks = self._reachable_blocks(policy)
-        self.scheduler = make_scheduler(config, self.pool, self.clock, self._cover_shortfall if self.morph else None)
+        self._wire_resources(config)
         self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
-    def _reachable_blocks(self, policy: PolicyConfig) -> int:
-        """The most KV blocks this engine's mode can ever have: what is there now plus what quantizing every
-        layer the mode may still quantize to its deepest rung would add. Admission is bounded by it, so
-        a request no configuration can hold is refused at once instead of preempting in a loop."""
-        if self.morph is None or policy.strategy != "dynamic":
-            self._reach_note = f"{self.pool.num_blocks} blocks, no morphing"
-            return self.pool.num_blocks
-        deepest = policy.ladder[-1]
-        layers = self.morph.controller.max_quantized_layers
-        gain = layers * self.morph.blocks_per_layer_chunk[deepest]
-        self._reach_note = f"{self.pool.base_blocks} base + {layers} layers at {deepest} x " \
-                           f"{self.morph.blocks_per_layer_chunk[deepest]} blocks"
-        return self.pool.base_blocks + gain
+    def _wire_resources(self, config: EngineConfig) -> None:
+        """The loop's resource manager (the morph runtime, or the static null object), the admission bound it
+        gives and the scheduler, which offers it the shortfalls it meets when it can grow the pool."""
+        self.resources: ResourceManager = self.morph if self.morph is not None else StaticResources(config.morph_mode)
+        # The most KV blocks this engine's mode can ever have: admission is bounded by it, so a request no
+        # configuration can hold is refused at once instead of preempting in a loop.
+        self.reachable_blocks, self._reach_note = self.resources.reachable_blocks(self.pool.base_blocks,
+                                                                                  self.pool.num_blocks)
+        self.scheduler = make_scheduler(config, self.pool, self.clock,
+                                        self._cover_shortfall if self.resources.grows_pool else None)
 
     # ---- admission -------------------------------------------------------------------------------
     def validate_and_tokenize(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -325,8 +319,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
-            if self.morph is not None:
-                self.morph.last_step_tokens = sum(c.num_tokens for c in sched.chunks)
+            self.resources.after_schedule(sum(c.num_tokens for c in sched.chunks))
             produced: list[tuple[Sequence, RequestOutput]] = []
             now = self.clock()
             started = 0
@@ -403,11 +396,10 @@ class LLMEngine:
             return out
 
     def _morph_boundary(self) -> bool:
-        """Apply the policy's decision; a failure is logged and counted, the batch still runs."""
-        if self.morph is None:
-            return True
+        """The resource manager's iteration boundary (the policy's decision applied); a failure is logged and
+        counted, the batch still runs."""
         try:
-            self.morph.on_iteration_boundary(self.scheduler)
+            self.resources.before_schedule(self.scheduler)
             return True
         except Exception as exc:  # noqa: BLE001
             self.faults.record("morph", exc)
@@ -417,7 +409,7 @@ class LLMEngine:
         """Quantize before preempt: the scheduler is ``blocks`` KV blocks short and about to preempt (the
         KV-cache manager's hook). A failure is logged and counted as the boundary's; the scheduler preempts."""
         try:
-            self.morph.cover_deficit(self.scheduler, blocks)  # type: ignore[union-attr]
+            self.resources.cover_shortfall(self.scheduler, blocks)
         except Exception as exc:  # noqa: BLE001
             self.faults.record("morph", exc)
             self._morph_ok = False
@@ -442,10 +434,9 @@ class LLMEngine:
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-            if self.morph is not None:
-                self.morph.record_first_token(now, now - seq.arrival_time)
-        elif self.morph is not None and seq.last_token_time is not None:
-            self.morph.record_token_gap(now, now - seq.last_token_time)
+            self.resources.on_first_token(now, now - seq.arrival_time)
+        elif seq.last_token_time is not None:
+            self.resources.on_token_gap(now, now - seq.last_token_time)
         seq.last_token_time = now
         reason = self._stop_reason(seq, tok)
         if reason is not None:
@@ -506,7 +497,7 @@ class LLMEngine:
                     return
                 self._admit_handoff()
                 idle = not self.scheduler.has_work()
-                settled = self.morph is None or self.morph.is_settled()
+                settled = self.resources.is_settled()
             if idle:
                 # Unsettled morph state: keep ticking so the controller can restore layers when calm.
                 woke = self._handoff.work.wait(None if settled else 0.05)
@@ -598,12 +589,9 @@ class LLMEngine:
                 "block_size": self.config.block_size,
                 "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens,
-                "layers_quantized": self.morph.quantized_by_precision() if self.morph else {},
-                "swaps_total": self.morph.stats.swaps if self.morph else 0,
-                "restores_total": self.morph.stats.restores if self.morph else 0,
+                **self.resources.resource_stats(),
                 "kv_blocks_base": self.pool.base_blocks,
                 "memory": self.ledger.as_dict(),
-                "memory_yield": self.morph.memory_stats() if self.morph else {},
                 **self._memory_gauges(),
                 "healthy": self.healthy,
                 "last_step_error": self.last_step_error,
@@ -611,7 +599,7 @@ class LLMEngine:
 
     def _memory_gauges(self) -> dict:
         """Flat numbers for the metric catalogues: bytes held and given back, outside free memory, counts."""
-        mem = self.morph.memory_stats() if self.morph else {}
+        mem = self.resources.resource_stats()["memory_yield"]
         out = {"memory_held_bytes": self.ledger.as_dict()["held"], "memory_yielded_bytes": mem.get("yielded_bytes", 0),
                "memory_yields_total": mem.get("yields_total", 0), "memory_reclaims_total": mem.get("reclaims_total", 0)}
         if mem.get("outside_free_bytes") is not None:
@@ -621,19 +609,15 @@ class LLMEngine:
     def request_memory_yield(self, nbytes: int | None) -> dict:
         """The operator's yield control: keep ``nbytes`` given back to the device (or host) until cleared
         (None/0: reclaim under the reclaim rule). ValueError when this engine cannot yield."""
-        if self.morph is None:
-            raise ValueError(f"morph mode {self.config.morph_mode!r} holds no quantized layers and cannot yield "
-                             "memory; serve a dynamic mode (default, performance, accuracy)")
         with self._lock:
-            self.morph.request_yield(nbytes)
+            state = self.resources.request_yield(nbytes)
         self._handoff.work.set()  # an idle loop wakes and ticks until the request is met
-        return self.morph.memory_stats()
+        return state
 
     def shutdown(self) -> None:
         self.stop()
         self.guides.close()
-        if self.morph is not None:
-            self.morph.bank.shutdown()
+        self.resources.shutdown()
 
 
 def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:

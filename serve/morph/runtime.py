@@ -411,7 +411,42 @@ class MorphRuntime:
         """The model's current shape, one character per layer: f(ull), 8 (int8), 4 (int4), e (fp8)."""
         return signature(layer.precision for layer in self.bank.model.layers)
 
-    def request_yield(self, nbytes: int | None) -> None:
+    # ---- the engine loop's resource-manager seam (serve/engine/resources.py) --------------------------------
+    grows_pool = True
+
+    def before_schedule(self, scheduler: SchedulerView) -> None:
+        self.on_iteration_boundary(scheduler)
+
+    def cover_shortfall(self, scheduler: SchedulerView, blocks: int) -> int:
+        return self.cover_deficit(scheduler, blocks)
+
+    def after_schedule(self, num_tokens: int) -> None:
+        self.last_step_tokens = num_tokens
+
+    def on_first_token(self, now: float, ttft_s: float) -> None:
+        self.record_first_token(now, ttft_s)
+
+    def on_token_gap(self, now: float, gap_s: float) -> None:
+        self.record_token_gap(now, gap_s)
+
+    def reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
+        """The most KV blocks this mode can ever have: a dynamic mode quantizing every layer it may to its
+        deepest rung; a static mode has them all already."""
+        if self.config.strategy != "dynamic":
+            return num_blocks, f"{num_blocks} blocks, layers fixed in mode {self.config.mode}"
+        deepest = self.config.ladder[-1]
+        layers = self.controller.max_quantized_layers
+        chunk = self.blocks_per_layer_chunk[deepest]
+        return base_blocks + layers * chunk, f"{base_blocks} base + {layers} layers at {deepest} x {chunk} blocks"
+
+    def resource_stats(self) -> dict:
+        return {"layers_quantized": self.quantized_by_precision(), "swaps_total": self.stats.swaps,
+                "restores_total": self.stats.restores, "memory_yield": self.memory_stats()}
+
+    def shutdown(self) -> None:
+        self.bank.shutdown()
+
+    def request_yield(self, nbytes: int | None) -> dict:
         """An operator's standing request: keep ``nbytes`` given back (None or 0: none; yielded bytes then
         return under the reclaim rule). Takes effect at the next iteration boundary."""
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
@@ -423,6 +458,7 @@ class MorphRuntime:
             raise ValueError("this arena cannot give memory back: on CUDA set memory_floor (which builds the "
                              "arena from CUDA VMM segments)")
         self.yield_request = nbytes or None
+        return self.memory_stats()
 
     def memory_stats(self) -> dict:
         free = self.last_free
