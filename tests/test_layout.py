@@ -22,14 +22,16 @@ ALLOWED: dict[str, set[str]] = {
     "policy": set(),
     "serve": set(),  # the package itself (its __init__ sets OpenMP defaults, stdlib only)
     "serve.logging_setup": set(),
+    "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
     "serve.config": {"policy"},
     "serve.model": {"policy"},
     "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
     "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
     "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
-    "serve.triton": {"serve.config", "serve.logging_setup", "policy"},
-    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.logging_setup", "policy"},
+    "serve.triton": {"serve.config", "serve.logging_setup", "serve.metrics_catalogue", "policy"},
+    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.logging_setup", "serve.metrics_catalogue",
+                     "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "policy"},
     "builder": {"serve.model", "serve.logging_setup", "policy"},

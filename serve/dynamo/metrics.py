@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.logging_setup import get_logger
+from serve.metrics_catalogue import ENGINE_METRICS, LAYERS_QUANTIZED, stat_value
 
 log = get_logger("morphserve.dynamo.metrics")
 
@@ -67,32 +68,6 @@ class CapacityPublisher:
             log.warning("kv_snapshot_publish_failed", error=f"{type(exc).__name__}: {exc}")
 
 
-# (metric, type, help, stats key)
-_GAUGES = (
-    ("morphserve_kv_blocks_total", "gauge", "KV cache blocks in the pool now (grows when layers are quantized)",
-     "kv_blocks_total"),
-    ("morphserve_kv_blocks_used", "gauge", "KV cache blocks in use", "kv_blocks_used"),
-    ("morphserve_kv_blocks_base", "gauge", "KV cache blocks with every layer at full precision", "kv_blocks_base"),
-    ("morphserve_kv_cache_usage_perc", "gauge", "KV cache usage (0-1)", "kv_cache_usage_perc"),
-    ("morphserve_num_requests_running", "gauge", "requests in the running batch", "num_running"),
-    ("morphserve_num_requests_waiting", "gauge", "requests waiting for admission", "num_waiting"),
-    ("morphserve_swaps_total", "counter", "layer swaps to a quantized variant", "swaps_total"),
-    ("morphserve_restores_total", "counter", "layer restores to a milder variant", "restores_total"),
-    ("morphserve_num_preemptions_total", "counter", "sequences preempted (recomputed later)", "num_preemptions"),
-    ("morphserve_prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
-     "prefix_cache_queries"),
-    ("morphserve_prefix_cache_hits_total", "counter", "prompt tokens served from the prefix cache (not recomputed)",
-     "prefix_cache_hits"),
-    ("morphserve_generation_tokens_total", "counter", "tokens generated", "num_generated_tokens"),
-    ("morphserve_memory_held_bytes", "gauge", "bytes the engine holds (budget minus what it gave back)",
-     "memory_held_bytes"),
-    ("morphserve_memory_yielded_bytes", "gauge", "bytes given back to the device or host under outside pressure",
-     "memory_yielded_bytes"),
-    ("morphserve_memory_outside_free_bytes", "gauge", "free memory outside the engine as its pressure source reads it",
-     "memory_outside_free_bytes"),
-    ("morphserve_memory_yields_total", "counter", "yield steps (layers or KV chunks given back)", "memory_yields_total"),
-    ("morphserve_memory_reclaims_total", "counter", "yielded transitions taken back", "memory_reclaims_total"),
-)
 PRECISIONS = ("int8", "int4", "fp8")
 
 
@@ -112,14 +87,13 @@ def exposition(stats: Mapping[str, Any], labels: Mapping[str, str] | None = None
     """Prometheus text for the morph gauges (the names the Triton model exports too)."""
     labels = dict(labels or {})
     lines: list[str] = []
-    for name, kind, help_text, key in _GAUGES:
-        if key not in stats:
+    for m in ENGINE_METRICS:  # the catalogue the Triton model exports too (serve/metrics_catalogue.py)
+        value = stat_value(stats, m.stats_key)
+        if value is None:
             continue
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                  f"{name}{_labels(labels)} {float(stats[key]):g}"]
+        lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}", f"{m.name}{_labels(labels)} {value:g}"]
     quantized = stats.get("layers_quantized") or {}
-    lines += ["# HELP morphserve_layers_quantized decoder layers currently at a quantized precision",
-              "# TYPE morphserve_layers_quantized gauge"]
+    lines += [f"# HELP {LAYERS_QUANTIZED.name} {LAYERS_QUANTIZED.help}", f"# TYPE {LAYERS_QUANTIZED.name} gauge"]
     for precision in sorted(set(PRECISIONS) | set(quantized)):
         lines.append(f"morphserve_layers_quantized{_labels(labels, {'precision': precision})} "
                      f"{int(quantized.get(precision, 0))}")

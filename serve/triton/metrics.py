@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from policy import QUANTIZED_PRECISIONS
+from serve.metrics_catalogue import ENGINE_METRICS, LAYERS_QUANTIZED, stat_value
 
 # Histogram buckets (seconds): vLLM's, with finer low buckets for small models on CPU.
 _TTFT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5,
@@ -63,26 +64,17 @@ class Metrics:
         self._labels = {"model": model_name, "version": version}
         self._lock = threading.Lock()
         g = self._family_metric
-        self.kv_usage = g("morphserve_kv_cache_usage_perc", "KV-cache usage: used / total blocks (0-1).", "GAUGE")
-        self.kv_used = g("morphserve_kv_blocks_used", "KV-cache blocks in use.", "GAUGE")
-        self.kv_total = g("morphserve_kv_blocks_total", "KV-cache blocks in the pool (grows when layers are quantized).", "GAUGE")
-        self.running = g("morphserve_num_requests_running", "Requests in the running batch.", "GAUGE")
-        self.waiting = g("morphserve_num_requests_waiting", "Requests waiting to be scheduled.", "GAUGE")
-        self.healthy = g("morphserve_engine_healthy",
-                         "1 while the engine serves; 0 after repeated failed iterations (requests are refused).", "GAUGE")
-        self.healthy.set(1.0)
-        self.swaps = g("morphserve_swaps_total", "Layers swapped to a quantized variant.", "COUNTER")
-        self.restores = g("morphserve_restores_total", "Layers restored to full precision.", "COUNTER")
+        # the engine's metrics, from the one catalogue both front ends use (serve/metrics_catalogue.py)
+        self._engine = {m.stats_key: (m, g(m.name, m.help, m.kind.upper())) for m in ENGINE_METRICS}
+        self._engine["healthy"][1].set(1.0)
         self.prompt_tokens = g("morphserve_prompt_tokens_total", "Prompt tokens of finished requests.", "COUNTER")
-        self.generation_tokens = g("morphserve_generation_tokens_total", "Generated tokens.", "COUNTER")
         self.ttft = _Histogram(self._pb, self._families, "morphserve_time_to_first_token_seconds",
                                "Time from request arrival at the model to its first token.", self._labels, _TTFT_BUCKETS)
         self.itl = _Histogram(self._pb, self._families, "morphserve_inter_token_latency_seconds",
                               "Gap between consecutive tokens of a request.", self._labels, _ITL_BUCKETS)
         self.e2e = _Histogram(self._pb, self._families, "morphserve_e2e_request_latency_seconds",
                               "Time from request arrival at the model to its final response.", self._labels, _E2E_BUCKETS)
-        self._layers_family = self._new_family("morphserve_layers_quantized",
-                                               "Decoder layers currently held in each quantized precision.", "GAUGE")
+        self._layers_family = self._new_family(LAYERS_QUANTIZED.name, LAYERS_QUANTIZED.help, "GAUGE")
         self._layers: dict[str, Any] = {}
         for precision in QUANTIZED_PRECISIONS:  # present (at 0) from the start, for dashboards
             self._layers[precision] = self._layers_family.Metric(labels={**self._labels, "precision": precision})
@@ -90,26 +82,7 @@ class Metrics:
         self._finished_family = self._new_family("morphserve_requests_finished_total",
                                                  "Finished requests by finish reason.", "COUNTER")
         self._finished: dict[str, Any] = {}
-        self.preemptions = g("morphserve_num_preemptions_total",
-                             "Running requests preempted (KV blocks freed, recomputed later).", "COUNTER")
-        self.prefix_queries = g("morphserve_prefix_cache_queries_total",
-                                "Prompt tokens looked up in the prefix cache at admission.", "COUNTER")
-        self.prefix_hits = g("morphserve_prefix_cache_hits_total",
-                             "Prompt tokens served from the prefix cache (their KV reused, not recomputed).", "COUNTER")
-        self.memory_held = g("morphserve_memory_held_bytes", "Bytes the engine holds (budget minus what it gave back).",
-                             "GAUGE")
-        self.memory_yielded = g("morphserve_memory_yielded_bytes",
-                                "Bytes given back to the device or host under outside pressure.", "GAUGE")
-        self.memory_outside_free = g("morphserve_memory_outside_free_bytes",
-                                     "Free memory outside the engine as its pressure source reads it.", "GAUGE")
-        self.memory_yields = g("morphserve_memory_yields_total", "Yield steps (layers or KV chunks given back).",
-                               "COUNTER")
-        self.memory_reclaims = g("morphserve_memory_reclaims_total", "Yielded transitions taken back.", "COUNTER")
-        # engine.stats() totals mirrored into counters: stats key -> counter, and the total last seen
-        self._totals = {"swaps_total": self.swaps, "restores_total": self.restores, "num_preemptions": self.preemptions,
-                        "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-                        "memory_yields_total": self.memory_yields, "memory_reclaims_total": self.memory_reclaims}
-        self._last_totals = dict.fromkeys(self._totals, 0.0)
+        self._last_totals = {m.stats_key: 0.0 for m in ENGINE_METRICS if m.kind == "counter"}
         self.queue_time = _Histogram(self._pb, self._families, "morphserve_request_queue_time_seconds",
                                      "Time from arrival at the engine to first scheduling.", self._labels,
                                      _QUEUE_BUCKETS)
@@ -137,16 +110,15 @@ class Metrics:
     def update_from_stats(self, stats: dict[str, Any]) -> None:
         """Copy engine.stats() into the gauges; totals become counter increments."""
         with self._lock:
-            self.kv_usage.set(float(stats.get("kv_cache_usage_perc", 0.0)))
-            self.kv_used.set(float(stats.get("kv_blocks_used", 0)))
-            self.kv_total.set(float(stats.get("kv_blocks_total", 0)))
-            self.running.set(float(stats.get("num_running", 0)))
-            self.waiting.set(float(stats.get("num_waiting", 0)))
-            self.healthy.set(1.0 if stats.get("healthy", True) else 0.0)
-            self.memory_held.set(float(stats.get("memory_held_bytes", 0)))
-            self.memory_yielded.set(float(stats.get("memory_yielded_bytes", 0)))
-            if stats.get("memory_outside_free_bytes") is not None:
-                self.memory_outside_free.set(float(stats["memory_outside_free_bytes"]))
+            for key, (metric, series) in self._engine.items():
+                value = stat_value(stats, key)
+                if value is None:
+                    continue
+                if metric.kind == "gauge":
+                    series.set(value)
+                elif value > self._last_totals[key]:  # a running total becomes counter increments
+                    series.increment(value - self._last_totals[key])
+                    self._last_totals[key] = value
             layers = dict(stats.get("layers_quantized") or {})
             for precision in set(layers) | set(self._layers):
                 m = self._layers.get(precision)
@@ -154,11 +126,6 @@ class Metrics:
                     m = self._layers[precision] = self._layers_family.Metric(
                         labels={**self._labels, "precision": str(precision)})
                 m.set(float(layers.get(precision, 0)))
-            for key, counter in self._totals.items():
-                value = float(stats.get(key, 0))
-                if value > self._last_totals[key]:
-                    counter.increment(value - self._last_totals[key])
-                    self._last_totals[key] = value
             self._update_trtllm(stats)
 
     def _update_trtllm(self, stats: dict[str, Any]) -> None:

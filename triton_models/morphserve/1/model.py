@@ -310,8 +310,7 @@ class TritonPythonModel:
                 gap = (t - inflight.last_token_time) / n_new
                 for _ in range(n_new):
                     self.metrics.itl.observe(gap)
-            inflight.last_token_time = t
-            self.metrics.generation_tokens.increment(n_new)
+            inflight.last_token_time = t  # generated tokens are counted from engine.stats() (the catalogue)
         inflight.num_input_tokens = out.num_prompt_tokens
         inflight.num_output_tokens = out.num_output_tokens
         reason = out.finish_reason.value if out.finish_reason is not None else ""
