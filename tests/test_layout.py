@@ -128,3 +128,49 @@ def test_the_checker_catches_a_wrong_arrow(tmp_path: Path, snippet: str, room: s
     f = tmp_path / "planted.py"
     f.write_text(snippet)
     assert bool(violations_in(f, room, package)) is bad
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (``from pkg import name`` counts as pkg.name when that is a
+    module); package __init__ files are left out, since a package importing its own modules is no circle."""
+    paths = {module_name(p): p for p in source_files()}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        if path.name == "__init__.py":
+            continue
+        package = name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = {t for _, t in imports_of(path, package)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {t for t in targets if t in paths and t != name and paths[t].name != "__init__.py"}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every module that can reach itself again through imports, with one such path."""
+    circles = []
+    for start in sorted(graph):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    circles.append(path + [start])
+                    stack = []
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    return circles
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """Lazy (function-level) imports count: a circle hidden inside a function is still a circle (issue 33)."""
+    assert import_circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_planted_circle() -> None:
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})[0] == ["a", "b", "c", "a"]
+    assert import_circles({"a": {"b"}, "b": set()}) == []

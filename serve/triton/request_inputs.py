@@ -13,12 +13,8 @@ from typing import Any
 
 import numpy as np
 
-# name -> the input's array, or None when the request does not carry it.
-InputGetter = Callable[[str], "np.ndarray | None"]
-
-
-class InputError(ValueError):
-    """A request the model refuses; the message goes back to the client verbatim."""
+from serve.triton.input_error import InputError
+from serve.triton.trtllm import InputGetter, check_unsupported, with_parameters  # name -> array or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +118,6 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
     ``parameters`` (a request's JSON parameters: over HTTP generate, the JSON keys that are not inputs)
     may carry any known option by its input name or alias; unknown ones are rejected. ``limits`` bound what
     one request may carry, checked before anything is decoded."""
-    from serve.triton.trtllm import check_unsupported, with_parameters  # noqa: PLC0415 - sibling helper
-
     limits = limits or InputLimits()
     get_input = with_parameters(get_input, parameters)
     check_unsupported(get_input)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from serve.triton.request_inputs import InputError as ContractError
+from serve.triton.input_error import InputError as ContractError
 
 InputGetter = Callable[[str], "np.ndarray | None"]
 
