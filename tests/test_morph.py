@@ -53,7 +53,8 @@ def assert_memory_exact(engine: LLMEngine) -> None:
             assert led.layer_slots[i] == bank.slots(i, layer.precision)
     chunks = engine.pool.chunks[1:]
     with_chunks = [t for t in m.stack if t.owner]
-    assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack)
+    assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack if not t.yielded)
+    assert led.yielded_slots == sum(t.blocks for t in m.stack if t.yielded)  # given back: in no chunk
     assert [c.owner for c in chunks] == [t.owner for t in with_chunks]
     for c, t in zip(chunks, with_chunks):
         assert kv.block_map[c.start:c.end].tolist() == list(range(t.slots.start, t.slots.end))
