@@ -115,7 +115,7 @@ class MorphController:
         if strategy == "static":
             return self._static(t)
         memory = self.yield_rule.decide(t, self.ladder(t), describe)
-        if memory is not None and (memory.action != "none" or self.yield_rule.shortfall(t)[0] > 0):
+        if memory is not None and (memory.action != "none" or self.yield_rule.short_bytes > 0):
             return memory  # outside memory first: a co-tenant's out-of-memory error outranks our queue
         decision = self._dynamic(t)
         if decision.action == "none" and memory is not None:

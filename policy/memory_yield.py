@@ -41,6 +41,8 @@ class YieldRule:
         self.config = config
         self.swap_order = tuple(swap_order)
         self._reclaimable_since: float | None = None
+        self.short_bytes = 0
+        """The shortfall the last ``decide`` saw (0: none): the controller returns a ``none`` then too."""
 
     @property
     def active(self) -> bool:
@@ -61,9 +63,11 @@ class YieldRule:
     def decide(self, t: Telemetry, ladder: Sequence[str], describe: Callable[[Telemetry], str]) -> MorphDecision | None:
         """A yield or reclaim decision, a ``none`` that says why a needed yield cannot happen, or None when
         memory asks for nothing (the KV rules decide)."""
+        self.short_bytes = 0
         if not self.active:
             return None
         short, why = self.shortfall(t)
+        self.short_bytes = short
         if short > 0:
             self._reclaimable_since = None
             return self._yield(t, ladder, short, "; ".join(why), describe(t))

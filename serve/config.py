@@ -138,8 +138,7 @@ class EngineConfig:
             raise ValueError(f"memory_floor needs a dynamic morph mode (default, performance, accuracy); "
                              f"{self.morph_mode!r} never changes layers at run time")
         if self.memory_floor is not None:
-            floor, mark = self.memory_policy()
-            PolicyConfig.for_mode(self.morph_mode, **{**self.policy_overrides, **floor, **mark})
+            PolicyConfig.for_mode(self.morph_mode, **{**self.policy_overrides, **self.memory_policy()})
         if self.slo_ttft_s <= 0:
             raise ValueError(f"slo_ttft_s must be positive, got {self.slo_ttft_s}")
         if self.scheduler not in SCHEDULERS:
@@ -163,17 +162,17 @@ class EngineConfig:
         """The controller's PolicyConfig: the mode's preset, the TTFT SLO, --policy overrides, the memory floor."""
         from policy import PolicyConfig  # noqa: PLC0415
 
-        floor, mark = self.memory_policy()
         return PolicyConfig.for_mode(self.morph_mode, **{"ttft_slo_s": self.slo_ttft_s, **self.policy_overrides,
-                                                         **floor, **mark})
+                                                         **self.memory_policy()})
 
-    def memory_policy(self) -> tuple[dict[str, int], dict[str, int]]:
+    def memory_policy(self) -> dict[str, int]:
         """``memory_floor`` / ``memory_reclaim_mark`` as PolicyConfig overrides (empty when unset; a floor of
         0 arms the operator's control without a floor)."""
         floor = parse_size(self.memory_floor) if self.memory_floor is not None else 0
-        floor_kw = {"memory_floor_bytes": floor} if floor else {}
-        mark_kw = {"memory_reclaim_bytes": parse_size(self.memory_reclaim_mark)} if self.memory_reclaim_mark else {}
-        return floor_kw, mark_kw
+        out = {"memory_floor_bytes": floor} if floor else {}
+        if self.memory_reclaim_mark:
+            out["memory_reclaim_bytes"] = parse_size(self.memory_reclaim_mark)
+        return out
 
 
 def parse_policy_overrides(pairs: list[str]) -> dict[str, Any]:

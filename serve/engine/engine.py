@@ -589,17 +589,17 @@ class LLMEngine:
                 "block_size": self.config.block_size,
                 "num_steps": self.num_steps,
                 "num_generated_tokens": self.num_generated_tokens,
-                **self.resources.resource_stats(),
+                **(resources := self.resources.resource_stats()),
                 "kv_blocks_base": self.pool.base_blocks,
                 "memory": self.ledger.as_dict(),
-                **self._memory_gauges(),
+                **self._memory_gauges(resources["memory_yield"]),
                 "healthy": self.healthy,
                 "last_step_error": self.last_step_error,
             }
 
-    def _memory_gauges(self) -> dict:
-        """Flat numbers for the metric catalogues: bytes held and given back, outside free memory, counts."""
-        mem = self.resources.resource_stats()["memory_yield"]
+    def _memory_gauges(self, mem: dict) -> dict:
+        """Flat numbers for the metric catalogue from the resource manager's memory state: bytes held and
+        given back, outside free memory, counts."""
         out = {"memory_held_bytes": self.ledger.as_dict()["held"], "memory_yielded_bytes": mem.get("yielded_bytes", 0),
                "memory_yields_total": mem.get("yields_total", 0), "memory_reclaims_total": mem.get("reclaims_total", 0)}
         if mem.get("outside_free_bytes") is not None:

@@ -204,6 +204,8 @@ class MorphRuntime:
                 self.queued.clear()  # the rest of the decision depended on this step
 
     def _yielded_layers(self) -> tuple[int, ...]:
+        if not self.ledger.yielded_slots:  # the usual case, at every iteration boundary
+            return ()
         newest = {tr.layer: tr for tr in self.stack}
         return tuple(tr.layer for tr in self.stack if tr.yielded and newest[tr.layer] is tr)
 
