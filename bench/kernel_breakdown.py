@@ -110,12 +110,12 @@ def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
     MORPHSERVE_QACTIVATIONS setting the quantized layers read at every call) or ``q8_short_path`` (the quantized
     layers' direct kernel call for decode inputs; off: every call takes the general path)."""
     if attr == "q8_short_path":
-        from serve.model import quantized_linear  # noqa: PLC0415
+        from serve.model.quantized_linear import common  # noqa: PLC0415 - the formats call common._q8_gemv_input
 
-        short = quantized_linear._q8_gemv_input
+        short = common._q8_gemv_input
 
         def set_short(on: bool | None) -> None:
-            quantized_linear._q8_gemv_input = short if on is not False else (lambda x, in_features: False)
+            common._q8_gemv_input = short if on is not False else (lambda x, in_features: False)
         return set_short
     if attr == "int8_activations":
         before = os.environ.get("MORPHSERVE_QACTIVATIONS")

@@ -18,7 +18,7 @@ from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import DenseLinear
 from serve.model.llama import rms_norm
 from serve.model.model_config import ModelConfig
-from serve.model.quantized_linear import Int4WeightOnly, QuantizedLinear
+from serve.model.quantized_linear import QuantizedLinear
 from serve.model.rope import RotaryEmbedding
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -38,9 +38,7 @@ class KernelProjection:
 
 def dequantized_weight(layer: QuantizedLinear) -> torch.Tensor:
     """fp32 weight equivalent to the runtime layer (AWQ's pre_quant_scale folded in)."""
-    if isinstance(layer, Int4WeightOnly):
-        return layer.dequantize_folded()
-    return layer.dequantize()
+    return layer.dequantize_folded()
 
 
 @dataclass

@@ -29,20 +29,8 @@ from torch import nn
 
 from policy.precisions import check_quantized_precision
 from serve.model.layers import PROJECTIONS
-from serve.model.quantized_linear import (
-    Fp8WeightOnly,
-    Int4WeightOnly,
-    Int8WeightOnly,
-    QuantizedLinear,
-)
-from serve.model.rtn import (
-    _fp8_from_amax,
-    _round_codes,
-    _scale,
-    check_int4_block_size,
-    choose_int4_block_size,
-    quantize_linear_rtn,
-)
+from serve.model.quantized_linear import Calibration, QuantizedLinear, quant_format
+from serve.model.rtn import check_int4_block_size, choose_int4_block_size, quantize_linear_rtn
 
 _DECODER_LINEAR_RE = re.compile(r"(^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")$")
 
@@ -66,9 +54,8 @@ def quantize_model_rtn(
     model: nn.Module, precision: str, group_size: int | None = None
 ) -> dict[str, QuantizedLinear]:
     """Plain RTN for every decoder linear; int4 group size defaults to :func:`choose_int4_block_size`."""
-    check_quantized_precision(precision)
     linears = decoder_linears(model)
-    if precision == "int4" and group_size is None:
+    if quant_format(precision).grouped and group_size is None:
         group_size = choose_int4_block_size(m.in_features for m in linears.values())
     return {
         name: quantize_linear_rtn(m.weight, precision, group_size or 128) for name, m in linears.items()
@@ -97,12 +84,11 @@ def modelopt_config(precision: str, block_size: int | None = None) -> dict[str, 
     int4 gets ``block_size`` (default 128); fp8 gets its input quantizers disabled."""
     import modelopt.torch.quantization as mtq
 
-    check_quantized_precision(precision)
-    presets = {"int8": mtq.INT8_WEIGHT_ONLY_CFG, "int4": mtq.INT4_AWQ_CFG, "fp8": mtq.FP8_DEFAULT_CFG}
-    cfg = copy.deepcopy(presets[precision])
-    if precision == "int4":
+    fmt = quant_format(precision)
+    cfg = copy.deepcopy(getattr(mtq, fmt.modelopt.preset))
+    if fmt.grouped:
         _set_weight_block_size(cfg, block_size or 128)
-    if precision == "fp8":
+    if fmt.modelopt.weights_only:
         # Later entries win in modelopt 0.47's ordered quant_cfg list.
         cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
     return cfg
@@ -131,11 +117,11 @@ def quantize_with_modelopt(
     linears' in_features; the one used is reported in the result."""
     import modelopt.torch.quantization as mtq
 
-    check_quantized_precision(precision)
+    grouped = quant_format(precision).grouped
     in_dims = [m.in_features for m in decoder_linears(model).values()]
     if not in_dims:
         raise ValueError("model has no decoder-layer q/k/v/o/gate/up/down linears")
-    if precision == "int4":
+    if grouped:
         block_size = block_size or choose_int4_block_size(in_dims)
         check_int4_block_size(in_dims, block_size)
     else:
@@ -157,25 +143,17 @@ def extract_quantized_linears(model: nn.Module, precision: str) -> dict[str, Qua
 
 def extract_quantized_linear(module: nn.Module, precision: str) -> QuantizedLinear:
     """Runtime layer from one modelopt QuantLinear, reproducing its fake-quant weight codes."""
-    check_quantized_precision(precision)
+    fmt = quant_format(precision)
     _check_modelopt_format(module, precision)
     with torch.no_grad():
-        if precision == "int8":
-            return _extract_int8(module)
-        if precision == "int4":
-            return _extract_int4(module)
-        return _extract_fp8(module)
+        return fmt.from_calibration(calibration(module))
 
 
 def _check_modelopt_format(module: nn.Module, precision: str) -> None:
     from modelopt.torch.export import model_config as mc
     from modelopt.torch.export.quant_utils import get_quantization_format
 
-    expected = {
-        "int8": {mc.QUANTIZATION_INT8_WO},
-        "int4": {mc.QUANTIZATION_INT4_AWQ},
-        "fp8": {mc.QUANTIZATION_FP8, mc.QUANTIZATION_FP8_PC_PT},
-    }[precision]
+    expected = {getattr(mc, name) for name in quant_format(precision).modelopt.export_formats}
     found = get_quantization_format(module) if hasattr(module, "weight_quantizer") else None
     if found not in expected:
         raise ValueError(
@@ -183,47 +161,18 @@ def _check_modelopt_format(module: nn.Module, precision: str) -> None:
         )
 
 
-def _weight_amax(module: nn.Module) -> torch.Tensor:
-    amax = module.weight_quantizer.export_amax()
-    if amax is None:
-        raise ValueError("weight quantizer has no amax: was the model calibrated?")
-    return amax.float()
-
-
-def _min_bound(quantizer: Any, max_bound: float) -> float:
-    return -max_bound if quantizer.narrow_range else -max_bound - 1
-
-
-def _extract_int8(module: nn.Module) -> Int8WeightOnly:
-    wq = module.weight_quantizer
-    amax = _weight_amax(module).reshape(-1)  # [N], axis=0
-    q = _round_codes(module.weight, amax[:, None], float(wq.maxbound), _min_bound(wq, float(wq.maxbound)))
-    return Int8WeightOnly.from_int(q, _scale(amax, float(wq.maxbound)))
-
-
-def _extract_int4(module: nn.Module) -> Int4WeightOnly:
+def calibration(module: nn.Module) -> Calibration:
+    """What a calibrated modelopt QuantLinear's weight quantizer holds, for the formats to rebuild its codes."""
     from modelopt.torch.export.quant_utils import get_prequant_scaling_factor, get_weight_block_size
 
     wq = module.weight_quantizer
-    block = get_weight_block_size(module)
-    w = module.weight.float()
-    n, k = w.shape
-    check_int4_block_size([k], block)
-    amax = _weight_amax(module).reshape(n, k // block)
-    groups = w.reshape(n, k // block, block)
-    q = _round_codes(groups, amax[..., None], float(wq.maxbound), _min_bound(wq, float(wq.maxbound)))
-    pqs = get_prequant_scaling_factor(module)
-    return Int4WeightOnly.from_codes(
-        q.reshape(n, k) + 8,
-        _scale(amax, float(wq.maxbound)),
-        block,
-        pre_quant_scale=None if pqs is None else pqs.float().reshape(k),
-    )
-
-
-def _extract_fp8(module: nn.Module) -> Fp8WeightOnly:
-    amax = _weight_amax(module).reshape(-1)  # [1] per-tensor, [N] per-channel
-    return _fp8_from_amax(module.weight.float(), amax)
+    amax = wq.export_amax()
+    if amax is None:
+        raise ValueError("weight quantizer has no amax: was the model calibrated?")
+    max_bound = float(wq.maxbound)
+    min_bound = -max_bound if wq.narrow_range else -max_bound - 1
+    return Calibration(module.weight.float(), amax.float(), max_bound, min_bound,
+                       get_weight_block_size(module), get_prequant_scaling_factor(module))
 
 
 def token_batches_loop(batches: Sequence[torch.Tensor]) -> ForwardLoop:

@@ -15,15 +15,10 @@ from torch import nn
 
 from builder.quantize import quantize_model_rtn, quantize_with_modelopt, token_batches_loop
 from serve.logging_setup import get_logger
-from serve.model.quantized_linear import QuantizedLinear
+from serve.model.quantized_linear import QuantizedLinear, quant_format
 
 log = get_logger("builder.variants")
 
-MODELOPT_METHODS: dict[str, str] = {
-    "int8": "modelopt INT8_WEIGHT_ONLY_CFG (per-output-channel max calibration)",
-    "int4": "modelopt INT4_AWQ_CFG (awq_lite, symmetric, group-wise)",
-    "fp8": "modelopt FP8_DEFAULT_CFG with input quantizers disabled (e4m3 weights, per-tensor scale)",
-}
 _LINEAR_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)$")
 
 
@@ -68,17 +63,18 @@ def captured_output(event: str) -> Iterator[None]:
 def build_variants(model: nn.Module, precision: str, batches: list[torch.Tensor], group_size: int) -> VariantResult:
     """Quantize every decoder linear of ``model`` (left unchanged) at ``precision``."""
     start = time.perf_counter()
+    fmt = quant_format(precision)
+    block_size = group_size if fmt.grouped else None
     try:
         with captured_output("modelopt_quantize"), torch.no_grad():
-            result = quantize_with_modelopt(model, precision, token_batches_loop(batches),
-                                            block_size=group_size if precision == "int4" else None)
-        method = MODELOPT_METHODS[precision]
+            result = quantize_with_modelopt(model, precision, token_batches_loop(batches), block_size=block_size)
+        method = fmt.modelopt.method
         return VariantResult(precision, by_layer(result.layers), method, result.block_size,
                              time.perf_counter() - start, quantized_model=result.model)
     except Exception as exc:  # noqa: BLE001 - any modelopt failure falls back to RTN, recorded in the manifest
         reason = f"{type(exc).__name__}: {exc}"
         log.warning("modelopt_failed_using_rtn", precision=precision, error=reason)
-        layers = quantize_model_rtn(model, precision, group_size if precision == "int4" else None)
+        layers = quantize_model_rtn(model, precision, block_size)
         return VariantResult(precision, by_layer(layers), "round-to-nearest fallback (builder/quantize.py)",
-                             group_size if precision == "int4" else None, time.perf_counter() - start,
+                             block_size, time.perf_counter() - start,
                              fallback_reason=reason)

@@ -36,7 +36,9 @@ PREFILL_CHUNKS: tuple[int, ...] = (128, 512)
 TOKEN_COUNTS: tuple[int, ...] = DECODE_BATCHES + PREFILL_CHUNKS
 COSTS_FILE = "step_costs.json"
 _KERNEL_SUFFIXES = (".cpp", ".cc", ".cu", ".so", ".pyd")
-_KERNEL_FILES = ("linear.py", "quantized_linear.py", "rtn.py")
+_KERNEL_FILES = ("linear.py", "rtn.py")
+_KERNEL_PACKAGES = ("quantized_linear",)
+"""Packages of serve/model whose every Python source counts as kernel source (one module per format)."""
 
 
 def device_name(device: torch.device) -> str:
@@ -62,12 +64,17 @@ def device_name(device: torch.device) -> str:
 def kernel_fingerprint() -> str:
     """Hash of the kernel sources and any compiled extension in serve/model: a new kernel means new costs."""
     here = Path(__file__).parent
-    files = sorted(p for p in here.rglob("*") if p.is_file() and (p.name in _KERNEL_FILES or p.suffix in _KERNEL_SUFFIXES))
+    files = sorted(p for p in here.rglob("*") if p.is_file() and _is_kernel_source(p.relative_to(here)))
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _is_kernel_source(rel: Path) -> bool:
+    in_package = rel.parts[0] in _KERNEL_PACKAGES and rel.suffix == ".py"
+    return rel.name in _KERNEL_FILES or rel.suffix in _KERNEL_SUFFIXES or in_package
 
 
 def machine_key(device: torch.device, dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:

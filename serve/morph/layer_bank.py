@@ -27,20 +27,15 @@ from serve.model.layers import PROJECTIONS
 from serve.model.linear import ConcatLinear, LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.omp_threads import serial_torch_here
-from serve.model.quantized_linear import Int4WeightOnly, Int8WeightOnly
+from serve.model.quantized_linear import fuse_quantized, host_packed
 from serve.morph.placement import arena_nbytes, remap, weight_tensors
 
 
 def _fuse(ops: list, bias: torch.Tensor | None) -> LinearOp:
-    """One kernel call for int8 (per-channel scales concatenate exactly) and for int4 in our CPU kernel's
-    layout (rows and their group scales concatenate exactly); otherwise run each op."""
-    if bias is None and all(isinstance(op, Int8WeightOnly) for op in ops):
-        return Int8WeightOnly(torch.cat([op.weight for op in ops]), torch.cat([op.scales for op in ops]))
-    if bias is None and all(isinstance(op, Int4WeightOnly) for op in ops):
-        fused = Int4WeightOnly.concat(ops)
-        if fused is not None:
-            return fused
-    return ConcatLinear(ops, bias)
+    """One kernel call where the ops' format has a fusion rule that accepts them (the format registry: int8
+    always, int4 in our CPU kernel's layout); otherwise run each op."""
+    fused = fuse_quantized(ops) if bias is None else None
+    return fused if fused is not None else ConcatLinear(ops, bias)
 
 
 def quantized_layer(full: DecoderLayer, linears: Mapping[str, LinearOp], precision: str) -> DecoderLayer:
@@ -59,12 +54,9 @@ def quantized_layer(full: DecoderLayer, linears: Mapping[str, LinearOp], precisi
 
 
 def host_copy(layer: DecoderLayer, device: torch.device) -> DecoderLayer:
-    """The host-memory source of a layer for ``device``: CPU tensors (pinned when the device is CUDA),
-    int4 packed in ``device``'s kernel layout."""
-    def pack(op):
-        return op.for_device_on_host(device) if isinstance(op, Int4WeightOnly) else op
-
-    layer = remap_ops(layer, pack)
+    """The host-memory source of a layer for ``device``: CPU tensors (pinned when the device is CUDA), each op
+    packed as its format's host rule says (int4: in ``device``'s kernel layout)."""
+    layer = remap_ops(layer, lambda op: host_packed(op, device))
     if device.type == "cuda":
         return remap(layer, lambda t: t.detach().to("cpu").pin_memory())
     return remap(layer, lambda t: t.detach().to("cpu").clone())

@@ -28,6 +28,7 @@ from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
+from serve.model.quantized_linear import REGISTRY
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
 from serve.model.step_costs import load_or_measure
 from serve.morph.layer_bank import LayerBank, host_copy, quantized_layer
@@ -40,8 +41,8 @@ log = get_logger("morphserve.morph")
 
 VariantSource = Callable[[int, str], Mapping[str, LinearOp]]
 
-# Compute capability each quantized CUDA kernel needs (tinygemm int4: Ampere; e4m3 _scaled_mm: Ada/Hopper).
-MIN_CUDA_CAPABILITY = {"int8": (7, 0), "int4": (8, 0), "fp8": (8, 9)}
+# Compute capability each quantized CUDA kernel needs (the format registry's rows).
+MIN_CUDA_CAPABILITY = {precision: fmt.min_cuda_capability for precision, fmt in REGISTRY.items()}
 
 
 @dataclass

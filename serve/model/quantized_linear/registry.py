@@ -1,0 +1,148 @@
+"""The one table of quantization formats: everything the rest of the code base needs to know per format.
+
+A format is a module of this package (its linear class, its round-to-nearest quantizer, how it rebuilds
+modelopt's calibrated codes) plus one :class:`QuantFormat` row below. Everything else looks a format up here:
+the RTN dispatch (serve/model/rtn.py), safetensors loading (:func:`load_quantized_linear`, engine
+directories), the builder's modelopt route (builder/quantize.py, builder/variants.py), the layer bank's fusion
+and host packing (serve/morph/layer_bank.py) and the CUDA capability check (serve/morph/setup.py). The
+precision's name and its one-character signature code are policy's vocabulary (policy/precisions.py: policy
+is pure and imports nothing of ours); :func:`check_registry` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from policy.precisions import PRECISION_CODE, QUANTIZED_PRECISIONS, check_quantized_precision
+from serve.model.quantized_linear.common import Calibration, QuantizedLinear, _check
+from serve.model.quantized_linear.fp8 import Fp8WeightOnly, fp8_from_calibration, quantize_fp8_rtn
+from serve.model.quantized_linear.int4 import Int4WeightOnly, int4_from_calibration, quantize_int4_rtn
+from serve.model.quantized_linear.int8 import Int8WeightOnly, int8_from_calibration, quantize_int8_rtn
+
+
+@dataclass(frozen=True)
+class ModeloptRecipe:
+    """How the builder calibrates a format with NVIDIA modelopt (names, so this table needs no modelopt)."""
+
+    preset: str
+    """The ``modelopt.torch.quantization`` preset config, e.g. ``"INT8_WEIGHT_ONLY_CFG"``."""
+    export_formats: tuple[str, ...]
+    """``modelopt.torch.export.model_config`` constants ``get_quantization_format`` may report for it."""
+    method: str
+    """How an engine directory's manifest describes the variants."""
+    weights_only: bool = False
+    """Disable the preset's input quantizers (fp8's stock preset is W8A8; the runtime format is weight-only)."""
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One quantization format: precision name, runtime linear, quantizers and the per-format rules."""
+
+    precision: str
+    """The precision name layers, modes and engine directories use ("int8", "int4", "fp8")."""
+    linear: type
+    """The runtime linear class (a :class:`QuantizedLinear`); its ``format`` names it in safetensors metadata."""
+    quantize_rtn: Callable[[torch.Tensor, int], QuantizedLinear]
+    """Plain round-to-nearest: ``(weight [N, K], group_size) -> layer`` (formats without groups ignore it)."""
+    from_calibration: Callable[[Calibration], QuantizedLinear]
+    """modelopt's exact codes from one calibrated weight quantizer (the builder reads it off the module)."""
+    modelopt: ModeloptRecipe
+    min_cuda_capability: tuple[int, int]
+    """The compute capability its CUDA kernel needs."""
+    grouped: bool = False
+    """Whether it quantizes in groups along K and so takes a group size (int4)."""
+    fuse: Callable[[list], QuantizedLinear | None] | None = None
+    """Fusion rule: one layer computing projections that share an input (q/k/v, gate/up), or None when these
+    cannot share a kernel call; no rule: never fused (each runs on its own)."""
+    host_pack: Callable[[QuantizedLinear, torch.device], QuantizedLinear] | None = None
+    """The layer bank's host copy for a device: a layer whose kernel layout depends on the device comes back
+    already packed for it, so a swap is a plain memcpy; no rule: the tensors are copied as they are."""
+
+    @property
+    def format(self) -> str:
+        return self.linear.format
+
+    @property
+    def code(self) -> str:
+        """The precision's character in a configuration signature."""
+        return PRECISION_CODE[self.precision]
+
+
+REGISTRY: dict[str, QuantFormat] = {f.precision: f for f in (
+    QuantFormat(
+        "int8", Int8WeightOnly, quantize_int8_rtn, int8_from_calibration,
+        ModeloptRecipe("INT8_WEIGHT_ONLY_CFG", ("QUANTIZATION_INT8_WO",),
+                       "modelopt INT8_WEIGHT_ONLY_CFG (per-output-channel max calibration)"),
+        min_cuda_capability=(7, 0),
+        fuse=Int8WeightOnly.concat,
+    ),
+    QuantFormat(
+        "int4", Int4WeightOnly, quantize_int4_rtn, int4_from_calibration,
+        ModeloptRecipe("INT4_AWQ_CFG", ("QUANTIZATION_INT4_AWQ",),
+                       "modelopt INT4_AWQ_CFG (awq_lite, symmetric, group-wise)"),
+        min_cuda_capability=(8, 0),  # tinygemm: Ampere
+        grouped=True,
+        fuse=Int4WeightOnly.concat,
+        host_pack=Int4WeightOnly.for_device_on_host,
+    ),
+    QuantFormat(
+        "fp8", Fp8WeightOnly, quantize_fp8_rtn, fp8_from_calibration,
+        ModeloptRecipe("FP8_DEFAULT_CFG", ("QUANTIZATION_FP8", "QUANTIZATION_FP8_PC_PT"),
+                       "modelopt FP8_DEFAULT_CFG with input quantizers disabled (e4m3 weights, per-tensor scale)",
+                       weights_only=True),
+        min_cuda_capability=(8, 9),  # e4m3 _scaled_mm: Ada / Hopper
+    ),
+)}
+
+FORMATS: dict[str, type] = {f.format: f.linear for f in REGISTRY.values()}
+"""Runtime linear class by its safetensors ``format`` name ("int8_wo", ...)."""
+
+_BY_CLASS: dict[type, QuantFormat] = {f.linear: f for f in REGISTRY.values()}
+
+
+def check_registry() -> None:
+    """The table and policy's vocabulary name the same precisions, and every format name is unique."""
+    if tuple(REGISTRY) != QUANTIZED_PRECISIONS:
+        raise RuntimeError(f"quantization registry {tuple(REGISTRY)} differs from policy's {QUANTIZED_PRECISIONS}")
+    if len(FORMATS) != len(REGISTRY):
+        raise RuntimeError("two quantization formats share a format name")
+
+
+check_registry()
+
+
+def quant_format(precision: str) -> QuantFormat:
+    """The format of a quantized ``precision``; ValueError naming the known ones otherwise."""
+    return REGISTRY[check_quantized_precision(precision)]
+
+
+def format_of(op: object) -> QuantFormat | None:
+    """The format a linear op is stored in, or None for anything that is not a quantized linear."""
+    return _BY_CLASS.get(type(op))
+
+
+def fuse_quantized(ops: Sequence[object]) -> QuantizedLinear | None:
+    """One quantized layer for ``ops`` when they share a format whose fusion rule accepts them, else None."""
+    formats = {format_of(op) for op in ops}
+    if len(formats) != 1:
+        return None
+    fmt = formats.pop()
+    if fmt is None or fmt.fuse is None:
+        return None
+    return fmt.fuse(list(ops))
+
+
+def host_packed(op: object, device: torch.device) -> object:
+    """``op`` as the layer bank keeps it in host memory for ``device`` (see :attr:`QuantFormat.host_pack`)."""
+    fmt = format_of(op)
+    return op if fmt is None or fmt.host_pack is None else fmt.host_pack(op, device)
+
+
+def load_quantized_linear(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> QuantizedLinear:
+    """Rebuild any runtime format from ``tensors()`` + ``metadata()`` (dispatching on ``meta['format']``)."""
+    fmt = meta.get("format")
+    _check(fmt in FORMATS, f"unknown quantized linear format {fmt!r}; known: {sorted(FORMATS)}")
+    return FORMATS[fmt].from_tensors(tensors, meta)
