@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak import group_rss_bytes
+from policy.precisions import QUANTIZED_PRECISIONS
 from serve.config import parse_size
 from serve.memory.pressure import meminfo_available
 from serve.triton.client import GenerationError, generate_http, metric_value, scrape_metrics
@@ -52,7 +53,7 @@ for line in sys.stdin:
 def sample(srv: TritonServer, pgid: int, t0: float) -> dict[str, Any]:
     m = scrape_metrics(srv.metrics_url)
     layers = sum(metric_value(m, "morphserve_layers_quantized", model=MODEL, precision=p) or 0
-                 for p in ("int8", "int4", "fp8"))
+                 for p in QUANTIZED_PRECISIONS)
     return {"t_s": round(time.monotonic() - t0, 2), "mem_available_mib": round((meminfo_available() or 0) / 2**20),
             "server_rss_mib": round(group_rss_bytes(pgid) / 2**20, 1),
             "yielded_mib": round((metric_value(m, "morphserve_memory_yielded_bytes", model=MODEL) or 0) / 2**20, 1),

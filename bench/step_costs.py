@@ -17,6 +17,7 @@ from pathlib import Path
 
 from policy import FULL
 from serve.config import EngineConfig
+from serve.model.quantized_linear import REGISTRY
 from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure, store
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve.morph.setup import cost_inputs  # noqa: PLC0415
 
     cuda = args.device.startswith("cuda") or args.device == "auto"
-    precisions = args.precisions or ("int8,int4,fp8" if cuda else "int8,int4")
+    precisions = args.precisions or ",".join(p for p, fmt in REGISTRY.items() if cuda or fmt.cpu_kernel)
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions=precisions,
                                     policy_overrides={"cost_aware": False}, num_threads=args.threads,
                                     device=args.device, num_kv_blocks=8))

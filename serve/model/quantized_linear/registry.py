@@ -52,6 +52,8 @@ class QuantFormat:
     modelopt: ModeloptRecipe
     min_cuda_capability: tuple[int, int]
     """The compute capability its CUDA kernel needs."""
+    cpu_kernel: bool = True
+    """Whether a CPU runs it with a quantized kernel; False: correctness only there (dequantize, fp32 matmul)."""
     grouped: bool = False
     """Whether it quantizes in groups along K and so takes a group size (int4)."""
     fuse: Callable[[list], QuantizedLinear | None] | None = None
@@ -94,6 +96,7 @@ REGISTRY: dict[str, QuantFormat] = {f.precision: f for f in (
                        "modelopt FP8_DEFAULT_CFG with input quantizers disabled (e4m3 weights, per-tensor scale)",
                        weights_only=True),
         min_cuda_capability=(8, 9),  # e4m3 _scaled_mm: Ada / Hopper
+        cpu_kernel=False,
     ),
 )}
 
