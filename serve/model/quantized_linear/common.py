@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -138,6 +138,51 @@ def _run_cpu_kernel(x2: torch.Tensor, gemv: Callable[[torch.Tensor], torch.Tenso
 def _check_format(meta: dict[str, str] | None, expected: str) -> None:
     if meta is not None and "format" in meta:
         _check(meta["format"] == expected, f"metadata format {meta['format']!r} is not {expected!r}")
+
+
+class WeightAndScale:
+    """What formats stored as one 2-D ``weight [N, K]`` and one scale tensor named ``SCALE`` share (int8's
+    ``scales``, fp8's ``scale``): shape, exact bytes, device moves and the safetensors round trip. The
+    dataclass that mixes it in takes ``(weight, scale)`` as its two fields."""
+
+    SCALE: ClassVar[str]
+    format: ClassVar[str]
+    weight: torch.Tensor
+
+    def _scale_tensor(self) -> torch.Tensor:
+        return getattr(self, self.SCALE)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.weight, self._scale_tensor())
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize_folded(self) -> torch.Tensor:
+        return self.dequantize()  # no activation scale to fold in
+
+    def to(self, device: torch.device | str) -> Self:
+        return type(self)(self.weight.to(device), self._scale_tensor().to(device))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, self.SCALE: self._scale_tensor()}
+
+    def metadata(self) -> dict[str, str]:
+        return {"format": self.format}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> Self:
+        _check_format(meta, cls.format)
+        return cls(tensors["weight"], tensors[cls.SCALE])
 
 
 # ------------------------------------------------------------------------------- round to nearest

@@ -11,19 +11,18 @@ import torch
 from serve.model.quantized_linear.common import (
     _AMAX_EPS,
     Calibration,
+    WeightAndScale,
     _check,
-    _check_format,
     _flatten_input,
     _is_cuda,
     _out_dtype,
-    _tensor_bytes,
 )
 
 _FP8_MAX = 448.0
 
 
 @dataclass(eq=False)
-class Fp8WeightOnly:
+class Fp8WeightOnly(WeightAndScale):
     """e4m3fn ``weight [N, K]`` with fp32 ``scale`` (shape ``[]``/``[1]`` per-tensor or ``[N]``
     per-channel); ``w = weight * scale``.
 
@@ -35,6 +34,7 @@ class Fp8WeightOnly:
 
     weight: torch.Tensor
     scale: torch.Tensor
+    SCALE: ClassVar[str] = "scale"
     format: ClassVar[str] = "fp8_wo"
 
     def __post_init__(self) -> None:
@@ -53,18 +53,6 @@ class Fp8WeightOnly:
     @property
     def per_channel(self) -> bool:
         return self.scale.numel() > 1
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return _tensor_bytes(self.weight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, lead = _flatten_input(x, self.in_features)
@@ -95,22 +83,6 @@ class Fp8WeightOnly:
     def dequantize(self) -> torch.Tensor:
         scale = self.scale[:, None] if self.scale.numel() > 1 else self.scale.reshape(())
         return self.weight.float() * scale
-
-    dequantize_folded = dequantize  # no activation scale to fold in
-
-    def to(self, device: torch.device | str) -> Fp8WeightOnly:
-        return Fp8WeightOnly(self.weight.to(device), self.scale.to(device))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight, "scale": self.scale}
-
-    def metadata(self) -> dict[str, str]:
-        return {"format": self.format}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> Fp8WeightOnly:
-        _check_format(meta, cls.format)
-        return cls(tensors["weight"], tensors["scale"])
 
 
 def quantize_fp8_rtn(weight: torch.Tensor, group_size: int | None = None, per_channel: bool = False) -> Fp8WeightOnly:

@@ -12,16 +12,15 @@ from serve.model import kernels
 from serve.model.quantized_linear import common
 from serve.model.quantized_linear.common import (
     Calibration,
+    WeightAndScale,
     _aligned,
     _check,
-    _check_format,
     _flatten_input,
     _is_cuda,
     _out_dtype,
     _round_codes,
     _run_cpu_kernel,
     _scale,
-    _tensor_bytes,
 )
 
 _INT8_K_MULTIPLE = 16
@@ -31,11 +30,12 @@ _INT8_MAX = 127.0
 
 
 @dataclass(eq=False)
-class Int8WeightOnly:
+class Int8WeightOnly(WeightAndScale):
     """int8 ``weight [N, K]`` (symmetric, per output channel) with bf16 ``scales [N]``."""
 
     weight: torch.Tensor
     scales: torch.Tensor
+    SCALE: ClassVar[str] = "scales"
     format: ClassVar[str] = "int8_wo"
 
     def __post_init__(self) -> None:
@@ -68,18 +68,6 @@ class Int8WeightOnly:
         exactly."""
         return cls(torch.cat([op.weight for op in ops]), torch.cat([op.scales for op in ops]))
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return _tensor_bytes(self.weight, self.scales)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = None if _is_cuda(self.weight) else kernels.ops()
         if ops is not None and common._q8_gemv_input(x, self.in_features):
@@ -105,22 +93,6 @@ class Int8WeightOnly:
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
-
-    dequantize_folded = dequantize  # no activation scale to fold in
-
-    def to(self, device: torch.device | str) -> Int8WeightOnly:
-        return Int8WeightOnly(self.weight.to(device), self.scales.to(device))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.weight, "scales": self.scales}
-
-    def metadata(self) -> dict[str, str]:
-        return {"format": self.format}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> Int8WeightOnly:
-        _check_format(meta, cls.format)
-        return cls(tensors["weight"], tensors["scales"])
 
 
 def quantize_int8_rtn(weight: torch.Tensor, group_size: int | None = None) -> Int8WeightOnly:
