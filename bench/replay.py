@@ -29,9 +29,15 @@ from bench.repeats import repeated_table, summarize_runs
 from bench.summary import MorphSummary, time_weighted_quantized_share
 from bench.workload import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from policy.precisions import full_signature
-from serve.config import SCHEDULERS, EngineConfig, parse_policy_overrides
+from serve.config import EngineConfig, parse_policy_overrides
+from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
+
+
+ENGINE_FIELDS = ("model", "device_memory", "slo_ttft_s", "scheduler", "slai_theta", "max_num_seqs",
+                 "max_num_batched_tokens", "device", "dtype", "num_threads", "prefix_cache_across_morph")
+"""The EngineConfig fields a replay's command line sets (one engine per mode; serve/config_flags.py)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,25 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. default+cost_aware=false")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per mode, interleaved by mode; figures are reported as median [min-max] (default: %(default)s)")
-    p.add_argument("--model", default=defaults.MODEL, help="engine directory, embedded model name, .gguf or HF dir")
-    p.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
-    p.add_argument("--slo-ttft", type=float, default=defaults.ENGINE_DEFAULTS.slo_ttft_s, help="TTFT SLO in seconds (default: %(default)s)")
+    add_engine_flags(p, ENGINE_FIELDS, aliases={"slo_ttft_s": ["--slo-ttft"], "num_threads": ["--threads"]},
+                     defaults={"model": defaults.MODEL, "device_memory": defaults.DEVICE_MEMORY, "device": "cpu",
+                               "slo_ttft_s": defaults.ENGINE_DEFAULTS.slo_ttft_s, "num_threads": 2,
+                               "scheduler": defaults.ENGINE_DEFAULTS.scheduler,
+                               "max_num_seqs": defaults.ENGINE_DEFAULTS.max_num_seqs,
+                               "max_num_batched_tokens": defaults.ENGINE_DEFAULTS.max_num_batched_tokens,
+                               "prefix_cache_across_morph": defaults.ENGINE_DEFAULTS.prefix_cache_across_morph})
     p.add_argument("--slo-tpot", type=float, default=None, help="optional TPOT SLO in seconds")
-    p.add_argument("--scheduler", default=defaults.ENGINE_DEFAULTS.scheduler, choices=SCHEDULERS,
-                   help="scheduling policy (default: %(default)s)")
-    p.add_argument("--slai-theta", type=float, default=None,
-                   help="fixed theta for slai (default: dynamic, EngineConfig.slai_theta_low / _high)")
-    p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available; default: %(default)s)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     p.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a policy threshold, e.g. --policy kv_high=0.8 (repeatable)")
-    p.add_argument("--prefix-cache-across-morph", default="exact", choices=["exact", "preserve"],
-                   help="which cached prefixes serve after a layer changes precision: exact (only under the "
-                        "configuration that computed them) or preserve (under any); default: %(default)s")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--quality", action="store_true",
                    help="also measure perplexity (held-out text) of every configuration the engine ran, "
@@ -198,13 +195,8 @@ def parse_mode(spec: str) -> tuple[str, dict]:
 def engine_config(args: argparse.Namespace, spec: str) -> EngineConfig:
     """The engine configuration of one mode spec (``default+kv_high=0.8``) under the command's arguments."""
     mode, own = parse_mode(spec)
-    return EngineConfig(model=args.model, morph_mode=mode, device_memory=args.device_memory,
-                        device=args.device, dtype=args.dtype,
-                        slo_ttft_s=args.slo_ttft, scheduler=args.scheduler,
-                        slai_theta=args.slai_theta, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                        seed=args.seed, policy_overrides={**parse_policy_overrides(args.policy), **own},
-                        prefix_cache_across_morph=getattr(args, "prefix_cache_across_morph", "exact"))
+    return EngineConfig(**engine_kwargs(args, ENGINE_FIELDS), morph_mode=mode, seed=args.seed,
+                        policy_overrides={**parse_policy_overrides(args.policy), **own})
 
 
 def run_once(args: argparse.Namespace, spec: str) -> dict:
@@ -215,11 +207,11 @@ def run_once(args: argparse.Namespace, spec: str) -> dict:
     try:
         items, desc = build_workload(args, engine.tokenizer)
         result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
-                  **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=not args.quiet)}
+                  **replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=not args.quiet)}
     finally:
         engine.shutdown()
     if args.quality:
-        result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.threads)
+        result["quality"] = configuration_quality(args.model, result["tokens_by_config"], args.num_threads)
     return result
 
 

@@ -11,14 +11,17 @@ import sys
 import time
 
 from serve.config import EngineConfig
+from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
+
+ENGINE_FIELDS = ("model", "device", "dtype", "num_threads")
+"""The EngineConfig fields this command's line sets (serve/config_flags.py)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, help="prompt text (with --chat: the user message)")
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name, .gguf file or HF directory (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="maximum new tokens (default: %(default)s)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -27,10 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available; default: %(default)s)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_engine_flags(p, ENGINE_FIELDS, defaults={"model": "smollm2-135m", "device": "cpu"},
+                     aliases={"num_threads": ["--threads"]})
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", timings} as JSON')
     return p
 
@@ -43,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, device=args.device,
-                                        dtype=args.dtype))
+        engine = LLMEngine(EngineConfig(**engine_kwargs(args, ENGINE_FIELDS)))
         load_s = time.perf_counter() - t0
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         t1 = time.perf_counter()

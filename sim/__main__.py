@@ -87,7 +87,7 @@ class Planner:
         items, desc = build_workload(args, engine.tokenizer)
         wall = time.perf_counter()
         result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
-                  **replay(engine, items, args.slo_ttft, args.slo_tpot, progress=False, sleep=clock.sleep)}
+                  **replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=False, sleep=clock.sleep)}
         m = engine.morph
         result["plan"] = {
             "system": self.target.system, "device": self.target.device, "notes": self.target.notes,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots is not None and planner.results:
         from bench.plots import make_plots  # noqa: PLC0415 - matplotlib only when asked
 
-        for path in make_plots(planner.results, args.plots, args.slo_ttft):
+        for path in make_plots(planner.results, args.plots, args.slo_ttft_s):
             print(f"plot: {path}", file=sys.stderr)
     return status
 

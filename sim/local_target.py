@@ -42,7 +42,7 @@ not depend on the budget), whatever --device-memory the plan uses."""
 def _engine(args: argparse.Namespace, mode: str, device_memory: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=args.model, morph_mode=mode, device_memory=device_memory or args.device_memory,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  num_threads=args.threads, morph_precisions="int8,int4", seed=args.seed))
+                                  num_threads=args.num_threads, morph_precisions="int8,int4", seed=args.seed))
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

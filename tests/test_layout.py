@@ -24,22 +24,23 @@ ALLOWED: dict[str, set[str]] = {
     "serve.logging_setup": set(),
     "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
     "serve.config": {"policy"},
+    "serve.config_flags": {"serve.config", "policy"},  # EngineConfig fields as command-line flags (every CLI)
     "serve.model": {"policy"},
     "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
     "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
     "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
-    "serve.triton": {"serve.config", "serve.logging_setup", "serve.metrics_catalogue", "policy"},
-    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.logging_setup", "serve.metrics_catalogue",
+    "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue", "policy"},
+    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
                      "policy"},
-    "serve.generate": {"serve.engine", "serve.config", "serve.logging_setup", "policy"},
+    "serve.generate": {"serve.engine", "serve.config", "serve.config_flags", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "policy"},
     "builder": {"serve.model", "serve.logging_setup", "policy"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
-    "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config",
+    "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
             "serve.logging_setup", "policy"},
     "bench": {"serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
-              "serve.logging_setup", "serve.generate", "policy", "builder"},
+              "serve.config_flags", "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
 # Third-party packages a room may not import (policy: anything outside the standard library).
 FORBIDDEN_THIRD_PARTY = {"matplotlib": set(ALLOWED) - {"bench"}, "pyarrow": set(ALLOWED) - {"sim"}}

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.config import EngineConfig, parse_policy_overrides, parse_size
+from serve.config_flags import add_engine_flags, engine_kwargs
 
 DEFAULT_MODEL_NAME = "morphserve"
+ENGINE_FIELDS = ("model", "morph_mode", "device", "dtype", "device_memory", "num_kv_blocks", "kv_cache_memory",
+                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
+                 "scheduler", "enable_prefix_caching", "prefix_cache_across_morph", "memory_floor",
+                 "memory_reclaim_mark", "memory_pressure_source")
+"""The EngineConfig fields a worker's command line sets (serve/config_flags.py turns them into flags)."""
 
 
 @dataclass(frozen=True)
@@ -34,32 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.dynamo",
                                 description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids out).")
     e = p.add_argument_group("engine")
-    e.add_argument("--model", default="smollm2-135m", help="engine directory, embedded model name, .gguf or HF directory")
-    e.add_argument("--morph-mode", default="default",
-                   help="off, static-int8, static-int4, accuracy, default, performance (default: %(default)s, "
-                        "as in the Triton deployment)")
-    e.add_argument("--device-memory", default=None, help="memory budget (e.g. 600MiB); sizes the KV pool with morphing")
-    e.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size (overrides --kv-cache-memory)")
-    e.add_argument("--kv-cache-memory", default=None, help="KV pool size when no budget is given (default: engine's)")
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    e.add_argument("--slo-ttft-s", type=float, default=None)
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of prompt prefixes seen before (default: on, as in vLLM)")
-    e.add_argument("--prefix-cache-across-morph", default=None, choices=["exact", "preserve"],
-                   help="after a layer changes precision, serve cached prefixes only under the configuration that "
-                        "computed them (exact, the default) or under any (preserve); see docs/morphing.md")
-    e.add_argument("--memory-floor", default=None, metavar="SIZE",
-                   help="yield: below this much free memory outside the engine (NVML on CUDA, the host on CPU) quantize "
-                        "layers and give the bytes back; 0 arms only the system port's /engine/control/memory_yield control "
-                        "(default: off; see docs/memory-yield.md)")
-    e.add_argument("--memory-reclaim-mark", default=None, metavar="SIZE",
-                   help="take yielded bytes back only while this much stays free after (default: the floor)")
-    e.add_argument("--memory-pressure-source", default=None, choices=["auto", "nvml", "host", "none"],
-                   help="where outside free memory is read (default auto: NVML on CUDA, the host on CPU)")
+    add_engine_flags(e, ENGINE_FIELDS, defaults={"model": "smollm2-135m", "morph_mode": "default"})
     e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
     e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -80,16 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
-_ENGINE_FIELDS = ("model", "morph_mode", "device_memory", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
-                  "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
-                  "enable_prefix_caching", "prefix_cache_across_morph", "memory_floor", "memory_reclaim_mark",
-                  "memory_pressure_source")
-
-
 def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:
     """Parse and validate (EngineConfig raises ValueError on a bad value, before any model is loaded)."""
     args = build_parser().parse_args(argv)
-    kwargs = {f: getattr(args, f) for f in _ENGINE_FIELDS if getattr(args, f) is not None}
+    kwargs = engine_kwargs(args, ENGINE_FIELDS)
     kwargs["policy_overrides"] = parse_policy_overrides(args.policy)
     if args.default_max_tokens <= 0:
         raise ValueError(f"--default-max-tokens must be positive, got {args.default_max_tokens}")

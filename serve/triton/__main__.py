@@ -18,6 +18,7 @@ from serve.logging_setup import configure_logging, get_logger
 from serve.triton.http_front import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, FrontOptions
 from serve.triton.install import TritonLaunchError
 from serve.config import parse_policy_overrides
+from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.triton.model_params import validate_params
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
@@ -31,27 +32,24 @@ from serve.triton.supervisor import EXIT_GAVE_UP, RestartPolicy, supervise
 
 log = get_logger("triton_launcher")
 
+ENGINE_FIELDS = ("morph_mode", "device", "dtype", "device_memory", "max_num_seqs", "max_num_batched_tokens",
+                 "slo_ttft_s", "scheduler")
+"""EngineConfig fields with a flag of their own (serve/config_flags.py); they land in config.pbtxt parameters.
+Any other field: --param KEY=VALUE."""
+_DEVICE_MEMORY_HELP = (
+    "memory budget for weights + KV cache + reserve: a size (600MiB), on CUDA a fraction (0.9), or auto, "
+    "config.pbtxt's default: on CPU the full-precision weights + 16MiB reserve + a KV pool for ONE request of "
+    "max_model_len tokens (the dynamic morph modes act once long requests overlap; SmolLM2-135M fp32: ~940MiB), on "
+    "CUDA 0.9 of the device; with auto, a num_kv_blocks or kv_cache_memory parameter fixes the KV pool instead")
 _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
-    "morph_mode": ("--morph-mode", str, "layer-morphing mode of the engine"),
-    "device": ("--device", str, "cpu, cuda, cuda:N or auto (CUDA when available; the model config's default)"),
-    "dtype": ("--dtype", str, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
-    "device_memory": ("--device-memory", str, "memory budget for weights + KV cache + reserve: a size (600MiB), on "
-                      "CUDA a fraction (0.9), or auto, config.pbtxt's default: on CPU the full-precision weights + "
-                      "16MiB reserve + a KV pool for ONE request of max_model_len tokens (the dynamic morph modes "
-                      "act once long requests overlap; SmolLM2-135M fp32: ~940MiB), on CUDA 0.9 of the device; with "
-                      "auto, a num_kv_blocks or kv_cache_memory parameter fixes the KV pool instead"),
-    "max_num_seqs": ("--max-num-seqs", int, "most sequences in one batch"),
-    "max_num_batched_tokens": ("--max-num-batched-tokens", int, "token budget of one engine step"),
     "max_tokens_limit": ("--max-tokens-limit", int, "largest max_tokens a request may ask for"),
-    "slo_ttft_s": ("--slo-ttft-s", float, "TTFT service-level objective in seconds"),
-    "scheduler": ("--scheduler", str, "scheduling policy: fcfs or slai"),
     "queue_timeout_s": ("--queue-timeout-s", float, "a request without its first token this many seconds after "
                         "arrival is refused with 503 + Retry-After, \"overloaded ... retry later\" (config.pbtxt default 30; "
                         "0: no deadline)"),
     "shed_on_arrival": ("--shed-on-arrival", str, "true (default) or false: with a queue deadline, refuse at once "
                         "(503 + Retry-After) a request that the measured start rate says cannot start within it"),
 }
-
+"""The Triton model's own parameters (ServerParams) with a flag."""
 
 
 def _env_port(name: str, default: int) -> int:
@@ -96,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=_env_port("HTTP_PORT", 8000), help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=_env_port("GRPC_PORT", 8001), help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=_env_port("METRICS_PORT", 8002), help="metrics port")
+    add_engine_flags(p, ENGINE_FIELDS, help_suffix=" (parameter {field})",
+                     help_overrides={"device_memory": _DEVICE_MEMORY_HELP})
     for key, (flag, typ, help_) in _PARAM_FLAGS.items():
         p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_} (parameter {key})")
     p.add_argument(
@@ -166,10 +166,7 @@ def params_from_args(args: argparse.Namespace) -> dict[str, object]:
     params: dict[str, object] = {}
     if args.engine_dir is not None:
         params["engine_dir"] = args.engine_dir
-    for key in _PARAM_FLAGS:
-        v = getattr(args, key)
-        if v is not None:
-            params[key] = v
+    params.update(engine_kwargs(args, (*ENGINE_FIELDS, *_PARAM_FLAGS)))
     for item in args.param:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
