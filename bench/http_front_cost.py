@@ -78,7 +78,7 @@ def grpc_generate(port: int) -> Callable[[], float]:
     import grpc  # noqa: PLC0415
     from tritonclient.grpc import service_pb2_grpc  # noqa: PLC0415
 
-    from serve.triton.http_front import build_request, is_final, spec_from_config  # noqa: PLC0415
+    from serve.triton.http_tensors import build_request, is_final, spec_from_config  # noqa: PLC0415
 
     stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     from google.protobuf.json_format import MessageToDict  # noqa: PLC0415

@@ -20,18 +20,14 @@ from aiohttp import ClientTimeout, web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from tritonclient.grpc import service_pb2  # noqa: E402
 
-from serve.triton.http_front import (  # noqa: E402
-    FrontApp,
-    FrontError,
-    FrontOptions,
+from serve.triton.http_body import FrontError, check_json_part, classify, load_json  # noqa: E402
+from serve.triton.http_front import FrontApp, FrontOptions  # noqa: E402
+from serve.triton.http_tensors import (  # noqa: E402
     InputSpec,
     ModelSpec,
     RequestLimits,
     build_request,
-    check_json_part,
-    classify,
     encode_tensor,
-    load_json,
     spec_from_config,
 )
 from serve.triton.trtllm import MORPHSERVE_INPUTS  # noqa: E402

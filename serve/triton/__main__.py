@@ -15,7 +15,8 @@ from pathlib import Path
 from types import FrameType
 
 from serve.logging_setup import configure_logging, get_logger
-from serve.triton.http_front import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, FrontOptions
+from serve.triton.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH
+from serve.triton.http_front import FrontOptions
 from serve.triton.install import TritonLaunchError
 from serve.config import parse_policy_overrides
 from serve.config_flags import add_engine_flags, engine_kwargs

@@ -17,6 +17,9 @@ leaves. This front (aiohttp, asyncio, in a thread of the launcher) takes the cli
 
 The JSON formats are Triton's: generate answers ``{"model_name", "model_version", <outputs>}``,
 generate_stream one ``data: {...}`` Server-Sent Event per response, errors ``{"error": "..."}``.
+
+The bounds and the status mapping live in serve/triton/http_body.py, the JSON <-> typed tensor conversion in
+serve/triton/http_tensors.py; this module is the server: the gRPC backend, the routes and the thread it runs in.
 """
 
 from __future__ import annotations
@@ -26,332 +29,24 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
-import re
-import struct
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from serve.logging_setup import get_logger
+from serve.triton.http_body import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_RETRY_AFTER_S,
+    FrontError,
+    check_json_part,
+    classify,
+    grpc_error,
+    load_json,
+)
+from serve.triton.http_tensors import ModelSpec, build_request, is_final, response_json, spec_from_config
 
 log = get_logger("http_front")
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20   # 1 MiB: a 256 KiB prompt + 64 x 4 KiB list items fit with room to spare
-DEFAULT_MAX_JSON_DEPTH = 32        # generate needs 2 ({} and []); infer a rank-8 tensor about 11
-DEFAULT_RETRY_AFTER_S = 1
-
-
-class FrontError(Exception):
-    """An answer to the client: HTTP status, message, optional Retry-After seconds."""
-
-    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
-
-
-# ---- bounded JSON -----------------------------------------------------------------------------------
-
-def json_depth(value: Any) -> int:
-    """Nesting depth of a parsed JSON value (a scalar is 0, ``[]`` and ``{}`` are 1)."""
-    depth, level = 0, [(value, 1)]
-    while level:
-        v, d = level.pop()
-        if isinstance(v, dict):
-            depth = max(depth, d)
-            level.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            depth = max(depth, d)
-            level.extend((x, d + 1) for x in v)
-    return depth
-
-
-def _no_constants(name: str) -> Any:
-    raise FrontError(400, f"JSON constant {name} is not a number this server accepts")
-
-
-def load_json(body: bytes, max_depth: int) -> Any:
-    """Parse a body bounded in size by the caller; refuse nesting beyond ``max_depth`` (400).
-
-    Python's C parser stops at the interpreter's recursion limit (~1000 levels) with RecursionError,
-    so a megabyte of ``[`` costs microseconds and never the stack; the walk then applies the real bound."""
-    try:
-        value = json.loads(body, parse_constant=_no_constants)
-    except RecursionError:
-        raise FrontError(400, f"JSON body nests deeper than {max_depth} levels (max_json_depth)") from None
-    except UnicodeDecodeError as e:
-        raise FrontError(400, f"request body is not UTF-8 JSON ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise FrontError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    if json_depth(value) > max_depth:
-        raise FrontError(400, f"JSON body nests deeper than {max_depth} levels (max_json_depth)")
-    return value
-
-
-# ---- model inputs --------------------------------------------------------------------------------------
-
-_INT_RANGES = {
-    "INT8": (-(1 << 7), (1 << 7) - 1), "INT16": (-(1 << 15), (1 << 15) - 1),
-    "INT32": (-(1 << 31), (1 << 31) - 1), "INT64": (-(1 << 63), (1 << 63) - 1),
-    "UINT8": (0, (1 << 8) - 1), "UINT16": (0, (1 << 16) - 1), "UINT32": (0, (1 << 32) - 1),
-    "UINT64": (0, (1 << 64) - 1),
-}
-_FLOAT_MAX = {"FP16": 65504.0, "FP32": float(np.finfo(np.float32).max), "FP64": float(np.finfo(np.float64).max)}
-_NP_DTYPES = {
-    "INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "UINT8": "<u1", "UINT16": "<u2",
-    "UINT32": "<u4", "UINT64": "<u8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8", "BOOL": "?",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class InputSpec:
-    name: str
-    datatype: str          # Triton's wire name: BYTES, INT32, FP32, BOOL, ...
-    dims: tuple[int, ...]  # without the batch dimension; -1 = any
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestLimits:
-    """A morphserve model's own request bounds (its config.pbtxt parameters), checked here first so that a
-    refused request never costs a round trip to the model; the messages are the model's."""
-
-    max_prompt_bytes: int
-    max_list_items: int
-    max_item_bytes: int
-    max_tokens_limit: int
-    queue_timeout_s: float = 0.0  # the model's queue deadline; the door enforces it from the HTTP arrival too
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    version: str
-    max_batch_size: int
-    inputs: Mapping[str, InputSpec]
-    limits: RequestLimits | None = None
-
-
-def _limits_from_parameters(params: Mapping[str, Any]) -> RequestLimits | None:
-    from serve.triton.model_params import ServerParams  # noqa: PLC0415
-    from serve.triton.request_inputs import InputLimits  # noqa: PLC0415
-
-    raw = {k: (v.get("string_value", "") if isinstance(v, Mapping) else str(v)) for k, v in params.items()}
-    if "engine_dir" not in raw:
-        return None  # not a morphserve engine model (a BLS front): it checks nothing of its own
-    try:
-        server = ServerParams.from_params(raw, default_max_tokens=1)
-    except ValueError:
-        return None  # the model refused to load with these; nothing to mirror
-    return RequestLimits(server.max_prompt_bytes, server.max_list_items, InputLimits.max_item_bytes,
-                         server.max_tokens_limit, server.queue_timeout_s)
-
-
-def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
-    """A ModelSpec from a model configuration as JSON (Triton's ``/config`` or the gRPC config as dict)."""
-    inputs = {}
-    for inp in config.get("input", []):
-        dt = str(inp.get("data_type", "TYPE_STRING")).removeprefix("TYPE_")
-        dt = "BYTES" if dt == "STRING" else dt
-        inputs[inp["name"]] = InputSpec(inp["name"], dt, tuple(int(d) for d in inp.get("dims", [])))
-    return ModelSpec(str(config.get("name", "")), "", int(config.get("max_batch_size", 0) or 0), inputs,
-                     _limits_from_parameters(config.get("parameters", {})))
-
-
-def check_limits(limits: RequestLimits, spec: InputSpec, value: Any) -> None:
-    """The model's size limits on one JSON value (already type-checked), with the model's messages."""
-    if spec.name == "text_input" and isinstance(value, str):
-        n = len(value.encode("utf-8"))
-        if n > limits.max_prompt_bytes:
-            raise FrontError(400, f"text_input has {n} bytes; this server accepts at most {limits.max_prompt_bytes} "
-                                  "(max_prompt_bytes)")
-    elif spec.name == "max_tokens" and isinstance(value, int) and value > limits.max_tokens_limit:
-        raise FrontError(400, f"max_tokens={value} exceeds this server's limit "
-                              f"(max_tokens_limit={limits.max_tokens_limit})")
-    elif spec.datatype == "BYTES" and isinstance(value, list):
-        if len(value) > limits.max_list_items:
-            raise FrontError(400, f"{spec.name} may hold at most {limits.max_list_items} items, got {len(value)}")
-        for v in value:
-            n = len(v.encode("utf-8"))
-            if n > limits.max_item_bytes:
-                raise FrontError(400, f"each {spec.name} item may have at most {limits.max_item_bytes} bytes, got {n}")
-
-
-def _shorten(v: Any) -> str:
-    text = json.dumps(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _check_value(spec: InputSpec, v: Any) -> Any:
-    dt = spec.datatype
-    if dt == "BYTES":
-        if not isinstance(v, str):
-            raise FrontError(400, f"{spec.name} must be a string, got {_shorten(v)}")
-        return v.encode("utf-8")
-    if dt == "BOOL":
-        if not isinstance(v, bool):
-            raise FrontError(400, f"{spec.name} must be true or false, got {_shorten(v)}")
-        return v
-    if dt in _INT_RANGES:
-        lo, hi = _INT_RANGES[dt]
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise FrontError(400, f"{spec.name} must be an integer in [{lo}, {hi}] ({dt}), got {_shorten(v)}")
-        return v
-    if dt in _FLOAT_MAX:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)) \
-                or abs(float(v)) > _FLOAT_MAX[dt]:
-            raise FrontError(400, f"{spec.name} must be a finite number ({dt}), got {_shorten(v)}")
-        return float(v)
-    raise FrontError(400, f"{spec.name} ({dt}) cannot be sent through generate; use gRPC")
-
-
-def _shape(spec: InputSpec, n: int, batched: bool) -> list[int]:
-    dims = list(spec.dims) or [1]
-    free = [i for i, d in enumerate(dims) if d < 0]
-    fixed = math.prod(d for d in dims if d >= 0)
-    if len(free) > 1:
-        raise FrontError(400, f"{spec.name} has {len(free)} variable dimensions and cannot be sent through "
-                              "generate; use gRPC")
-    if free:
-        if fixed == 0 or n % fixed:
-            raise FrontError(400, f"{spec.name} holds {n} values, not a multiple of {fixed}")
-        dims[free[0]] = n // fixed
-    elif n != fixed:
-        raise FrontError(400, f"{spec.name} must hold {fixed} value{'s' if fixed != 1 else ''}, got {n}")
-    return [1, *dims] if batched else dims
-
-
-def encode_tensor(spec: InputSpec, value: Any, batched: bool) -> tuple[list[int], bytes]:
-    """A JSON value (a scalar or a flat list) -> (shape, raw little-endian bytes) for ``spec``."""
-    items = value if isinstance(value, list) else [value]
-    if any(isinstance(v, (list, dict)) for v in items):
-        raise FrontError(400, f"{spec.name} must be a value or a flat list of values, got a nested structure")
-    checked = [_check_value(spec, v) for v in items]
-    shape = _shape(spec, len(checked), batched)
-    if spec.datatype == "BYTES":
-        raw = b"".join(struct.pack("<I", len(b)) + b for b in checked)
-    else:
-        raw = np.asarray(checked, dtype=_NP_DTYPES[spec.datatype]).tobytes()
-    return shape, raw
-
-
-_INT64 = _INT_RANGES["INT64"]
-
-
-def parameter_value(name: str, v: Any) -> tuple[str, Any]:
-    """A JSON key that is not an input -> (InferParameter field, value), as Triton's generate passes it."""
-    if isinstance(v, bool):
-        return "bool_param", v
-    if isinstance(v, int):
-        if not _INT64[0] <= v <= _INT64[1]:
-            raise FrontError(400, f"request parameter {name!r} is out of the 64-bit integer range")
-        return "int64_param", v
-    if isinstance(v, float):
-        return "double_param", v
-    if isinstance(v, str):
-        return "string_param", v
-    raise FrontError(400, f"request parameter {name!r} must be a string, number or boolean, got {_shorten(v)}")
-
-
-def build_request(spec: ModelSpec, version: str, body: Any, request_id: str = "") -> Any:
-    """A generate JSON object -> a gRPC ModelInferRequest (inputs by the model's config, the rest parameters)."""
-    from tritonclient.grpc import service_pb2  # noqa: PLC0415 - keeps this module importable without grpc
-
-    if not isinstance(body, dict):
-        raise FrontError(400, "the generate body must be a JSON object of input names and values")
-    req = service_pb2.ModelInferRequest(model_name=spec.name, model_version=version, id=request_id)
-    batched = spec.max_batch_size > 0
-    for key, value in body.items():
-        inp = spec.inputs.get(key)
-        if inp is None:
-            field, v = parameter_value(key, value)
-            setattr(req.parameters[key], field, v)
-            continue
-        shape, raw = encode_tensor(inp, value, batched)  # types and ranges first: the limits assume them
-        if spec.limits is not None:
-            check_limits(spec.limits, inp, value)
-        req.inputs.add(name=key, datatype=inp.datatype, shape=shape)
-        req.raw_input_contents.append(raw)
-    req.parameters["triton_enable_empty_final_response"].bool_param = True
-    return req
-
-
-def _decode_bytes(raw: bytes) -> list[str]:
-    out, i = [], 0
-    while i + 4 <= len(raw):
-        (n,) = struct.unpack_from("<I", raw, i)
-        out.append(raw[i + 4:i + 4 + n].decode("utf-8", errors="replace"))
-        i += 4 + n
-    return out
-
-
-def response_json(resp: Any) -> dict[str, Any]:
-    """A gRPC ModelInferResponse -> Triton's generate JSON (one element: a scalar; more: a list)."""
-    out: dict[str, Any] = {"model_name": resp.model_name, "model_version": resp.model_version}
-    if resp.id:
-        out["id"] = resp.id
-    for i, o in enumerate(resp.outputs):
-        raw = resp.raw_output_contents[i] if i < len(resp.raw_output_contents) else b""
-        if o.datatype == "BYTES":
-            values: list[Any] = _decode_bytes(raw)
-        elif o.datatype in _NP_DTYPES:
-            values = np.frombuffer(raw, dtype=_NP_DTYPES[o.datatype]).tolist()
-        else:
-            continue
-        out[o.name] = values[0] if len(values) == 1 else values
-    return out
-
-
-def is_final(resp: Any) -> bool:
-    p = resp.parameters.get("triton_final_response")
-    return True if p is None else bool(p.bool_param)
-
-
-# ---- status codes ---------------------------------------------------------------------------------------
-
-_RETRY_RE = re.compile(r"retry (?:later, )?after (\d+)")
-
-
-def classify(message: str) -> tuple[int, int | None]:
-    """An error message from the model or Triton -> (HTTP status, Retry-After seconds or None).
-
-    The gRPC stream carries only the message (no code), so the model's own phrases are matched: the table
-    in docs/hardening.md lists them."""
-    m = message.lower()
-    retry = _RETRY_RE.search(m)
-    if "overloaded" in m or "retry later" in m or retry:
-        return 503, int(retry.group(1)) if retry else DEFAULT_RETRY_AFTER_S
-    if "timed out" in m:
-        return 504, None
-    if "shutting down" in m or "refuses new requests" in m or "draining" in m:
-        return 503, DEFAULT_RETRY_AFTER_S
-    if m.startswith("internal error") or m.startswith("generation failed"):
-        return 500, None
-    if "cancelled" in m:
-        return 499, None  # the client left; nobody reads this status
-    if "unknown model" in m or "is not found" in m:
-        return 404, None
-    return 400, None
-
-
-def grpc_error(exc: Exception) -> FrontError:
-    """A transport failure between the front and tritonserver -> 503 (down or restarting), 504 or 500."""
-    code = getattr(exc, "code", None)
-    name = getattr(code(), "name", "") if callable(code) else ""
-    details = getattr(exc, "details", None)
-    text = (details() if callable(details) else None) or str(exc)
-    if name == "UNAVAILABLE":
-        return FrontError(503, f"tritonserver is not reachable (restarting?); retry after "
-                               f"{DEFAULT_RETRY_AFTER_S} s", DEFAULT_RETRY_AFTER_S)
-    if name == "DEADLINE_EXCEEDED":
-        return FrontError(504, f"tritonserver did not answer in time: {text}")
-    if name in ("INVALID_ARGUMENT", "NOT_FOUND"):
-        return FrontError(400 if name == "INVALID_ARGUMENT" else 404, text)
-    return FrontError(500, f"internal error between the HTTP front and tritonserver: {name or type(exc).__name__}: "
-                           f"{text}")
 
 
 # ---- backend (gRPC to tritonserver) --------------------------------------------------------------------------
@@ -627,43 +322,6 @@ class FrontApp:
             return self.error_response(FrontError(
                 503, f"tritonserver is not reachable (restarting?); retry after {DEFAULT_RETRY_AFTER_S} s",
                 DEFAULT_RETRY_AFTER_S))
-
-
-def check_json_part(json_part: bytes, max_depth: int) -> None:
-    """A body forwarded to Triton's own parser: refuse deep nesting (400); a malformed but shallow
-    document is left for Triton to answer."""
-    try:
-        load_json(json_part, max_depth)
-    except FrontError as err:
-        if "nests deeper" in err.message:
-            raise
-        _check_depth_only(json_part, max_depth)
-
-
-def _check_depth_only(json_part: bytes, max_depth: int) -> None:
-    """Refuse (400) a JSON document nested beyond ``max_depth`` even when it is otherwise malformed: bracket
-    counting outside strings, stopping at the first excess (linear, no backtracking)."""
-    depth = 0
-    in_string = escaped = False
-    # Fast path: a document with few brackets cannot nest deeply.
-    if json_part.count(b"[") + json_part.count(b"{") <= max_depth:
-        return
-    for c in json_part:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:
-                escaped = True
-            elif c == 0x22:
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c in (0x5B, 0x7B):
-            depth += 1
-            if depth > max_depth:
-                raise FrontError(400, f"JSON body nests deeper than {max_depth} levels (max_json_depth)")
-        elif c in (0x5D, 0x7D):
-            depth -= 1
 
 
 def _with_message(code: tuple[int, int | None], message: str) -> tuple[int, str, int | None]:
