@@ -60,9 +60,9 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
     engine.reset_prefix_cache()
     engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at full precision
     engine.morph.apply_now(MorphDecision("quantize", tuple(layers), "int4", "prefix reuse quality"))
-    hits = engine.stats()["prefix_cache_hits"]
+    hits = engine.stats().prefix_cache_hits
     reused = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
-    hit_tokens = engine.stats()["prefix_cache_hits"] - hits
+    hit_tokens = engine.stats().prefix_cache_hits - hits
     engine.reset_prefix_cache()
     recomputed = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
     engine.reset_prefix_cache()

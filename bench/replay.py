@@ -130,14 +130,14 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
             last_sample = now
             s = engine.stats()
             rss_max = max(rss_max, resident_bytes())
-            timeline.append({"t": round(now, 3), "quantized_layers": sum(s["layers_quantized"].values()),
-                             "kv_capacity_tokens": s["kv_blocks_total"] * kv_block_tokens,
-                             "kv_used_tokens": s["kv_blocks_used"] * kv_block_tokens,
-                             "waiting": s["num_waiting"], "running": s["num_running"]})
+            timeline.append({"t": round(now, 3), "quantized_layers": sum(s.layers_quantized.values()),
+                             "kv_capacity_tokens": s.kv_blocks_total * kv_block_tokens,
+                             "kv_used_tokens": s.kv_blocks_used * kv_block_tokens,
+                             "waiting": s.num_waiting, "running": s.num_running})
             if progress:
-                print(f"\r t={now:7.1f}s  done {len(done)}/{len(items)}  waiting {s['num_waiting']:3d}  running "
-                      f"{s['num_running']:3d}  quantized {timeline[-1]['quantized_layers']:2d}/{num_layers}  "
-                      f"kv {s['kv_blocks_used']}/{s['kv_blocks_total']}", end="", file=sys.stderr, flush=True)
+                print(f"\r t={now:7.1f}s  done {len(done)}/{len(items)}  waiting {s.num_waiting:3d}  running "
+                      f"{s.num_running:3d}  quantized {timeline[-1]['quantized_layers']:2d}/{num_layers}  "
+                      f"kv {s.kv_blocks_used}/{s.kv_blocks_total}", end="", file=sys.stderr, flush=True)
     duration = clock() - t0
     if progress:
         print(file=sys.stderr)
@@ -146,11 +146,11 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     result["tiers"] = by_tier([timings[r] for r in rids], [targets[r].priority for r in rids],  # type: ignore[misc]
                               [targets[r].tbt_s for r in rids])  # type: ignore[misc]
     result["scheduler"] = {"name": engine.config.scheduler, "step_s": distribution(step_s),
-                           "critical_decodes_unscheduled": engine.stats()["critical_decodes_unscheduled"]}
+                           "critical_decodes_unscheduled": engine.stats().critical_decodes_unscheduled}
     result["morph"] = morph_summary(engine, timeline, duration, kv_block_tokens)
     result["tokens_by_config"] = dict(tokens_by_config)
     stats = engine.stats()
-    queried, hit = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    queried, hit = stats.prefix_cache_queries, stats.prefix_cache_hits
     result["prefix_cache"] = {"policy": engine.config.prefix_cache_across_morph, "queried_tokens": queried,
                               "hit_tokens": hit, "hit_rate": round(hit / queried, 4) if queried else None}
     result["timeline"] = timeline

@@ -1,16 +1,19 @@
-"""The engine's Prometheus metrics, named once: both front ends export them from ``LLMEngine.stats()``.
+"""MorphServe's Prometheus metrics, named once: both front ends export what this table lists.
 
 The Triton model (serve/triton/metrics.py, through the Python backend's custom-metrics API) and the Dynamo
 worker (serve/dynamo/metrics.py, as exposition text on its system port) read this table, so a metric is
-added in one place and has the same name, type and help text behind either front end. A gauge is set to
-``stats[key]``; a counter follows the running total ``stats[key]``. Per-request latency histograms and the
-finish-reason counter are the front ends' own (they see requests, the engine's stats do not).
+added in one place and has the same name, type and help text behind either front end.
+
+- Engine metrics come from ``LLMEngine.stats()`` (an ``EngineStats``): a gauge is set to the field
+  ``stats_key``; a counter follows that field's running total.
+- Request metrics (latency histograms, the finish-reason and prompt-token counters) come from the request
+  tracker (serve/request_tracker.py), which both front ends feed with the engine's outputs per request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,48 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
 )
 LAYERS_QUANTIZED = EngineMetric("morphserve_layers_quantized", "gauge",
                                 "Decoder layers currently held in each quantized precision.", "layers_quantized")
-"""One series per precision (label ``precision``), from ``stats["layers_quantized"]``."""
+"""One series per precision (label ``precision``), from ``EngineStats.layers_quantized``."""
 
 
-def stat_value(stats: dict, key: str) -> float | None:
-    """``stats[key]`` as a number (a bool as 0/1), None when the engine does not report it."""
-    value = stats.get(key)
+def stat_value(stats: Any, key: str) -> float | None:
+    """The ``EngineStats`` field ``key`` as a number (a bool as 0/1), None when the engine does not report it."""
+    value = getattr(stats, key, None)
     return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class RequestHistogram:
+    """A per-request latency histogram (seconds), observed by the request tracker."""
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RequestCounter:
+    """A per-request counter, incremented by the request tracker; ``label`` names its one label, if any."""
+    name: str
+    help: str
+    label: str | None = None
+
+
+# Buckets (seconds): vLLM's, with finer low buckets for small models on CPU.
+TIME_TO_FIRST_TOKEN = RequestHistogram(
+    "morphserve_time_to_first_token_seconds", "Time from request arrival at the front end to its first token.",
+    (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+     40.0, 80.0, 160.0))
+INTER_TOKEN_LATENCY = RequestHistogram(
+    "morphserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
+    (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0))
+E2E_REQUEST_LATENCY = RequestHistogram(
+    "morphserve_e2e_request_latency_seconds", "Time from request arrival at the front end to its final response.",
+    (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0))
+REQUEST_QUEUE_TIME = RequestHistogram(
+    "morphserve_request_queue_time_seconds", "Time from arrival at the engine to first scheduling.",
+    (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0))
+REQUEST_HISTOGRAMS: tuple[RequestHistogram, ...] = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
+                                                    REQUEST_QUEUE_TIME)
+REQUESTS_FINISHED = RequestCounter("morphserve_requests_finished_total",
+                                   "Finished requests by finish reason (cancelled, timeout, overloaded included).",
+                                   label="finish_reason")
+PROMPT_TOKENS = RequestCounter("morphserve_prompt_tokens_total", "Prompt tokens of finished requests.")

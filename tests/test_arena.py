@@ -218,7 +218,7 @@ def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_w
                 time.sleep(0.01)
             errors.append(done[0].error)
         assert all("device fell off the bus" in err for err in errors)
-        assert not e.healthy and e.stats()["healthy"] is False
+        assert not e.healthy and e.stats().healthy is False
         with pytest.raises(RuntimeError, match="refuses new requests"):
             e.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     finally:

@@ -343,7 +343,7 @@ def test_bench_peer_cold_runs_reset_the_prefix_cache_and_warm_runs_reuse_it(tiny
     out = peer.ours(engine, wl, runs=2, warm_runs=1)
     assert [len(out["w"][k]) for k in ("cold", "warm")] == [2, 1]
     # the cold runs found nothing (reset before each); the warm one reused both full blocks before the last token
-    assert engine.stats()["prefix_cache_hits"] == 32
+    assert engine.stats().prefix_cache_hits == 32
     r = {"ours_fp32": out, "vllm": {"w": {"cold": [10.0], "warm": [20.0]}, "startup_s": 100.0}, "ours_quantized": {},
          "ours_startup_s": 1.0,
          "bound": {"gemv_read_gbs": 10.0, "weight_bytes_per_token": 1e6, "bound_tok_s": 1e4}}

@@ -29,6 +29,9 @@ def test_morph_transitions_change_the_published_total_blocks() -> None:
         registered = post_json(control, {})["registered_total_kv_blocks"]
         assert worker_metric(worker, "dynamo_component_total_blocks") == registered > 0
 
+        # the request tracker's histograms, named as on Triton: one TTFT per request, one gap per later token
+        ttft, itl = "morphserve_time_to_first_token_seconds_count", "morphserve_inter_token_latency_seconds_count"
+        ttft_before, itl_before = worker_metric(worker, ttft), worker_metric(worker, itl)
         client = openai_client(cluster)
         prompt = " ".join(["The river flows to the sea."] * 50)  # ~350 tokens
         errors: list[BaseException] = []
@@ -50,6 +53,8 @@ def test_morph_transitions_change_the_published_total_blocks() -> None:
         for t in threads:
             t.join(timeout=60)
         assert not errors, errors
+        assert worker_metric(worker, ttft) == ttft_before + 2
+        assert worker_metric(worker, itl) == itl_before + 2 * 39  # 40 tokens each (ignore_eos)
         grown = max(seen)
         assert grown > registered, f"published total_blocks never grew above {registered}: {sorted(seen)}"
         state = post_json(control, {})

@@ -5,6 +5,7 @@ worker relies on (min_tokens, step listeners)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -13,8 +14,9 @@ import pytest
 from serve.dynamo.bridge import OutputStream
 from serve.dynamo.cli import parse_worker_args
 from serve.dynamo.http import metric_values
-from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
+from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, RequestMetrics, exposition
 from serve.dynamo.requests import RequestError, chunk, finish_reason, to_engine_request
+from serve.engine.stats import EngineStats
 from serve.guided.spec import GuidedDecoding
 
 
@@ -123,9 +125,16 @@ def test_chunks_and_finish_reasons() -> None:
 
 
 # ---- metrics -----------------------------------------------------------------------------------------
-STATS = {"kv_blocks_total": 160, "kv_blocks_used": 40, "kv_blocks_base": 96, "kv_cache_usage_perc": 0.25,
-         "num_running": 2, "num_waiting": 1, "swaps_total": 4, "restores_total": 0, "num_preemptions": 0,
-         "num_generated_tokens": 99, "layers_quantized": {"int4": 4}}
+def engine_stats(**given) -> EngineStats:
+    """An EngineStats with ``given`` and zeros (empty dicts, healthy) elsewhere."""
+    blank = {f.name: {} if "dict" in str(f.type) else 0 for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**{**blank, "scheduler": "fcfs", "healthy": True, "last_step_error": None,
+                          "memory_outside_free_bytes": None, **given})
+
+
+STATS = engine_stats(kv_blocks_total=160, kv_blocks_used=40, kv_blocks_base=96, kv_cache_usage_perc=0.25,
+                     num_running=2, num_waiting=1, swaps_total=4, restores_total=0, num_preemptions=0,
+                     num_generated_tokens=99, layers_quantized={"int4": 4})
 
 
 def test_exposition_carries_the_morph_gauges_with_labels() -> None:
@@ -136,18 +145,49 @@ def test_exposition_carries_the_morph_gauges_with_labels() -> None:
     assert 'morphserve_layers_quantized{worker_id="ab",model="a\\"b",precision="int4"} 4' in text
     assert 'precision="int8"} 0' in text
     assert "# TYPE morphserve_swaps_total counter" in text
+    assert "morphserve_memory_outside_free_bytes" not in text  # None: not reported
+
+
+def test_request_metrics_exposition_has_cumulative_buckets_and_finish_reasons() -> None:
+    """The Dynamo worker's request histograms: the catalogue's names and buckets, fed by the request tracker."""
+    from serve.engine.outputs import FinishReason, RequestOutput
+    from serve.metrics_catalogue import INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN
+    from serve.request_tracker import CANCELLED, RequestTracker
+
+    metrics = RequestMetrics()
+    tracker = RequestTracker(metrics)
+    tracker.start("a", arrival=10.0)
+    tracker.on_output(RequestOutput("a", [7], "x", num_prompt_tokens=5), t=10.00390625)  # TTFT 2**-8 s
+    tracker.on_output(RequestOutput("a", [7, 8], "yz", True, FinishReason.LENGTH, num_prompt_tokens=5),
+                      t=11.00390625)  # two tokens after 1 s: two gaps of 0.5 s
+    tracker.start("b", arrival=11.0)
+    tracker.finish("b", CANCELLED, t=11.5)
+    text = metrics.exposition({"worker_id": "ab"})
+    ttft, itl = TIME_TO_FIRST_TOKEN.name, INTER_TOKEN_LATENCY.name
+    assert metric_values(text, f"{ttft}_count") == [1.0] and metric_values(text, f"{ttft}_sum") == [2**-8]
+    assert f'{ttft}_bucket{{worker_id="ab",le="0.0025"}} 0' in text
+    assert f'{ttft}_bucket{{worker_id="ab",le="0.005"}} 1' in text
+    assert f'{ttft}_bucket{{worker_id="ab",le="+Inf"}} 1' in text
+    assert f'{itl}_bucket{{worker_id="ab",le="0.4"}} 0' in text
+    assert f'{itl}_bucket{{worker_id="ab",le="0.5"}} 2' in text  # a bound holds what equals it (le)
+    assert metric_values(text, f"{itl}_count") == [2.0] and metric_values(text, f"{itl}_sum") == [1.0]
+    assert metric_values(text, "morphserve_e2e_request_latency_seconds_count") == [1.0]  # not the cancelled one
+    assert 'morphserve_requests_finished_total{worker_id="ab",finish_reason="length"} 1' in text
+    assert 'morphserve_requests_finished_total{worker_id="ab",finish_reason="cancelled"} 1' in text
+    assert metric_values(text, "morphserve_prompt_tokens_total") == [5.0]  # b never saw an output
+    assert f"# TYPE {ttft} histogram" in text
 
 
 def test_capacity_publisher_publishes_changes_only() -> None:
-    stats = dict(STATS)
+    stats = [STATS]
     sent: list[KvSnapshot] = []
-    pub = CapacityPublisher(lambda: stats)
+    pub = CapacityPublisher(lambda: stats[-1])
     pub.on_step()  # not attached yet: nothing to send
     pub.attach(sent.append)  # attaching publishes the current state
     pub.on_step()
-    stats["kv_blocks_used"] = 41
+    stats.append(dataclasses.replace(STATS, kv_blocks_used=41))
     pub.on_step()
-    stats["kv_blocks_total"] = 176  # a morph transition
+    stats.append(dataclasses.replace(STATS, kv_blocks_used=41, kv_blocks_total=176))  # a morph transition
     pub.on_step()
     assert sent == [KvSnapshot(40, 160), KvSnapshot(41, 160), KvSnapshot(41, 176)]
     assert pub.published == 3 and sent[-1].usage == pytest.approx(41 / 176)
@@ -236,7 +276,7 @@ def test_step_listeners_see_every_step_including_idle_ones(tiny_engine) -> None:
     from serve.engine import SamplingParams
 
     seen: list[int] = []
-    tiny_engine.add_step_listener(lambda: seen.append(tiny_engine.stats()["kv_blocks_used"]))
+    tiny_engine.add_step_listener(lambda: seen.append(tiny_engine.stats().kv_blocks_used))
     tiny_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(seen) >= 3 and max(seen) > 0 and seen[-1] == 0
     before = len(seen)

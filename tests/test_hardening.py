@@ -175,7 +175,7 @@ def test_repeated_failed_iterations_make_the_engine_unhealthy(engine):
         e.step()
         assert results[rid]["reason"] is FinishReason.ERROR
     assert not e.healthy and "device lost" in e.faults.last_error
-    assert e.stats()["healthy"] is False
+    assert e.stats().healthy is False
 
 
 def test_temperature_underflow_does_not_fail_the_batch(engine):
@@ -208,7 +208,7 @@ def test_admission_does_not_wait_for_the_engine_lock_and_is_bounded(engine):
     finally:
         release.set()
         t.join()
-    assert e.stats()["num_waiting"] == 3
+    assert e.stats().num_waiting == 3
     for r in rids:
         assert e.abort_request(r)
     assert e.num_waiting() == 0 and e.pool.num_used == 0

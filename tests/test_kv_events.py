@@ -115,14 +115,14 @@ def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, m
         clock.t += 0.5
         check(engine, bridge, view)
     stats = engine.stats()
-    print(f"{policy}/{mode}: swaps {stats['swaps_total']}, restores {stats['restores_total']}, resets {resets}, "
-          f"preemptions {stats['num_preemptions']}, hits {stats['prefix_cache_hits']}, sent {bridge.sent}, "
+    print(f"{policy}/{mode}: swaps {stats.swaps_total}, restores {stats.restores_total}, resets {resets}, "
+          f"preemptions {stats.num_preemptions}, hits {stats.prefix_cache_hits}, sent {bridge.sent}, "
           f"unreachable {bridge.unreachable}")
-    assert resets >= 1 and stats["prefix_cache_hits"] > 0 and bridge.sent["removed"] > 0
+    assert resets >= 1 and stats.prefix_cache_hits > 0 and bridge.sent["removed"] > 0
     if mode == "off":
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     else:
-        assert stats["swaps_total"] >= 2 and stats["restores_total"] >= 2
+        assert stats.swaps_total >= 2 and stats.restores_total >= 2
 
 
 def test_a_configuration_that_returns_republishes_its_blocks(tiny):

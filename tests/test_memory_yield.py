@@ -171,7 +171,7 @@ def test_yield_gives_pages_back_and_reclaim_takes_them_again_with_tokens_unchang
     segments = len([t for t in e.morph.stack if t.yielded])
     assert rss_before - rss_yielded >= yielded - 2 * PAGE * segments, (rss_before, rss_yielded, yielded)
     stats = e.stats()
-    assert stats["memory"]["yielded"] == yielded and stats["memory_yield"]["yields_total"] == len(d.layers)
+    assert stats.memory["yielded"] == yielded and stats.memory_yield["yields_total"] == len(d.layers)
     e.ledger.check()
     assert e.ledger.used_slots == e.ledger.arena_slots  # layers + staging + KV + yielded: exactly the arena
 

@@ -12,7 +12,7 @@ from policy import FULL, MorphDecision
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
-from serve.morph.runtime import percentile
+from serve.morph.latency_window import percentile
 
 
 class FakeClock:
@@ -121,7 +121,7 @@ def test_static_modes_quantize_every_layer_up_front(tiny):
 def test_off_mode_has_no_layer_bank(tiny):
     e = morph_engine(tiny, "off")
     assert e.morph is None
-    assert e.stats()["layers_quantized"] == {} and e.stats()["swaps_total"] == 0
+    assert e.stats().layers_quantized == {} and e.stats().swaps_total == 0
 
 
 def test_pressure_quantizes_then_calm_restores_to_base(tiny):

@@ -121,13 +121,13 @@ def test_a_repeated_prompt_reuses_its_blocks_and_yields_the_same_tokens(tiny):
     ref = _engine(tiny, caching=False).generate([prompt], GREEDY)[0]["token_ids"]
     e = _engine(tiny, caching=True)
     first = e.generate([prompt], GREEDY)[0]["token_ids"]
-    assert e.stats()["prefix_cache_hits"] == 0
+    assert e.stats().prefix_cache_hits == 0
     # all 23 prompt tokens and 11 of the 12 outputs went into the KV: 34 tokens = 8 full blocks, now cached
     assert e.pool.num_cached == 8 and e.pool.num_used == 0
     second = e.generate([prompt], GREEDY)[0]["token_ids"]
     s = e.stats()
     assert first == ref and second == ref
-    assert s["prefix_cache_hits"] == 20 and s["prefix_cache_queries"] == 46   # 5 full blocks before the last token
+    assert s.prefix_cache_hits == 20 and s.prefix_cache_queries == 46   # 5 full blocks before the last token
     assert_exact_accounting(e)
 
 
@@ -139,7 +139,7 @@ def test_concurrent_requests_share_a_common_prefix_exactly(tiny):
     e.generate([system + [5, 6]], SamplingParams(max_tokens=1))            # warms the 3 shared blocks
     got = e.generate(prompts, GREEDY)
     assert [g["token_ids"] for g in got] == [r["token_ids"] for r in ref]
-    assert e.stats()["prefix_cache_hits"] == 4 * 12
+    assert e.stats().prefix_cache_hits == 4 * 12
     assert_exact_accounting(e)
 
 
@@ -148,11 +148,11 @@ def test_prefix_caching_off_never_looks_up(tiny):
     prompt = list(range(40, 60))
     e.generate([prompt, prompt], GREEDY)
     s = e.stats()
-    assert (s["prefix_cache_queries"], s["prefix_cache_hits"], s["kv_blocks_cached"]) == (0, 0, 0)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.kv_blocks_cached) == (0, 0, 0)
 
 
 def _hits(e: LLMEngine) -> int:
-    return e.stats()["prefix_cache_hits"]
+    return e.stats().prefix_cache_hits
 
 
 def test_exact_serves_a_block_only_under_the_configuration_that_computed_it(tiny):
@@ -227,4 +227,4 @@ def test_a_prefix_hit_on_the_real_model_still_matches_transformers(smollm, smoll
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     assert e.generate([ids], params)[0]["token_ids"] == want
     assert e.generate([ids], params)[0]["token_ids"] == want
-    assert e.stats()["prefix_cache_hits"] == (len(ids) - 1) // 16 * 16 > 0
+    assert e.stats().prefix_cache_hits == (len(ids) - 1) // 16 * 16 > 0

@@ -43,7 +43,7 @@ def test_request_targets_are_resolved_from_the_config(tiny):
     assert e._requests["strict"].slo == RequestSLO(3.0, 0.1, 0)
     with pytest.raises(TypeError, match="RequestSLO"):
         e.add_request([1, 2, 3], slo={"tbt_s": 0.1})  # type: ignore[arg-type]
-    assert e.stats()["scheduler"] == "slai"
+    assert e.stats().scheduler == "slai"
 
 
 def test_strict_tier_is_admitted_first(tiny):

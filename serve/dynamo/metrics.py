@@ -1,5 +1,8 @@
 """What a worker tells Dynamo about itself: live KV capacity/usage (the router's input and the worker's
-``dynamo_component_total_blocks`` gauge) and the morph gauges, bridged into the worker's ``/metrics``.
+``dynamo_component_total_blocks`` gauge), and the catalogue's metrics (serve/metrics_catalogue.py) bridged into
+the worker's ``/metrics`` as exposition text: the engine's gauges and counters from ``EngineStats``, and the
+request tracker's latency histograms and finish-reason counter (``RequestMetrics``), the names the Triton
+model exports too.
 
 The model card's ``total_kv_blocks`` is fixed at registration; a morph transition changes the pool, so the
 live value goes through Dynamo's snapshot publisher after every engine step whose KV numbers changed
@@ -11,10 +14,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from serve.engine.stats import EngineStats
 from serve.logging_setup import get_logger
-from serve.metrics_catalogue import ENGINE_METRICS, LAYERS_QUANTIZED, stat_value
+from serve.metrics_catalogue import (ENGINE_METRICS, LAYERS_QUANTIZED, PROMPT_TOKENS, REQUEST_HISTOGRAMS,
+                                     REQUESTS_FINISHED, RequestHistogram, stat_value)
 
 log = get_logger("morphserve.dynamo.metrics")
 
@@ -32,16 +36,16 @@ class KvSnapshot:
 class CapacityPublisher:
     """An engine step listener: publishes the KV snapshot when it changed.
 
-    ``stats`` is ``LLMEngine.stats``; ``publish(snapshot)`` hands it to Dynamo (set once the runtime
-    attaches its publisher; until then snapshots are only remembered).
+    ``stats`` is ``LLMEngine.stats`` (None while there is no engine); ``publish(snapshot)`` hands it to Dynamo
+    (set once the runtime attaches its publisher; until then snapshots are only remembered).
     """
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
         self._lock = threading.Lock()
         self._publish: Callable[[KvSnapshot], None] | None = None
         self.last: KvSnapshot | None = None
-        self.last_stats: Mapping[str, Any] = {}
+        self.last_stats: EngineStats | None = None
         self.published = 0
 
     def attach(self, publish: Callable[[KvSnapshot], None]) -> None:
@@ -54,9 +58,9 @@ class CapacityPublisher:
         """Called from the engine thread; never raises (the engine loop must keep serving)."""
         try:
             stats = self._stats()
-            if not stats:
+            if stats is None:
                 return
-            snap = KvSnapshot(int(stats["kv_blocks_used"]), int(stats["kv_blocks_total"]))
+            snap = KvSnapshot(int(stats.kv_blocks_used), int(stats.kv_blocks_total))
             with self._lock:
                 self.last_stats = stats
                 if self._publish is None or snap == self.last:
@@ -83,8 +87,8 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def exposition(stats: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> str:
-    """Prometheus text for the morph gauges (the names the Triton model exports too)."""
+def exposition(stats: EngineStats, labels: Mapping[str, str] | None = None) -> str:
+    """Prometheus text for the engine's metrics (the names the Triton model exports too)."""
     labels = dict(labels or {})
     lines: list[str] = []
     for m in ENGINE_METRICS:  # the catalogue the Triton model exports too (serve/metrics_catalogue.py)
@@ -92,9 +96,54 @@ def exposition(stats: Mapping[str, Any], labels: Mapping[str, str] | None = None
         if value is None:
             continue
         lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}", f"{m.name}{_labels(labels)} {value:g}"]
-    quantized = stats.get("layers_quantized") or {}
+    quantized = stats.layers_quantized or {}
     lines += [f"# HELP {LAYERS_QUANTIZED.name} {LAYERS_QUANTIZED.help}", f"# TYPE {LAYERS_QUANTIZED.name} gauge"]
     for precision in sorted(set(PRECISIONS) | set(quantized)):
         lines.append(f"morphserve_layers_quantized{_labels(labels, {'precision': precision})} "
                      f"{int(quantized.get(precision, 0))}")
     return "\n".join(lines) + "\n"
+
+
+class RequestMetrics:
+    """The request tracker's sink on a Dynamo worker (serve/request_tracker.py): the catalogue's request
+    histograms and counters kept in memory, rendered with the engine's metrics on every scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # per histogram: observations per bucket (the last one: above every bound), sum
+        self._counts = {h.name: [0] * (len(h.buckets) + 1) for h in REQUEST_HISTOGRAMS}
+        self._sums = {h.name: 0.0 for h in REQUEST_HISTOGRAMS}
+        self._finished: dict[str, int] = {}
+        self._prompt_tokens = 0
+
+    def observe(self, metric: RequestHistogram, value: float) -> None:
+        index = next((i for i, bound in enumerate(metric.buckets) if value <= bound), len(metric.buckets))
+        with self._lock:
+            self._counts[metric.name][index] += 1
+            self._sums[metric.name] += value
+
+    def count_finished(self, reason: str, prompt_tokens: int) -> None:
+        with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+            self._prompt_tokens += max(0, prompt_tokens)
+
+    def exposition(self, labels: Mapping[str, str] | None = None) -> str:
+        """Prometheus text: each histogram's cumulative buckets, sum and count; the counters."""
+        labels = dict(labels or {})
+        lines: list[str] = []
+        with self._lock:
+            for h in REQUEST_HISTOGRAMS:
+                lines += [f"# HELP {h.name} {h.help}", f"# TYPE {h.name} histogram"]
+                cumulative = 0
+                for bound, count in zip([*map(str, h.buckets), "+Inf"], self._counts[h.name]):
+                    cumulative += count
+                    lines.append(f"{h.name}_bucket{_labels(labels, {'le': bound})} {cumulative}")
+                lines += [f"{h.name}_sum{_labels(labels)} {self._sums[h.name]!r}",
+                          f"{h.name}_count{_labels(labels)} {cumulative}"]
+            lines += [f"# HELP {REQUESTS_FINISHED.name} {REQUESTS_FINISHED.help}",
+                      f"# TYPE {REQUESTS_FINISHED.name} counter"]
+            lines += [f"{REQUESTS_FINISHED.name}{_labels(labels, {REQUESTS_FINISHED.label or 'reason': reason})} {n}"
+                      for reason, n in sorted(self._finished.items())]
+            lines += [f"# HELP {PROMPT_TOKENS.name} {PROMPT_TOKENS.help}", f"# TYPE {PROMPT_TOKENS.name} counter",
+                      f"{PROMPT_TOKENS.name}{_labels(labels)} {self._prompt_tokens}"]
+        return "\n".join(lines) + "\n"

@@ -6,7 +6,8 @@ tokenizer directory this worker registers), token ids go out, streamed from the 
 cancelled request is aborted in the engine at once, which frees its KV blocks. Live KV capacity and usage
 go to Dynamo's snapshot publisher after every engine step that changed them (so a morph transition shows
 as a new ``dynamo_component_total_blocks``); the prefix cache's blocks go to the KV-aware router as KV events
-(serve/dynamo/kv_events.py); the morph gauges are bridged into the worker's ``/metrics``;
+(serve/dynamo/kv_events.py); the engine's metrics and the request tracker's latency histograms and finish
+reasons (serve/request_tracker.py, shared with the Triton model) are bridged into the worker's ``/metrics``;
 ``POST /engine/control/morph_state`` on the worker's system port returns the engine's state.
 """
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,13 @@ from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 from serve.dynamo.bridge import OutputStream
 from serve.dynamo.cli import WorkerOptions, parse_worker_args, yield_request_bytes
 from serve.dynamo.kv_events import KvEventBridge
-from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, exposition
+from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, RequestMetrics, exposition
 from serve.dynamo.model_card import write_model_card_dir
 from serve.dynamo.requests import RequestError, chunk, to_engine_request
 from serve.engine import LLMEngine
+from serve.engine.stats import EngineStats
 from serve.logging_setup import configure_logging, get_logger
+from serve.request_tracker import CANCELLED, RequestTracker
 
 log = get_logger("morphserve.dynamo.worker")
 MORPH_STATE_CONTROL = "morph_state"
@@ -49,6 +53,8 @@ class MorphServeWorker(DynamoLLMEngine):
         self.registered_total_blocks: int | None = None
         self.kv_events: KvEventBridge | None = None  # the prefix cache, told to Dynamo's KV-aware router
         self._inflight: dict[str, str] = {}  # Dynamo context id -> engine request id
+        self.request_metrics = RequestMetrics()
+        self.tracker = RequestTracker(self.request_metrics)  # TTFT, ITL, e2e, finish reasons per request
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @classmethod
@@ -80,10 +86,10 @@ class MorphServeWorker(DynamoLLMEngine):
             engine.add_step_listener(self.kv_events.flush)
         engine.start_background()
         stats = engine.stats()
-        self.registered_total_blocks = int(stats["kv_blocks_total"])
+        self.registered_total_blocks = int(stats.kv_blocks_total)
         log.info("dynamo_worker_started", worker_id=format(worker_id, "x"), model=opts.engine.model,
                  served_model_name=opts.served_model_name, morph_mode=opts.engine.morph_mode,
-                 kv_blocks_total=stats["kv_blocks_total"], max_model_len=engine.max_model_len, card_dir=str(self.card_dir))
+                 kv_blocks_total=stats.kv_blocks_total, max_model_len=engine.max_model_len, card_dir=str(self.card_dir))
         return DynamoEngineConfig(
             model=str(self.card_dir), served_model_name=opts.served_model_name,
             llm=LlmRegistration(context_length=engine.max_model_len, kv_cache_block_size=engine.config.block_size,
@@ -103,6 +109,7 @@ class MorphServeWorker(DynamoLLMEngine):
 
     # ---- requests ----------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncGenerator[dict[str, Any], None]:
+        arrival = time.perf_counter()
         engine = self.engine
         if engine is None:
             raise EngineShutdown("the engine is not running")
@@ -113,14 +120,19 @@ class MorphServeWorker(DynamoLLMEngine):
             raise InvalidArgument(str(exc)) from None
         stream = OutputStream(asyncio.get_running_loop())
         rid = f"{context.id()}-{uuid.uuid4().hex[:8]}"
+        self.tracker.start(rid, arrival)
         try:  # add_request waits for the engine lock (held for a whole step): off the event loop
             await asyncio.to_thread(engine.add_request, mapped.prompt_token_ids, mapped.params, request_id=rid,
                                     callback=stream.push)
-        except (ValueError, TypeError) as exc:  # prompt longer than the context, pool too small, ...
-            raise InvalidArgument(str(exc)) from None
+        except BaseException as exc:
+            self.tracker.forget(rid)  # never admitted: an error answer, not a finished request
+            if isinstance(exc, (ValueError, TypeError)):  # prompt longer than the context, pool too small, ...
+                raise InvalidArgument(str(exc)) from None
+            raise
         self._inflight[context.id()] = rid
         try:
             async for out in stream:
+                self.tracker.on_output(out)  # timed as the worker's event loop sees it
                 if not out.finished:
                     if out.new_token_ids:
                         yield chunk(out.new_token_ids)
@@ -133,6 +145,7 @@ class MorphServeWorker(DynamoLLMEngine):
             self._inflight.pop(context.id(), None)
             if not stream.finished:  # the client went away or the stream was closed: free the KV blocks now,
                 # from a thread (abort waits for the engine lock; the event loop keeps streaming meanwhile)
+                self.tracker.finish(rid, CANCELLED)
                 try:
                     asyncio.get_running_loop().run_in_executor(None, self._abort, engine, rid)
                 except RuntimeError:  # no running loop (the generator is being collected at shutdown)
@@ -141,6 +154,7 @@ class MorphServeWorker(DynamoLLMEngine):
     async def abort(self, context: Any) -> None:
         rid = self._inflight.get(context.id())
         if rid is not None and self.engine is not None:
+            self.tracker.finish(rid, CANCELLED)  # before the engine's own final output (abort) can count it
             aborted = await asyncio.to_thread(self._abort, self.engine, rid)
             log.info("request_aborted", request_id=rid, was_running=aborted)
 
@@ -152,7 +166,7 @@ class MorphServeWorker(DynamoLLMEngine):
         return aborted
 
     # ---- metrics and controls ----------------------------------------------------------------------
-    def _stats_or_none(self) -> Mapping[str, Any] | None:
+    def _stats_or_none(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
 
     def component_metrics_dp_ranks(self) -> list[int]:
@@ -169,7 +183,8 @@ class MorphServeWorker(DynamoLLMEngine):
 
         def render() -> str:  # called on a runtime thread per scrape: the stats of the last step, no engine lock
             stats = self.capacity.last_stats
-            return exposition(stats, labels) if stats else ""
+            engine = exposition(stats, labels) if stats is not None else ""
+            return engine + self.request_metrics.exposition(labels)
         metrics.register_prometheus_expfmt_callback(render)
 
     def supported_controls(self) -> set[str]:
@@ -185,7 +200,7 @@ class MorphServeWorker(DynamoLLMEngine):
             return {"status": "error", "message": "the engine is not running"}
         last = self.capacity.last
         return {
-            "status": "ok", "morph_mode": self.options.engine.morph_mode, "stats": stats,
+            "status": "ok", "morph_mode": self.options.engine.morph_mode, "stats": stats.as_dict(),
             "registered_total_kv_blocks": self.registered_total_blocks,
             "published": {"snapshots": self.capacity.published,
                           "kv_total_blocks": last.total_blocks if last else None,

@@ -31,6 +31,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.engine.slo import RequestSLO
+from serve.engine.stats import EngineStats, memory_gauges
 from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.guided.state import mask_guided_rows
@@ -567,44 +568,29 @@ class LLMEngine:
         with self._lock:
             self.pool.clear_cache()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         with self._lock:
-            return {
-                "kv_blocks_total": self.pool.num_blocks,
-                "kv_blocks_used": self.pool.num_used,
-                "kv_cache_usage_perc": self.pool.usage,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": self.num_waiting(),
-                "failed_iterations": self.faults.failed_iterations,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.scheduler.kv_cache_manager.prefix_queried_tokens,
-                "prefix_cache_hits": self.scheduler.kv_cache_manager.prefix_hit_tokens,
-                "kv_blocks_cached": self.pool.num_cached,
-                "scheduler": self.config.scheduler,
-                "critical_decodes_unscheduled": getattr(self.scheduler, "num_critical_unscheduled", 0),
-                # the last iteration's batch; 0 once the engine is idle
-                "num_scheduled_last_step": self.last_num_scheduled if self.scheduler.has_work() else 0,
-                "num_context_last_step": self.last_num_context if self.scheduler.has_work() else 0,
-                "max_num_seqs": self.scheduler.max_num_seqs,
-                "block_size": self.config.block_size,
-                "num_steps": self.num_steps,
-                "num_generated_tokens": self.num_generated_tokens,
-                **(resources := self.resources.resource_stats()),
-                "kv_blocks_base": self.pool.base_blocks,
-                "memory": self.ledger.as_dict(),
-                **self._memory_gauges(resources["memory_yield"]),
-                "healthy": self.healthy,
-                "last_step_error": self.last_step_error,
-            }
-
-    def _memory_gauges(self, mem: dict) -> dict:
-        """Flat numbers for the metric catalogue from the resource manager's memory state: bytes held and
-        given back, outside free memory, counts."""
-        out = {"memory_held_bytes": self.ledger.as_dict()["held"], "memory_yielded_bytes": mem.get("yielded_bytes", 0),
-               "memory_yields_total": mem.get("yields_total", 0), "memory_reclaims_total": mem.get("reclaims_total", 0)}
-        if mem.get("outside_free_bytes") is not None:
-            out["memory_outside_free_bytes"] = mem["outside_free_bytes"]
-        return out
+            busy = self.scheduler.has_work()
+            kv = self.scheduler.kv_cache_manager
+            resources = self.resources.resource_stats()
+            ledger = self.ledger.as_dict()
+            return EngineStats(
+                kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+                kv_cache_usage_perc=self.pool.usage, kv_blocks_cached=self.pool.num_cached,
+                kv_blocks_base=self.pool.base_blocks, block_size=self.config.block_size,
+                scheduler=self.config.scheduler, num_running=len(self.scheduler.running),
+                num_waiting=self.num_waiting(), max_num_seqs=self.scheduler.max_num_seqs,
+                num_scheduled_last_step=self.last_num_scheduled if busy else 0,
+                num_context_last_step=self.last_num_context if busy else 0,
+                critical_decodes_unscheduled=getattr(self.scheduler, "num_critical_unscheduled", 0),
+                num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+                num_generated_tokens=self.num_generated_tokens, prefix_cache_queries=kv.prefix_queried_tokens,
+                prefix_cache_hits=kv.prefix_hit_tokens, layers_quantized=resources["layers_quantized"],
+                swaps_total=resources["swaps_total"], restores_total=resources["restores_total"],
+                memory_yield=resources["memory_yield"], memory=ledger,
+                **memory_gauges(ledger, resources["memory_yield"]),
+                healthy=self.healthy, failed_iterations=self.faults.failed_iterations,
+                last_step_error=self.last_step_error)
 
     def request_memory_yield(self, nbytes: int | None) -> dict:
         """The operator's yield control: keep ``nbytes`` given back to the device (or host) until cleared

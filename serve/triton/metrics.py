@@ -8,14 +8,9 @@ import threading
 from typing import Any
 
 from policy import QUANTIZED_PRECISIONS
-from serve.metrics_catalogue import ENGINE_METRICS, LAYERS_QUANTIZED, stat_value
+from serve.metrics_catalogue import (ENGINE_METRICS, LAYERS_QUANTIZED, PROMPT_TOKENS, REQUEST_HISTOGRAMS,
+                                     REQUESTS_FINISHED, RequestHistogram, stat_value)
 
-# Histogram buckets (seconds): vLLM's, with finer low buckets for small models on CPU.
-_TTFT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0]
-_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0]
-_QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
 # TensorRT-LLM's gauge families (tensorrtllm_backend's custom metrics reporter): label -> what we export.
 # kv_cache_block_type: max = blocks in the pool now (it grows when layers are quantized), free, used,
 # tokens_per = tokens per block, fraction = used / max.
@@ -23,7 +18,6 @@ _QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 # sequences in the last iteration, context = of which prefill (context) chunks, waiting = queued.
 TRTLLM_KV_TYPES = ("max", "free", "used", "tokens_per", "fraction")
 TRTLLM_REQUEST_TYPES = ("active", "max", "scheduled", "context", "waiting")
-_E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
 
 
 class _Histogram:
@@ -54,8 +48,8 @@ class _Histogram:
 
 
 class Metrics:
-    """The model's Prometheus families (project prefix ``morphserve_``), fed from engine.stats() and
-    from the responder thread's per-request timings."""
+    """The model's Prometheus families (project prefix ``morphserve_``), fed from ``engine.stats()`` and,
+    as the request tracker's sink (serve/request_tracker.py), from the per-request timings."""
 
     def __init__(self, pb_utils: Any, model_name: str, version: str) -> None:
         self._pb = pb_utils
@@ -67,25 +61,17 @@ class Metrics:
         # the engine's metrics, from the one catalogue both front ends use (serve/metrics_catalogue.py)
         self._engine = {m.stats_key: (m, g(m.name, m.help, m.kind.upper())) for m in ENGINE_METRICS}
         self._engine["healthy"][1].set(1.0)
-        self.prompt_tokens = g("morphserve_prompt_tokens_total", "Prompt tokens of finished requests.", "COUNTER")
-        self.ttft = _Histogram(self._pb, self._families, "morphserve_time_to_first_token_seconds",
-                               "Time from request arrival at the model to its first token.", self._labels, _TTFT_BUCKETS)
-        self.itl = _Histogram(self._pb, self._families, "morphserve_inter_token_latency_seconds",
-                              "Gap between consecutive tokens of a request.", self._labels, _ITL_BUCKETS)
-        self.e2e = _Histogram(self._pb, self._families, "morphserve_e2e_request_latency_seconds",
-                              "Time from request arrival at the model to its final response.", self._labels, _E2E_BUCKETS)
+        self.prompt_tokens = g(PROMPT_TOKENS.name, PROMPT_TOKENS.help, "COUNTER")
+        self._histograms = {h.name: _Histogram(self._pb, self._families, h.name, h.help, self._labels, list(h.buckets))
+                            for h in REQUEST_HISTOGRAMS}
         self._layers_family = self._new_family(LAYERS_QUANTIZED.name, LAYERS_QUANTIZED.help, "GAUGE")
         self._layers: dict[str, Any] = {}
         for precision in QUANTIZED_PRECISIONS:  # present (at 0) from the start, for dashboards
             self._layers[precision] = self._layers_family.Metric(labels={**self._labels, "precision": precision})
             self._layers[precision].set(0.0)
-        self._finished_family = self._new_family("morphserve_requests_finished_total",
-                                                 "Finished requests by finish reason.", "COUNTER")
+        self._finished_family = self._new_family(REQUESTS_FINISHED.name, REQUESTS_FINISHED.help, "COUNTER")
         self._finished: dict[str, Any] = {}
         self._last_totals = {m.stats_key: 0.0 for m in ENGINE_METRICS if m.kind == "counter"}
-        self.queue_time = _Histogram(self._pb, self._families, "morphserve_request_queue_time_seconds",
-                                     "Time from arrival at the engine to first scheduling.", self._labels,
-                                     _QUEUE_BUCKETS)
         self._trtllm_kv = self._labelled("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics",
                                          "kv_cache_block_type", TRTLLM_KV_TYPES)
         self._trtllm_requests = self._labelled("nv_trt_llm_request_metrics", "TRT LLM request metrics",
@@ -107,8 +93,8 @@ class Metrics:
     def _family_metric(self, name: str, description: str, kind: str) -> Any:
         return self._new_family(name, description, kind).Metric(labels=self._labels)
 
-    def update_from_stats(self, stats: dict[str, Any]) -> None:
-        """Copy engine.stats() into the gauges; totals become counter increments."""
+    def update_from_stats(self, stats: Any) -> None:
+        """Copy ``engine.stats()`` (an ``EngineStats``) into the gauges; totals become counter increments."""
         with self._lock:
             for key, (metric, series) in self._engine.items():
                 value = stat_value(stats, key)
@@ -119,7 +105,7 @@ class Metrics:
                 elif value > self._last_totals[key]:  # a running total becomes counter increments
                     series.increment(value - self._last_totals[key])
                     self._last_totals[key] = value
-            layers = dict(stats.get("layers_quantized") or {})
+            layers = dict(stats.layers_quantized or {})
             for precision in set(layers) | set(self._layers):
                 m = self._layers.get(precision)
                 if m is None:
@@ -128,24 +114,28 @@ class Metrics:
                 m.set(float(layers.get(precision, 0)))
             self._update_trtllm(stats)
 
-    def _update_trtllm(self, stats: dict[str, Any]) -> None:
-        total = float(stats.get("kv_blocks_total", 0))
-        used = float(stats.get("kv_blocks_used", 0))
-        kv = {"max": total, "free": total - used, "used": used, "tokens_per": float(stats.get("block_size", 0)),
+    def _update_trtllm(self, stats: Any) -> None:
+        total, used = float(stats.kv_blocks_total), float(stats.kv_blocks_used)
+        kv = {"max": total, "free": total - used, "used": used, "tokens_per": float(stats.block_size),
               "fraction": used / total if total else 0.0}
         for key, value in kv.items():
             self._trtllm_kv[key].set(value)
-        requests = {"active": stats.get("num_running", 0), "max": stats.get("max_num_seqs", 0),
-                    "scheduled": stats.get("num_scheduled_last_step", 0),
-                    "context": stats.get("num_context_last_step", 0), "waiting": stats.get("num_waiting", 0)}
+        requests = {"active": stats.num_running, "max": stats.max_num_seqs, "scheduled": stats.num_scheduled_last_step,
+                    "context": stats.num_context_last_step, "waiting": stats.num_waiting}
         for key, value in requests.items():
             self._trtllm_requests[key].set(float(value))
 
-    def request_finished(self, reason: str, prompt_tokens: int) -> None:
+    def observe(self, metric: RequestHistogram, value: float) -> None:
+        """The request tracker's latency observations."""
+        self._histograms[metric.name].observe(value)
+
+    def count_finished(self, reason: str, prompt_tokens: int) -> None:
+        """The request tracker's finished requests: one per request, by finish reason."""
         with self._lock:
             m = self._finished.get(reason)
             if m is None:
-                m = self._finished[reason] = self._finished_family.Metric(labels={**self._labels, "finish_reason": reason})
+                m = self._finished[reason] = self._finished_family.Metric(
+                    labels={**self._labels, REQUESTS_FINISHED.label: reason})
             m.increment(1)
             if prompt_tokens > 0:
                 self.prompt_tokens.increment(prompt_tokens)

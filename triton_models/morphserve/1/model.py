@@ -6,8 +6,9 @@ Threads in this stub process:
   enqueues ``(RequestOutput, timestamp)`` so the loop never waits on IPC to the server.
 - ``morphserve-responder``: drains that queue and sends responses through each request's
   ``response_sender`` (one per token group with stream=true, one in all otherwise; the last carries
-  TRITONSERVER_RESPONSE_COMPLETE_FINAL), records TTFT/ITL, and polls ``request.is_cancelled()`` to
-  abort cancelled requests in the engine at once (which frees their KV blocks).
+  TRITONSERVER_RESPONSE_COMPLETE_FINAL), hands each output to the request tracker (TTFT, ITL, finish
+  reasons: serve/request_tracker.py, shared with the Dynamo worker), and polls ``request.is_cancelled()``
+  to abort cancelled requests in the engine at once (which frees their KV blocks).
 - ``morphserve-metrics``: refreshes the gauges from ``engine.stats()`` (which waits for the engine
   lock, so it must not run on the responder thread).
 
@@ -36,6 +37,7 @@ if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkou
 
 from policy.shedding import shed_on_arrival  # noqa: E402
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
+from serve.request_tracker import CANCELLED, OVERLOADED, TIMEOUT, RequestTracker, TrackedRequest  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
 from serve.triton.request_inputs import InputError, InputLimits, parse_request, parse_slo_inputs  # noqa: E402
@@ -44,14 +46,6 @@ from serve.triton.trtllm import cancel_target, memory_control, with_parameters  
 log = get_logger("triton_model")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-
-
-
-# --------------------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,16 +60,11 @@ class _InFlight:
     request: Any
     sender: Any
     stream: bool
-    arrival: float
+    timing: TrackedRequest      # arrival, deadline (timeout_s), first token, token counts: the tracker's record
     parts: list[str] = dataclasses.field(default_factory=list)
-    last_token_time: float | None = None
-    first_token_time: float | None = None
-    num_input_tokens: int = 0
-    num_output_tokens: int = 0
     prefix: str = ""            # the prompt, when a non-streaming answer must start with it
     sent_logprobs: int = 0      # streaming: log-probabilities already sent
     logprobs: list[float] | None = None  # return_log_probs: every generated token's log-probability
-    deadline: float | None = None  # perf_counter time after which the request is aborted (timeout_s)
 
 
 def _input_array(request: Any, name: str) -> np.ndarray | None:
@@ -96,12 +85,6 @@ def _response(text: str, num_input: int, num_output: int, finish_reason: str,
         tensors.append(pb_utils.Tensor("output_log_probs", np.array(logprobs[0], dtype=np.float32)))
         tensors.append(pb_utils.Tensor("cum_log_probs", np.array([logprobs[1]], dtype=np.float32)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
-
-
-def _queue_time(out: Any) -> float | None:
-    """Seconds between the engine's arrival and first scheduling of the request (engine clock)."""
-    first = getattr(out, "first_scheduled_time", None)
-    return None if first is None else max(0.0, first - out.arrival_time)
 
 
 def _error_response(message: str, code: Any = None) -> Any:
@@ -155,6 +138,7 @@ class TritonPythonModel:
                  package=str(Path(parse_request.__code__.co_filename).parents[2]))  # where morphserve was imported from
 
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
+        self.tracker = RequestTracker(self.metrics)
         self._inflight: dict[str, _InFlight] = {}
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[tuple[Any, float] | None] = queue.SimpleQueue()
@@ -216,13 +200,13 @@ class TritonPythonModel:
         shed = shed_on_arrival(self.engine.num_waiting(), self.engine.start_rate.rate_at(self.engine.clock()),
                                self.queue_timeout_s) if self.shed_on_arrival else None
         if shed is not None and shed.shed:
-            self.metrics.request_finished("overloaded", 0)
+            self.tracker.refused(OVERLOADED)
             log.info("request_shed", request_id=request_id, client_request_id=client_id, on_arrival=True,
                      predicted_wait_s=round(shed.predicted_wait_s or 0.0, 3), queue_timeout_s=self.queue_timeout_s)
             self._reject(sender, request_id, client_id, shed.reason, pb_utils.TritonError.UNAVAILABLE)
             return
-        inflight = _InFlight(request_id, client_id, request, sender, parsed.stream, arrival,
-                             deadline=None if parsed.timeout_s is None else arrival + parsed.timeout_s)
+        inflight = _InFlight(request_id, client_id, request, sender, parsed.stream,
+                             self.tracker.start(request_id, arrival, parsed.timeout_s))
         if not parsed.stream and not parsed.exclude_input_in_output:
             inflight.prefix = parsed.prompt  # TensorRT-LLM: the answer repeats the prompt unless excluded
         if parsed.return_log_probs:
@@ -234,6 +218,7 @@ class TritonPythonModel:
         except (ValueError, TypeError, RuntimeError) as exc:  # e.g. prompt too long; overloaded; unhealthy engine
             with self._lock:
                 self._inflight.pop(request_id, None)
+            self.tracker.forget(request_id)  # refused by the engine: answered as an error, not counted
             unavailable = isinstance(exc, RuntimeError)  # EngineOverloaded ("retry later") or an unhealthy engine
             self._reject(sender, request_id, client_id, str(exc),
                          pb_utils.TritonError.UNAVAILABLE if unavailable else None)
@@ -287,6 +272,7 @@ class TritonPythonModel:
             with self._lock:
                 inflight = self._inflight.pop(getattr(out, "request_id", ""), None)
             if inflight is not None:
+                self.tracker.forget(inflight.request_id)
                 self.engine.abort_request(inflight.request_id)
                 try:
                     inflight.sender.send(_error_response(f"internal error: {exc}", pb_utils.TritonError.INTERNAL),
@@ -301,24 +287,13 @@ class TritonPythonModel:
                 del self._inflight[out.request_id]
         if inflight is None:  # already answered (cancelled, or failed)
             return
-        n_new = len(out.new_token_ids)
-        if n_new:
-            if inflight.last_token_time is None:
-                inflight.first_token_time = t
-                self.metrics.ttft.observe(t - inflight.arrival)
-            else:
-                gap = (t - inflight.last_token_time) / n_new
-                for _ in range(n_new):
-                    self.metrics.itl.observe(gap)
-            inflight.last_token_time = t  # generated tokens are counted from engine.stats() (the catalogue)
-        inflight.num_input_tokens = out.num_prompt_tokens
-        inflight.num_output_tokens = out.num_output_tokens
+        self.tracker.on_output(out, t)  # TTFT, ITL; a final output also its finish reason and latencies
         reason = out.finish_reason.value if out.finish_reason is not None else ""
 
         if out.finished and (out.error or reason == "error"):
             inflight.sender.send(_error_response(f"generation failed: {out.error or 'unknown error'}",
                                                  pb_utils.TritonError.INTERNAL), flags=FINAL)
-            self._finished(inflight, reason or "error", t, error=out.error)
+            self._finished(inflight, error=out.error)
             return
         if inflight.logprobs is not None and out.new_logprobs:
             inflight.logprobs.extend(out.new_logprobs)
@@ -338,19 +313,15 @@ class TritonPythonModel:
                 inflight.sender.send(_response(inflight.prefix + "".join(inflight.parts), out.num_prompt_tokens,
                                                out.num_output_tokens, reason, lp), flags=FINAL)
         if out.finished:
-            self._finished(inflight, reason, t, queue_s=_queue_time(out))
+            self._finished(inflight)
 
-    def _finished(self, inflight: _InFlight, reason: str, t: float, error: str | None = None,
-                  queue_s: float | None = None) -> None:
-        e2e = t - inflight.arrival
-        self.metrics.e2e.observe(e2e)
-        if queue_s is not None:
-            self.metrics.queue_time.observe(queue_s)
-        self.metrics.request_finished(reason or "unknown", inflight.num_input_tokens)
-        ttft = None if inflight.first_token_time is None else round(inflight.first_token_time - inflight.arrival, 6)
+    def _finished(self, inflight: _InFlight, error: str | None = None) -> None:
+        timing = inflight.timing
+        ttft, e2e = timing.ttft_s, timing.e2e_s
         log.info("request_finished", request_id=inflight.request_id, client_request_id=inflight.client_request_id,
-                 finish_reason=reason, num_input_tokens=inflight.num_input_tokens,
-                 num_output_tokens=inflight.num_output_tokens, ttft_s=ttft, e2e_s=round(e2e, 6), error=error)
+                 finish_reason=timing.finish_reason, num_input_tokens=timing.num_prompt_tokens,
+                 num_output_tokens=timing.num_output_tokens, ttft_s=None if ttft is None else round(ttft, 6),
+                 e2e_s=None if e2e is None else round(e2e, 6), error=error)
         self._stats_dirty.set()
 
     def _check_cancellations(self) -> None:
@@ -358,11 +329,12 @@ class TritonPythonModel:
             candidates = list(self._inflight.values())
         now = time.perf_counter()
         for inflight in candidates:
-            if (self.queue_timeout_s and inflight.first_token_time is None
-                    and now - inflight.arrival > self.queue_timeout_s):
+            timing = inflight.timing
+            if (self.queue_timeout_s and timing.first_token_time is None
+                    and now - timing.arrival > self.queue_timeout_s):
                 self._shed(inflight)
                 continue
-            expired = inflight.deadline is not None and now > inflight.deadline
+            expired = timing.expired(now)
             try:
                 cancelled = expired or inflight.request.is_cancelled()
             except Exception:  # noqa: BLE001 - request already released
@@ -379,7 +351,7 @@ class TritonPythonModel:
         retry = max(1, round(self.queue_timeout_s / 3))
         log.info("request_shed", request_id=inflight.request_id, client_request_id=inflight.client_request_id,
                  queue_timeout_s=self.queue_timeout_s)
-        self.metrics.request_finished("overloaded", inflight.num_input_tokens)
+        self.tracker.finish(inflight.request_id, OVERLOADED)
         try:
             inflight.sender.send(_error_response(
                 f"overloaded: no token within queue_timeout_s={self.queue_timeout_s:g} s of arrival; retry later, "
@@ -400,12 +372,13 @@ class TritonPythonModel:
             if self._inflight.pop(inflight.request_id, None) is None:
                 return  # finished meanwhile
         aborted = self.engine.abort_request(inflight.request_id)  # frees its KV blocks now
+        timing = inflight.timing
         log.info("request_cancelled", request_id=inflight.request_id,
-                 client_request_id=inflight.client_request_id, num_output_tokens=inflight.num_output_tokens,
+                 client_request_id=inflight.client_request_id, num_output_tokens=timing.num_output_tokens,
                  aborted_in_engine=aborted, timed_out=timed_out)
-        self.metrics.request_finished("timeout" if timed_out else "cancelled", inflight.num_input_tokens)
-        message = (f"request timed out after timeout_s={inflight.deadline - inflight.arrival:g} s "
-                   f"({inflight.num_output_tokens} tokens generated)" if timed_out else "request cancelled by the client")
+        self.tracker.finish(inflight.request_id, TIMEOUT if timed_out else CANCELLED)
+        message = (f"request timed out after timeout_s={timing.timeout_s:g} s "
+                   f"({timing.num_output_tokens} tokens generated)" if timed_out else "request cancelled by the client")
         try:
             inflight.sender.send(_error_response(message, pb_utils.TritonError.CANCELLED), flags=FINAL)
         except Exception:  # noqa: BLE001 - the stream may be gone already
