@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from policy import FULL, MorphController, MorphDecision, PolicyConfig, StepCosts, Telemetry, signature
@@ -28,52 +27,12 @@ from serve.memory.arena import SlotRange
 from serve.memory.pressure import PressureSource
 from serve.model.kv_cache import PagedKVCache
 from serve.model.llama import DecoderLayer
-from serve.morph.layer_bank import CopyJob, LayerBank
+from serve.morph.latency_window import LatencyWindow
+from serve.morph.layer_bank import LayerBank
+from serve.morph.swap_records import MorphStats, PendingSwap, Transition
 from serve.morph.scheduler_view import SchedulerView
 
 log = get_logger("morphserve.morph")
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """numpy's default (linear) percentile of a non-empty list. The runtime asks for two at every iteration
-    boundary; np.percentile took ~200 us on 300 values (a few % of a batch-1 decode step), sorting them ~25 us
-    (timeit, 2-core AMD EPYC)."""
-    s = sorted(values)
-    k = (len(s) - 1) * pct / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-@dataclass
-class Transition:
-    layer: int
-    from_precision: str
-    to_precision: str
-    owner: str          # the KV chunk's owner id in the pool ("" when the swap freed no whole slot)
-    blocks: int
-    slots: SlotRange    # the arena slots the chunk's blocks occupy (where the milder variant's bytes were)
-    yielded: bool = False  # the slots were given back to the system instead of the KV pool
-
-
-@dataclass
-class PendingSwap:
-    kind: str           # "quantize" | "yield" | "restore" | "reclaim"
-    layer: int
-    target: str
-    job: CopyJob
-    reason: str
-    started: float
-
-
-@dataclass
-class MorphStats:
-    swaps: int = 0
-    restores: int = 0
-    yields: int = 0
-    reclaims: int = 0
-    failed_copies: int = 0
-    swap_ms: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
 class MorphRuntime:
@@ -93,7 +52,6 @@ class MorphRuntime:
         self.kv = kv
         self.block_size = block_size
         self.clock = clock
-        self.window_s = window_s
         self.stack: list[Transition] = []
         self.pending: list[PendingSwap] = []
         # Transitions accepted but not started: one copy is in flight at a time (one staging range), so a
@@ -105,8 +63,8 @@ class MorphRuntime:
         self.last_free = None
         self.events: collections.deque[dict] = collections.deque(maxlen=10_000)
         self.tokens_served = 0  # tokens generated so far; events carry it so logs give tokens per configuration
-        self._ttfts: collections.deque[tuple[float, float]] = collections.deque()
-        self._gaps: collections.deque[tuple[float, float]] = collections.deque()
+        self._ttfts = LatencyWindow(window_s)
+        self._gaps = LatencyWindow(window_s)
         missing = [p for p in config.ladder if p not in bank.precisions]
         if missing:
             raise ValueError(f"morph mode {config.mode!r} needs precisions {missing} that the engine lacks "
@@ -114,20 +72,6 @@ class MorphRuntime:
         region = bank.regions[0].num_slots
         self.blocks_per_layer_chunk = {p: region - bank.slots(0, p) for p in bank.precisions}
         self._configuration_changed()  # the cache's tag names the starting configuration (all full precision)
-
-    # ---- signals -----------------------------------------------------------------------------------
-    def record_first_token(self, now: float, ttft_s: float) -> None:
-        self._ttfts.append((now, ttft_s))
-        self.tokens_served += 1
-
-    def record_token_gap(self, now: float, gap_s: float) -> None:
-        self._gaps.append((now, gap_s))
-        self.tokens_served += 1
-
-    def _window(self, q: collections.deque, now: float, pct: float) -> float | None:
-        while q and q[0][0] < now - self.window_s:
-            q.popleft()
-        return percentile([v for _, v in q], pct) if q else None
 
     def quantized_layers(self) -> tuple[tuple[int, str], ...]:
         """The swap stack as the controller sees it: layers by their newest transition, in-flight included."""
@@ -159,7 +103,7 @@ class MorphRuntime:
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
             critical_decodes_unscheduled=critical_unscheduled, min_ttft_slack_s=ttft_slack,
             step_tokens=self.last_step_tokens, step_token_budget=self.step_token_budget, block_tokens=self.block_size,
-            ttft_p95_s=self._window(self._ttfts, now, 95), tbt_p99_s=self._window(self._gaps, now, 99),
+            ttft_p95_s=self._ttfts.percentile(now, 95), tbt_p99_s=self._gaps.percentile(now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
             blocks_per_layer_chunk=self.blocks_per_layer_chunk,
@@ -426,10 +370,12 @@ class MorphRuntime:
         self.last_step_tokens = num_tokens
 
     def on_first_token(self, now: float, ttft_s: float) -> None:
-        self.record_first_token(now, ttft_s)
+        self._ttfts.add(now, ttft_s)
+        self.tokens_served += 1
 
     def on_token_gap(self, now: float, gap_s: float) -> None:
-        self.record_token_gap(now, gap_s)
+        self._gaps.add(now, gap_s)
+        self.tokens_served += 1
 
     def reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
         """The most KV blocks this mode can ever have: a dynamic mode quantizing every layer it may to its
