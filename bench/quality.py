@@ -186,18 +186,19 @@ class QualityEvaluator:
         return float(nll), len(ids) - 1
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
-        """Logits predicting ``ids[1:]`` for ``ids`` at positions ``start``.. (KV slot = position), attending to
-        the KV already written at slots below ``start`` (a cached prefix) and causally among themselves."""
+        """Logits predicting ``ids[1:]`` for ``ids`` at positions ``start``.. (KV slot = position, so logical block
+        b is block b), attending to the KV already written at slots below ``start`` (a cached prefix) and causally
+        among themselves."""
         from serve.model.llama import ForwardBatch, PrefillChunk  # noqa: PLC0415
 
         m = self.engine.model
         dev = m.device
         n = len(ids)
         pos = torch.arange(start, start + n, device=dev)
-        ctx = torch.arange(start + n, device=dev)
-        mask = None if start == 0 else ctx[None, :] <= pos[:, None]  # None: a whole prompt, plain causal
+        # None at start 0: a whole prompt, plain causal over its own K/V
+        table = None if start == 0 else torch.arange(-(-(start + n) // self._kv.block_size), device=dev)
         batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=pos, slot_mapping=pos, num_decodes=0,
-                             prefills=[PrefillChunk(0, n, ctx, mask)], sample_indices=torch.arange(n - 1, device=dev))
+                             prefills=[PrefillChunk(0, n, start, table)], sample_indices=torch.arange(n - 1, device=dev))
         return m.forward(batch, self._kv)
 
     def shutdown(self) -> None:

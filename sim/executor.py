@@ -17,14 +17,9 @@ class StepModel(Protocol):
     def step_s(self, batch: BatchShape, precisions: Sequence[str]) -> float: ...
 
 
-def is_decode(c: ScheduledChunk) -> bool:
-    """TorchExecutor.prepare's rule: one token of a sequence that has computed some."""
-    return c.num_tokens == 1 and c.start > 0
-
-
 def batch_shape(chunks: list[ScheduledChunk]) -> tuple[BatchShape, list[ScheduledChunk]]:
-    decodes = [c for c in chunks if is_decode(c)]
-    prefills = [c for c in chunks if not is_decode(c)]
+    decodes = [c for c in chunks if c.is_decode]  # TorchExecutor.prepare's split
+    prefills = [c for c in chunks if not c.is_decode]
     sampled = [c for c in decodes if c.samples] + [c for c in prefills if c.samples]
     shape = BatchShape(decode_kv_lens=[c.start + 1 for c in decodes],
                        prefill_chunks=[(c.start, c.start + c.num_tokens) for c in prefills], sampled=len(sampled))

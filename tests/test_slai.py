@@ -229,7 +229,7 @@ def test_running_and_budget_caps_hold_under_many_requests() -> None:
     for _ in range(40):
         out = s.schedule()
         assert out.num_tokens <= 10 and len(s.running) <= 4
-        assert sum(1 for c in out.chunks if SlaiScheduler.is_decode(c.seq)) <= 4
+        assert sum(1 for c in out.chunks if c.seq.is_decoding) <= 4
         clock.t += 0.1
         s.on_executed(out)
         for c in out.chunks:

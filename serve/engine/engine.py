@@ -319,7 +319,7 @@ class LLMEngine:
             self._morph_ok = self._morph_boundary()
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
-            self.last_num_context = sum(1 for c in sched.chunks if not (c.num_tokens == 1 and c.start > 0))
+            self.last_num_context = sum(1 for c in sched.chunks if not c.is_decode)
             self.resources.after_schedule(sum(c.num_tokens for c in sched.chunks))
             produced: list[tuple[Sequence, RequestOutput]] = []
             now = self.clock()

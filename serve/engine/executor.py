@@ -43,20 +43,28 @@ class TorchExecutor:
         self.heap_releases += release_free_heap()
         return True
 
-    def _context_slots(self, block_ids: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """Slot ids ``[len(block_ids), max(lengths)]`` of positions 0.. of each sequence, from its block table
-        (one tensor expression, not a Python loop per token). A row shorter than the longest is padded with
-        slots of the sequence's own blocks: always mapped, and masked out by the attention."""
+    def _block_tables(self, block_ids: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, bool]:
+        """Logical block tables ``[len(block_ids), nb]`` covering ``max(lengths)`` tokens, and whether some
+        context is shorter than ``nb * block_size`` (ragged). A shorter row is padded with its sequence's first
+        block: always mapped, and never attended (the model masks by length)."""
+        width = -(-max(lengths) // self.block_size)
+        rows = [ids[:width] + [ids[0]] * (width - len(ids[:width])) for ids in block_ids]
+        return torch.tensor(rows, device=self.device), min(lengths) < width * self.block_size
+
+    def _chunk_slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """Slots (``block * block_size + offset``) of positions ``start..end-1``: a range per block, no loop per
+        token."""
         bs = self.block_size
-        width = -(-max(lengths) // bs)
-        table = torch.tensor([ids[:width] + [ids[0]] * (width - len(ids[:width])) for ids in block_ids])
-        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(block_ids), width * bs)[:, : max(lengths)]
-        return slots.to(self.device)
+        first = start // bs
+        slots: list[int] = []
+        for b in block_ids[first: -(-end // bs)]:
+            slots.extend(range(b * bs, b * bs + bs))
+        return slots[start - first * bs: end - first * bs]
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ScheduledChunk]]:
         """Flatten decodes first, then prefill chunks. Returns the batch and the chunks in sampling order."""
-        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
-        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        decodes = [c for c in chunks if c.is_decode]
+        prefills = [c for c in chunks if not c.is_decode]
         bs = self.block_size
         ids: list[int] = [c.seq.token_ids[c.start] for c in decodes]
         pos: list[int] = [c.start for c in decodes]
@@ -67,11 +75,8 @@ class TorchExecutor:
         batch = ForwardBatch(input_ids=None, positions=None, slot_mapping=None, num_decodes=len(decodes))  # type: ignore[arg-type]
         if decodes:
             lens = [c.start + 1 for c in decodes]
-            batch.decode_slots = self._context_slots([c.seq.block_ids for c in decodes], lens)
-            lmax = max(lens)
-            if any(n != lmax for n in lens):
-                lens_t = torch.tensor(lens, device=dev)
-                batch.decode_mask = (torch.arange(lmax, device=dev)[None, :] < lens_t[:, None]).view(len(decodes), 1, 1, lmax)
+            batch.decode_block_tables, batch.decode_ragged = self._block_tables([c.seq.block_ids for c in decodes], lens)
+            batch.decode_context_lens = torch.tensor(lens, device=dev)
             for i, c in enumerate(decodes):
                 if c.samples:
                     sample_idx.append(i)
@@ -81,13 +86,9 @@ class TorchExecutor:
             end = c.start + c.num_tokens
             ids.extend(c.seq.token_ids[c.start:end])
             pos.extend(range(c.start, end))
-            ctx = self._context_slots([c.seq.block_ids], [end])[0]
-            slots.extend(ctx[c.start:].tolist())
-            mask = None
-            if c.start > 0:
-                q_pos = torch.arange(c.start, end, device=dev)
-                mask = torch.arange(end, device=dev)[None, :] <= q_pos[:, None]
-            batch.prefills.append(PrefillChunk(t0, c.num_tokens, ctx, mask))
+            slots.extend(self._chunk_slots(c.seq.block_ids, c.start, end))
+            table = torch.tensor(c.seq.block_ids[: -(-end // bs)], device=dev) if c.start > 0 else None
+            batch.prefills.append(PrefillChunk(t0, c.num_tokens, c.start, table))
             if c.samples:
                 sample_idx.append(len(ids) - 1)
                 sampled.append(c)

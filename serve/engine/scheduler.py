@@ -33,6 +33,14 @@ class ScheduledChunk:
         """True when this chunk reaches the end of the sequence, so its last logits yield a new token."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One token after a cached context: the forward's decode shape (the executor batches it with the other
+        decodes, attending straight over its blocks; the engine counts every other chunk as context). Wider than
+        ``Sequence.is_decoding``: a prompt's last token run alone (a chunk boundary or a prefix-cache hit leaves
+        it) is a decode chunk of a sequence that is not yet decoding; every decoding sequence's chunk is one."""
+        return self.num_tokens == 1 and self.start > 0
+
 
 @dataclass
 class SchedulerOutput:

@@ -62,6 +62,13 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
+    @property
+    def is_decoding(self) -> bool:
+        """In its generation phase: it has emitted a token and only the last sampled one is left to compute (a
+        recompute after preemption is not decoding until it is caught up). What SLO-aware scheduling gives a
+        time-between-tokens deadline; its next chunk is a ``ScheduledChunk.is_decode`` (not conversely)."""
+        return self.num_output_tokens > 0 and self.num_tokens - self.num_computed_tokens == 1
+
     def blocks_needed(self, num_new_tokens: int, block_size: int) -> int:
         """Extra blocks required to hold num_computed_tokens + num_new_tokens tokens."""
         return max(0, math.ceil((self.num_computed_tokens + num_new_tokens) / block_size) - len(self.block_ids))

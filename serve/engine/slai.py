@@ -3,7 +3,7 @@
 Decisions only: it returns the same ``SchedulerOutput`` as the FCFS scheduler, so the executor is untouched.
 Each iteration, within the token budget (``max_num_batched_tokens``) and the running-sequence cap:
 
-1. Deadlines. A running decode's last schedulable time is
+1. Deadlines. A running decode's (``Sequence.is_decoding``) last schedulable time is
    ``LST = time of its last token (the end of the batch that produced it) + its TBT target - theta * mean
    batch duration`` (running mean over the last ``window`` batches). theta is fixed, or dynamic:
    ``theta_low`` while KV usage < ``kv_threshold``, ``theta_high`` above.
@@ -84,17 +84,13 @@ class SlaiScheduler(Scheduler):
         assert seq.slo.tbt_s is not None, "the engine resolves every request's targets"
         return last + seq.slo.tbt_s - self.theta() * self.mean_batch_s()
 
-    @staticmethod
-    def is_decode(seq: Sequence) -> bool:
-        return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1
-
     # ---- the decision ----------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
         now = self.clock()
         self._batch_start = now
         out = SchedulerOutput()
         scheduled: set[Sequence] = set()
-        decodes = sorted((s for s in self.running if self.is_decode(s)), key=lambda s: (self.lst(s), s.arrival_time))
+        decodes = sorted((s for s in self.running if s.is_decoding), key=lambda s: (self.lst(s), s.arrival_time))
         critical = [s for s in decodes if now >= self.lst(s)]
         relaxed = [s for s in decodes if now < self.lst(s)]
         budget = self.max_num_batched_tokens
@@ -107,7 +103,7 @@ class SlaiScheduler(Scheduler):
                 budget -= self._add(out, scheduled, seq, 1)
             else:
                 missed += 1
-        for seq in [s for s in self.running if not self.is_decode(s) and s not in scheduled]:   # rule 3
+        for seq in [s for s in self.running if not s.is_decoding and s not in scheduled]:   # rule 3
             if budget < 1:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -151,14 +147,14 @@ class SlaiScheduler(Scheduler):
 
     @staticmethod
     def _num_decodes(out: SchedulerOutput) -> int:
-        return sum(1 for c in out.chunks if SlaiScheduler.is_decode(c.seq))
+        return sum(1 for c in out.chunks if c.seq.is_decoding)
 
     def _prefill_victims(self, scheduled: set[Sequence], after: Sequence | None = None) -> list[Sequence]:
         """Running partially-done prefills not in this batch, most recently admitted first (only those
         admitted after ``after`` when given)."""
         running = self.running
         start = running.index(after) + 1 if after is not None else 0
-        return [s for s in reversed(running[start:]) if not self.is_decode(s) and s not in scheduled]
+        return [s for s in reversed(running[start:]) if not s.is_decoding and s not in scheduled]
 
     def _allocate(self, seq: Sequence, n: int, out: SchedulerOutput, victims: list[Sequence],
                   self_last: bool = False) -> bool:

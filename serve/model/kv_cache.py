@@ -4,14 +4,15 @@ a block can sit where a quantized layer's full weights used to be).
 
 The block pool hands out *logical* block ids (contiguous, chunked, LIFO; see serve/memory/block_pool.py);
 ``block_map`` says which physical slot each one occupies. A token's slot index in the scheduler's terms is
-``logical_block * block_size + offset``; :meth:`locate` turns a tensor of those into (physical slot,
-offset) once per forward, and every layer reuses it.
+``logical_block * block_size + offset``; :meth:`locate` turns a tensor of those (where new tokens are written)
+into (physical slot, offset) once per forward, and every layer reuses it. Reads take whole blocks: a block
+table of logical ids maps through ``block_map`` to physical slots for :meth:`read_blocks`.
 
-Reads and writes go through one flat row view of the storage (``[slots * 2 * layers * block_size, kv_heads,
+Writes go through one flat row view of the storage (``[slots * 2 * layers * block_size, kv_heads,
 head_dim]``): a token's K row in layer ``l`` is ``slot * 2 * layers * block_size + l * block_size + offset``
-and its V row is ``layers * block_size`` further. A layer's gather is then one ``index_select`` (and its write
-one ``index_copy_``) of contiguous ``kv_heads * head_dim`` rows, instead of advanced indexing over two
-index tensors, which costs several times more per call on CPU.
+and its V row is ``layers * block_size`` further. A layer's write is then one ``index_copy_`` of contiguous
+``kv_heads * head_dim`` rows (and its gather one ``index_select`` of whole blocks, ``blocks``), instead of
+advanced indexing over two index tensors, which costs several times more per call on CPU.
 """
 
 from __future__ import annotations
@@ -107,10 +108,3 @@ class PagedKVCache:
         shape = (b, nb * self.block_size, *self.blocks.shape[2:])
         return (self.blocks.index_select(0, base).view(shape),
                 self.blocks.index_select(0, base + self.num_layers).view(shape))
-
-    def read(self, layer: int, where: KVIndex) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[*where.shape, kv_heads, head_dim]``."""
-        k_rows = (where.row + layer * self.block_size).reshape(-1)
-        shape = (*where.row.shape, *self.rows.shape[1:])
-        return (self.rows.index_select(0, k_rows).view(shape),
-                self.rows.index_select(0, k_rows + self.v_rows).view(shape))

@@ -47,22 +47,63 @@ class DecoderLayer:
 
 @dataclass
 class PrefillChunk:
-    token_start: int            # index into the flat token batch
+    """A prompt chunk in the flat batch: ``num_tokens`` tokens from ``token_start``, its sequence's positions
+    ``context_start`` on. With nothing cached before it (``context_start`` 0: a whole prompt, or a first chunk) it
+    attends causally over its own fresh K/V; otherwise also over the cached tokens, read through its block table."""
+
+    token_start: int             # index into the flat token batch
     num_tokens: int
-    context_slots: torch.Tensor  # [ctx] slots of every token this chunk attends to (cached + new)
-    mask: torch.Tensor | None    # [num_tokens, ctx] bool, None when the chunk is a whole prompt (plain causal)
+    context_start: int = 0       # tokens of its sequence already cached (= its first token's position)
+    block_table: torch.Tensor | None = None  # [ceil(context_len / block_size)] logical block ids; None at start 0
+
+    @property
+    def context_len(self) -> int:
+        """Tokens this chunk attends to: the cached ones and its own."""
+        return self.context_start + self.num_tokens
 
 
 @dataclass
 class ForwardBatch:
+    """The executor-to-model contract (vLLM's shape): where each token's K/V is written (``slot_mapping``), and
+    what each decode attends to as its block table and context length. The model maps logical blocks to physical
+    slots (``kv.block_map``) and builds any mask itself."""
+
     input_ids: torch.Tensor       # [T]
     positions: torch.Tensor       # [T]
-    slot_mapping: torch.Tensor    # [T] where each token's K/V is written
+    slot_mapping: torch.Tensor    # [T] logical slot (block * block_size + offset) each token's K/V is written to
     num_decodes: int              # the first num_decodes tokens are single-token decodes
-    decode_slots: torch.Tensor | None = None   # [B, Lmax] context slots (padded)
-    decode_mask: torch.Tensor | None = None    # [B, 1, 1, Lmax] bool, None when no padding
+    decode_block_tables: torch.Tensor | None = None  # [B, nb] logical block ids; a shorter context's row padded
+    #                                                  with its own first block (mapped, never attended)
+    decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode attends to (its new one included)
+    decode_ragged: bool = False   # some context is shorter than nb * block_size (the dense path masks the rest)
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_indices: torch.Tensor | None = None  # [S] flat token indices whose logits are wanted
+
+
+@dataclass(frozen=True)
+class _ChunkContext:
+    """Where a prompt chunk after cached tokens reads its context: its blocks' physical slots, and the causal mask
+    over them where SDPA attends (the prompt kernel needs none)."""
+
+    blocks: torch.Tensor          # [1, nb] physical slots
+    length: int                   # tokens attended (cached + the chunk's own)
+    mask: torch.Tensor | None     # [num_tokens, length] bool, query i sees keys up to its position
+
+    @staticmethod
+    def of(pc: PrefillChunk, kv: PagedKVCache, masked: bool) -> _ChunkContext:
+        assert pc.block_table is not None
+        mask = None
+        if masked:
+            dev = pc.block_table.device
+            q_pos = torch.arange(pc.context_start, pc.context_len, device=dev)
+            mask = torch.arange(pc.context_len, device=dev)[None, :] <= q_pos[:, None]
+        return _ChunkContext(kv.block_map[pc.block_table].view(1, -1), pc.context_len, mask)
+
+    def read(self, kv: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[length, kv_heads, head_dim]`` (contiguous): whole blocks gathered, the tail past ``length``
+        dropped."""
+        k, v = kv.read_blocks(layer, self.blocks)
+        return k[0, : self.length], v[0, : self.length]
 
 
 @dataclass
@@ -72,26 +113,29 @@ class _BatchKV:
     new: KVIndex
     decode_blocks: torch.Tensor | None   # [B, nb] physical slots of the decodes' blocks
     decode_entries: torch.Tensor | None  # [B, nb] their layer-0 K entries in kv.blocks (layer i: + i)
-    decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool, None when nothing is padding
+    decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool; None when nothing is padding (or unmasked)
     decode_lens: torch.Tensor | None     # [B] context length of each decode (its new token included)
-    prefills: list[KVIndex | None]      # None for a whole prompt (attends over its own fresh K/V)
+    prefills: list[_ChunkContext | None]  # None for a chunk at position 0 (attends over its own fresh K/V)
     cos: torch.Tensor
     sin: torch.Tensor
 
     @staticmethod
-    def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding) -> _BatchKV:
-        blocks = mask = lens = None
+    def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding, dense_decodes: bool,
+               dense_chunks: bool) -> _BatchKV:
+        """``dense_decodes``/``dense_chunks``: SDPA attends those over gathered K/V, so they need masks (the paged
+        decode kernel takes the lengths, the prompt kernel is causal by construction)."""
+        blocks = entries = mask = lens = None
         if batch.num_decodes:
-            bs, slots = kv.block_size, batch.decode_slots  # position 0 of every row starts a block
-            blocks = kv.block_map[slots[:, ::bs] // bs]
-            width = blocks.shape[1] * bs
-            lens = (batch.decode_mask.view(slots.shape[0], -1).sum(1) if batch.decode_mask is not None
-                    else torch.full((slots.shape[0],), slots.shape[1], device=slots.device))
-            if batch.decode_mask is not None or width != slots.shape[1]:
-                mask = (torch.arange(width, device=slots.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
-        entries = kv.block_entries(0, blocks) if blocks is not None else None
+            assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
+            blocks, lens = kv.block_map[batch.decode_block_tables], batch.decode_context_lens
+            if not dense_decodes:
+                entries = kv.block_entries(0, blocks)
+            elif batch.decode_ragged:
+                width = blocks.shape[1] * kv.block_size
+                mask = (torch.arange(width, device=lens.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
         return _BatchKV(kv.locate(batch.slot_mapping), blocks, entries, mask, lens,
-                        [None if pc.mask is None else kv.locate(pc.context_slots) for pc in batch.prefills],
+                        [None if pc.block_table is None else _ChunkContext.of(pc, kv, dense_chunks)
+                         for pc in batch.prefills],
                         *rope.tables(batch.positions))
 
 
@@ -167,7 +211,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = self.embedding.weight_rows(batch.input_ids)
-        where = _BatchKV.locate(batch, kv, self.rope)
+        where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is None, self.prompt_attention is None)
         delta = None  # each layer's MLP output, added to h by the next norm
         keep = batch.sample_indices
         trim = bool(self.trim_last_layer) and keep is not None and keep.numel() < h.shape[0]
@@ -239,10 +283,10 @@ class LlamaModel:
         for pc, ctx in zip(batch.prefills, where.prefills):
             n, t0 = pc.num_tokens, pc.token_start
             if self.prompt_attention is not None:  # causal over the chunk's own keys, after the cached ones
-                kc, vc = (k[t0: t0 + n], v[t0: t0 + n]) if pc.mask is None else kv.read(i, ctx)
+                kc, vc = (k[t0: t0 + n], v[t0: t0 + n]) if ctx is None else ctx.read(kv, i)
                 self.prompt_attention.prefill_attention_(q[t0: t0 + n], kc, vc, out[t0: t0 + n], self.scale)
                 continue
-            if pc.mask is None:  # a whole prompt: its K/V are this forward's, no gather from the cache needed
+            if ctx is None:  # a whole prompt: its K/V are this forward's, no gather from the cache needed
                 o = F.scaled_dot_product_attention(
                     q[t0: t0 + n].transpose(0, 1).unsqueeze(0), k[t0: t0 + n].transpose(0, 1).unsqueeze(0),
                     v[t0: t0 + n].transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale, enable_gqa=True)
@@ -250,8 +294,8 @@ class LlamaModel:
                 continue
             # a chunk after cached tokens: gather the context, each query head group's rows under one mask
             qp = q[t0: t0 + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
-            kp, vp = kv.read(i, ctx)
+            kp, vp = ctx.read(kv, i)
             kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=pc.mask.repeat(group, 1), scale=self.scale)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=ctx.mask.repeat(group, 1), scale=self.scale)
             out[t0: t0 + n] = o.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, cfg.q_size)
         return out
