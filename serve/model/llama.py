@@ -91,7 +91,7 @@ class _ChunkContext:
 
     @staticmethod
     def of(pc: PrefillChunk, kv: PagedKVCache, masked: bool) -> _ChunkContext:
-        assert pc.block_table is not None
+        assert pc.block_table is not None, "a chunk after cached tokens reads them through its block table"
         mask = None
         if masked:
             dev = pc.block_table.device
@@ -134,7 +134,7 @@ class _BatchKV:
                 width = blocks.shape[1] * kv.block_size
                 mask = (torch.arange(width, device=lens.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
         return _BatchKV(kv.locate(batch.slot_mapping), blocks, entries, mask, lens,
-                        [None if pc.block_table is None else _ChunkContext.of(pc, kv, dense_chunks)
+                        [None if pc.context_start == 0 else _ChunkContext.of(pc, kv, dense_chunks)
                          for pc in batch.prefills],
                         *rope.tables(batch.positions))
 
