@@ -18,7 +18,8 @@ import torch
 from policy import FULL, PolicyConfig, StepCosts
 from serve.config import EngineConfig
 from serve.memory.budget import budget_bytes
-from serve.engine.engine import EngineParts, LLMEngine
+from serve.engine.assembly import EngineParts
+from serve.engine.engine import LLMEngine
 from serve.memory.block_pool import BlockPool
 from serve.memory.sizing import plan_arena
 from serve.model.model_config import ModelConfig

@@ -15,7 +15,7 @@ import torch
 from bench.guided_schemas import REGEXES, SCHEMAS, regex_prompt, schema_prompt
 from policy.decision import MorphDecision
 from serve.config import EngineConfig
-from serve.engine import engine as engine_module
+from serve.engine import sampler as sampler_module
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.guided.compiler import GuideError
@@ -112,14 +112,14 @@ def test_the_mask_changes_nothing_but_forbidden_tokens(engine, monkeypatch) -> N
     """Greedy: at every step the guided token is the unconstrained argmax whenever the grammar allows that
     token, and an allowed token otherwise (the real logits of the real run, before and after the mask)."""
     steps: list[tuple[int, torch.Tensor]] = []
-    real = engine_module.mask_guided_rows
+    real = sampler_module.mask_guided_rows
 
     def recording(logits, states, argmax_only=None):
         raw = logits.argmax(dim=-1).clone()
         real(logits, states, argmax_only)
         steps.append((int(raw[0]), logits[0].clone()))
 
-    monkeypatch.setattr(engine_module, "mask_guided_rows", recording)
+    monkeypatch.setattr(sampler_module, "mask_guided_rows", recording)
     subject, schema = SCHEMAS[8]  # an order: nested objects in an array
     out = engine.generate([_chat(engine, schema_prompt(subject))], _schema_params(schema))[0]
     tokens = out["token_ids"]

@@ -143,16 +143,16 @@ def test_failed_forward_fails_only_its_batch_and_is_logged(engine, log_lines):
 
 def test_sampler_failure_of_one_row_spares_the_others(engine, monkeypatch):
     e, results = engine, {}
-    from serve.engine import engine as engine_mod
+    from serve.engine import sampler as sampler_mod
 
-    real = engine_mod.sample_with_logprobs
+    real = sampler_mod.sample_with_logprobs
 
     def picky(logits, params, gens, default, contexts):
         if any(p.top_k == 7 for p in params):
             raise RuntimeError("bad row")
         return real(logits, params, gens, default, contexts)
 
-    monkeypatch.setattr(engine_mod, "sample_with_logprobs", picky)
+    monkeypatch.setattr(sampler_mod, "sample_with_logprobs", picky)
     bad = e.add_request("x y", SamplingParams(max_tokens=3, temperature=0.7, top_k=7), callback=_collect(results))
     good = [e.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True), callback=_collect(results))
             for p in ("a b", "c d")]

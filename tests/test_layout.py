@@ -178,3 +178,31 @@ def test_no_module_imports_itself_in_a_circle() -> None:
 def test_the_circle_check_finds_a_planted_circle() -> None:
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})[0] == ["a", "b", "c", "a"]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_LINES = 450
+LONG_FILE_REASON = "(Over ~450 lines on purpose:"
+"""A module may be longer only when its docstring says why, starting with these words (issue 33)."""
+
+
+def long_files_without_reason(paths: list[Path]) -> list[str]:
+    """Source files over MAX_LINES whose module docstring does not state a reason for it."""
+    found = []
+    for path in paths:
+        text = path.read_text()
+        n = text.count("\n")
+        if n > MAX_LINES and LONG_FILE_REASON not in (ast.get_docstring(ast.parse(text)) or ""):
+            found.append(f"{path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}: {n} lines")
+    return found
+
+
+def test_no_file_over_450_lines_without_a_stated_reason() -> None:
+    assert long_files_without_reason(source_files()) == []
+
+
+def test_the_length_check_finds_a_long_file(tmp_path: Path) -> None:
+    body = "x = 1\n" * (MAX_LINES + 1)
+    plain, reasoned = tmp_path / "plain.py", tmp_path / "reasoned.py"
+    plain.write_text(body)
+    reasoned.write_text(f'"""Tables.\n\n{LONG_FILE_REASON} one table read as a whole.)\n"""\n' + body)
+    assert long_files_without_reason([plain, reasoned]) == [f"{plain}: {MAX_LINES + 1} lines"]

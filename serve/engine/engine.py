@@ -9,44 +9,32 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from policy import PolicyConfig
 from policy.shedding import StartRateMeter
 from serve.config import EngineConfig
 from serve.engine.admission import Handoff
-from serve.engine.executor import TorchExecutor
+from serve.engine.assembly import EngineParts, build_parts, make_scheduler
 from serve.engine.faults import FaultTracker
-from serve.engine.outputs import FinishReason, RequestOutput
-from serve.engine.logits_processors import RowContext
-from serve.engine.sampler import sample_with_logprobs
+from serve.engine.outputs import FinishReason, OutputCollector, RequestOutput
+from serve.engine.sampler import sample_isolated
 from serve.engine.sampling_params import SamplingParams
-from serve.engine.scheduler import Scheduler
-from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.engine.slo import RequestSLO
+from serve.engine.validation import RequestValidator
 from serve.engine.stats import EngineStats, memory_gauges
 from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
-from serve.guided.state import mask_guided_rows
 from serve.logging_setup import ensure_logging
 from serve.memory.block_pool import CacheEvents
-from serve.model.engine_dir import open_model
-from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
-from serve.model.model_config import ModelConfig
 from serve.model.omp_threads import on_short_lived_thread
-from serve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from serve.model.tokenizer import IncrementalDetokenizer
 from serve.engine.resources import ResourceManager, StaticResources
-from serve.morph.runtime import MorphRuntime
-from serve.memory.pressure import pressure_source
-from serve.morph.setup import EngineMemory, MorphPlan, build_memory, build_runtime, rtn_plan
 
 Callback = Callable[[RequestOutput], None]
 
@@ -63,41 +51,8 @@ def _stop_running_engines() -> None:
         engine.stop()
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 MAX_STEP_FAILURES = 3
 """Consecutive failed iterations after which the engine reports itself unhealthy."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when a GPU is visible, else CPU; a CUDA device that is not there is a clear error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device "
-                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return device
-
-
-@dataclass
-class EngineParts:
-    """What the loop runs on, built elsewhere: the planner (sim/) hands a simulated executor, layer bank and
-    virtual clock to the very engine loop, scheduler, block pool and morph runtime the server runs.
-    ``executor.execute(chunks) -> (logits, sampled chunks)`` is the executor contract (TorchExecutor's)."""
-
-    model_config: ModelConfig
-    tokenizer: Tokenizer
-    max_model_len: int
-    device: torch.device
-    dtype: torch.dtype
-    memory: EngineMemory
-    morph: MorphRuntime | None
-    executor: Any
 
 
 class LLMEngine:
@@ -106,14 +61,13 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         ensure_logging()
         self.clock = clock or time.perf_counter  # one clock for arrivals, token times and the controller
-        if parts is not None:
-            self._assemble(config, parts)
-        else:
+        if parts is None:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
             # thread's OpenMP team stays the only one in the process (serve/model/omp_threads.py says why that matters).
-            on_short_lived_thread(lambda: self._build(config, loaded), name="morphserve-load")
+            parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
+        self._assemble(config, parts)
         # structured output: built or assembled alike (compiles nothing until a guided request arrives)
         self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
                                     backend=config.guided_backend)
@@ -133,48 +87,11 @@ class LLMEngine:
         self._step_listeners: list[Callable[[], None]] = []
         self.start_rate = StartRateMeter()  # waiting requests started per busy second (load shedding on arrival)
 
-    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
-        """The model, its memory, the morph runtime, the scheduler and the executor."""
-        self.device = resolve_device(config.device)
-        dtype_name = config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
-        self.dtype = _DTYPES[dtype_name]
-        plan: MorphPlan | None = None
-        if loaded is None:
-            loaded, plan = load_model_and_plan(config)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
-        self.model = LlamaModel(loaded.config, loaded.weights, self.device, self.dtype, self.max_model_len)
-        policy = config.policy_config()
-        if policy.strategy != "off" and plan is None:
-            plan = rtn_plan(loaded.weights, loaded.config.num_layers, _precisions(config, policy), config.int4_group_size)
-        elif plan is not None:  # an engine dir may hold more variants (fp8) than this mode uses
-            wanted = _precisions(config, policy)
-            missing = [p for p in policy.ladder if p not in plan.precisions]
-            if missing:
-                raise ValueError(f"engine {config.model} lacks the {missing} variants that morph mode "
-                                 f"{config.morph_mode!r} needs (built: {plan.precisions})")
-            plan.precisions = [p for p in plan.precisions if p in wanted]
-        self.memory = build_memory(config, self.model, plan, policy)
-        self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
-        self.bytes_per_block = self.ledger.slot_bytes
-        self.morph: MorphRuntime | None = None
-        if self.memory.bank is not None and plan is not None:
-            self.morph = build_runtime(policy, plan, self.memory, config.block_size, clock=self.clock,
-                                       prefix_cache=config.prefix_cache_across_morph,
-                                       pressure=pressure_source(config.memory_pressure_source, self.device)
-                                       if policy.strategy == "dynamic" else None)
-            self.morph.step_token_budget = config.max_num_batched_tokens
-        self._wire_resources(config)
-        self.executor = TorchExecutor(self.model, self.kv)
-        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-
     def _assemble(self, config: EngineConfig, parts: EngineParts) -> None:
-        """The loop's state from parts built elsewhere (no model is loaded)."""
+        """The loop's state from its parts (built by serve/engine/assembly.py, or simulated by the planner)."""
         self.device, self.dtype = parts.device, parts.dtype
         self.model_config, self.tokenizer, self.max_model_len = parts.model_config, parts.tokenizer, parts.max_model_len
-        self.model = None
+        self.model = parts.model
         self.memory = parts.memory
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
@@ -193,46 +110,10 @@ class LLMEngine:
                                                                                   self.pool.num_blocks)
         self.scheduler = make_scheduler(config, self.pool, self.clock,
                                         self._cover_shortfall if self.resources.grows_pool else None)
+        self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                          config.block_size, self.reachable_blocks, self._reach_note, config.morph_mode)
 
     # ---- admission -------------------------------------------------------------------------------
-    def validate_and_tokenize(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
-        if not ids:
-            raise ValueError("prompt is empty after tokenization")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
-                             f"(prompt + at least one generated token must fit)")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                             f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
-        self.bad_words_ids(params)  # raises on a word that tokenizes to nothing
-        blocks = math.ceil((len(ids) + params.max_tokens) / self.config.block_size)
-        if blocks > self.reachable_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks (prompt {len(ids)} + max_tokens {params.max_tokens}) "
-                             f"but the KV pool can never hold more than {self.reachable_blocks} in morph mode "
-                             f"{self.config.morph_mode!r} ({self._reach_note}); lower max_tokens, raise "
-                             "device_memory, or use a mode that quantizes more layers")
-        return ids
-
-    def bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """params.bad_words as token sequences (no special tokens added)."""
-        out = []
-        for word in params.bad_words:
-            ids = self.tokenizer.backend.encode(word, add_special_tokens=False).ids
-            if not ids:
-                raise ValueError(f"bad word {word!r} tokenizes to nothing")
-            out.append(tuple(ids))
-        return tuple(out)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, callback: Callback | None = None,
                     arrival_time: float | None = None, slo: RequestSLO | None = None) -> str:
@@ -252,7 +133,7 @@ class LLMEngine:
             raise TypeError("slo must be a RequestSLO")
         targets = (slo or RequestSLO()).resolved(self.config.slo_ttft_s, self.config.slo_tbt_s,
                                                  self.config.default_priority)
-        ids = self.validate_and_tokenize(prompt, params)
+        ids, bad_words = self.validator.tokenize(prompt, params)
         # compiled here, in the caller's thread (bounded by guided_compile_timeout_s), never on the engine loop
         guide = self.guides.new_state(params.guided_decoding) if params.guided_decoding is not None else None
         # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
@@ -260,7 +141,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(),
                        IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                       callback, gen, slo=targets, bad_words_ids=self.bad_words_ids(params), guide=guide)
+                       callback, gen, slo=targets, bad_words_ids=bad_words, guide=guide)
 
         def register(s: Sequence) -> None:  # under the handoff lock: ids are claimed one at a time
             if rid in self._requests:
@@ -354,7 +235,7 @@ class LLMEngine:
         if not sampled:
             return []
         seqs = [c.seq for c in sampled]
-        tokens = self._sample_isolated(logits, seqs)
+        tokens = sample_isolated(logits, seqs, self.model_config.eos_token_ids, self.default_generator)
         now = self.clock()
         produced = []
         for seq, (tok, lp) in zip(seqs, tokens):
@@ -369,32 +250,6 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: fail this request only
                 produced += self._fail_seqs([seq], "postprocess", exc, iteration_failed=False)
         return produced
-
-    def _row_context(self, seq: Sequence) -> RowContext:
-        p = seq.params
-        ends = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.model_config.eos_token_ids))
-        return RowContext(seq.token_ids, seq.num_prompt_tokens, ends, seq.bad_words_ids)
-
-    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | BaseException, float | None]]:
-        """Sample the batch (token, log-prob); if that raises, row by row so only the offending rows fail."""
-        def run(rows_logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[int, float | None]]:
-            contexts = [self._row_context(s) if s.params.needs_history else None for s in rows]
-            guides = [s.guide for s in rows]
-            if any(g is not None for g in guides):  # nothing per step for batches without a guide
-                mask_guided_rows(rows_logits, guides, [s.params.argmax_only for s in rows])
-            tokens, logprobs = sample_with_logprobs(rows_logits, [s.params for s in rows], [s.generator for s in rows],
-                                                    self.default_generator, contexts)
-            return list(zip(tokens, logprobs))
-        try:
-            return run(logits, seqs)
-        except Exception:  # noqa: BLE001
-            out: list[tuple[int | BaseException, float | None]] = []
-            for i, s in enumerate(seqs):
-                try:
-                    out.append(run(logits[i:i + 1], [s])[0])
-                except Exception as exc:  # noqa: BLE001
-                    out.append((exc, None))
-            return out
 
     def _morph_boundary(self) -> bool:
         """The resource manager's iteration boundary (the policy's decision applied); a failure is logged and
@@ -419,10 +274,13 @@ class LLMEngine:
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
         """Finish ``seqs`` with an error (their KV blocks are freed); log one event with the traceback."""
         live = [s for s in dict.fromkeys(seqs) if s.request_id in self._requests]
-        message = self.faults.record(where, exc, [s.request_id for s in live], iteration_failed)
+        return self._finish_with_error(live, self.faults.record(where, exc, [s.request_id for s in live],
+                                                                iteration_failed))
+
+    def _finish_with_error(self, seqs: list[Sequence], message: str) -> list[tuple[Sequence, RequestOutput]]:
         self.last_step_error = message
         produced = []
-        for seq in live:
+        for seq in seqs:
             out = self._finish(seq, FinishReason.ERROR)
             out.error = message
             produced.append((seq, out))
@@ -509,17 +367,10 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - not pinned to a batch: fail what is in flight
                 self._fail_all(self.faults.record("iteration", exc, list(self._requests)))
 
-
     def _fail_all(self, message: str) -> None:
-        self.last_step_error = message
         with self._lock:
             self._admit_handoff()
-            seqs = list(self._requests.values())
-            produced = []
-            for seq in seqs:
-                out = self._finish(seq, FinishReason.ERROR)
-                out.error = message
-                produced.append((seq, out))
+            produced = self._finish_with_error(list(self._requests.values()), message)
         self._deliver(produced)
 
     def stop(self) -> None:
@@ -538,22 +389,12 @@ class LLMEngine:
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
         """Run prompts to completion in this thread; returns {"text", "token_ids", "finish_reason"} per prompt."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        results: dict[str, dict] = {}
-
-        def collect(out: RequestOutput) -> None:
-            r = results.setdefault(out.request_id, {"text": "", "token_ids": []})
-            r["text"] += out.new_text
-            r["token_ids"] += out.new_token_ids
-            if out.finished:
-                r["finish_reason"] = out.finish_reason.value if out.finish_reason else None
-                r["num_prompt_tokens"] = out.num_prompt_tokens
-                r["ttft_s"] = (out.first_token_time - out.arrival_time) if out.first_token_time else None
-                r["error"] = out.error
+        collect = OutputCollector()
         rids = [self.add_request(p, sp, callback=collect) for p, sp in zip(prompts, params_list)]
-        while any("finish_reason" not in results.get(r, {}) for r in rids):
+        while not all(collect.finished(r) for r in rids):
             if not self.step() and not self.has_unfinished_requests():
                 break
-        return [results[r] for r in rids]
+        return [collect.results[r] for r in rids]
 
     def set_cache_events(self, listener: CacheEvents | None) -> None:
         """Report every change of the prefix cache to ``listener`` from now on (KV events for Dynamo's router);
@@ -604,31 +445,3 @@ class LLMEngine:
         self.stop()
         self.guides.close()
         self.resources.shutdown()
-
-
-def _precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
-    """The variants the layer bank holds: the mode's ladder plus any extra asked for. Holding only what the
-    mode can use keeps host memory down and the staging headroom (sized for the largest variant) small."""
-    names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
-    return sorted(set(names) | set(policy.ladder))
-
-
-def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float],
-                   on_shortfall: Callable[[int], object] | None = None) -> Scheduler:
-    """The scheduler policy the config names (decisions only; the executor interface is the same).
-    ``on_shortfall(blocks)``: called before the scheduler preempts for want of KV blocks (quantize before preempt)."""
-    if config.scheduler == "slai":
-        slai = SlaiConfig(theta=config.slai_theta, theta_low=config.slai_theta_low, theta_high=config.slai_theta_high,
-                          kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes)
-        return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai,
-                             prefix_caching=config.enable_prefix_caching, on_shortfall=on_shortfall)
-    return Scheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                     prefix_caching=config.enable_prefix_caching, on_shortfall=on_shortfall)
-
-
-def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:
-    """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain."""
-    loaded, ed = open_model(config.model)
-    if ed is None:
-        return loaded, None
-    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, engine_dir=ed.root)

@@ -30,3 +30,25 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     # Log-probability of each token in new_token_ids, when SamplingParams.logprobs asked for them.
     new_logprobs: list[float] | None = None
+
+
+class OutputCollector:
+    """Streamed outputs gathered per request into ``generate()``'s dicts: text, token_ids, and once finished
+    finish_reason, num_prompt_tokens, ttft_s and error. Use the instance as the requests' callback."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+
+    def __call__(self, out: RequestOutput) -> None:
+        r = self.results.setdefault(out.request_id, {"text": "", "token_ids": []})
+        r["text"] += out.new_text
+        r["token_ids"] += out.new_token_ids
+        if out.finished:
+            r["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+            r["num_prompt_tokens"] = out.num_prompt_tokens
+            r["ttft_s"] = (out.first_token_time - out.arrival_time) if out.first_token_time else None
+            r["error"] = out.error
+
+    def finished(self, request_id: str) -> bool:
+        return "finish_reason" in self.results.get(request_id, {})
+

@@ -9,6 +9,8 @@ import torch
 
 from serve.engine.logits_processors import RowContext, process_row
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.sequence import Sequence as Request
+from serve.guided.state import mask_guided_rows
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -63,3 +65,35 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         probs = probs / probs.sum()
     return probs
+
+
+def row_context(seq: Request, eos_token_ids: Sequence[int]) -> RowContext:
+    """What the history-dependent processors read of a request: its tokens, prompt length, end and bad tokens."""
+    p = seq.params
+    ends = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids))
+    return RowContext(seq.token_ids, seq.num_prompt_tokens, ends, seq.bad_words_ids)
+
+
+def sample_isolated(logits: torch.Tensor, seqs: list[Request], eos_token_ids: Sequence[int],
+                    default_generator: torch.Generator) -> list[tuple[int | BaseException, float | None]]:
+    """Sample the batch (token, log-prob), guided rows masked first; if that raises, row by row so only the
+    offending rows fail (their exception in place of the token)."""
+    def run(rows_logits: torch.Tensor, rows: list[Request]) -> list[tuple[int, float | None]]:
+        contexts = [row_context(s, eos_token_ids) if s.params.needs_history else None for s in rows]
+        guides = [s.guide for s in rows]
+        if any(g is not None for g in guides):  # nothing per step for batches without a guide
+            mask_guided_rows(rows_logits, guides, [s.params.argmax_only for s in rows])
+        tokens, logprobs = sample_with_logprobs(rows_logits, [s.params for s in rows], [s.generator for s in rows],
+                                                default_generator, contexts)
+        return list(zip(tokens, logprobs))
+    try:
+        return run(logits, seqs)
+    except Exception:  # noqa: BLE001
+        out: list[tuple[int | BaseException, float | None]] = []
+        for i, s in enumerate(seqs):
+            try:
+                out.append(run(logits[i:i + 1], [s])[0])
+            except Exception as exc:  # noqa: BLE001
+                out.append((exc, None))
+        return out
+

@@ -26,8 +26,10 @@ from serve.memory.pressure import PressureSource
 from serve.memory.sizing import plan_arena
 from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
+from serve.model.engine_dir import open_model
 from serve.model.linear import LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
+from serve.model.loader import LoadedModel
 from serve.model.quantized_linear import REGISTRY
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
 from serve.model.step_costs import load_or_measure
@@ -165,3 +167,36 @@ def build_runtime(policy: PolicyConfig, plan: MorphPlan, memory: EngineMemory, b
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)
     return runtime
+
+
+def morph_precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
+    """The variants the layer bank holds: the mode's ladder plus any extra asked for. Holding only what the
+    mode can use keeps host memory down and the staging headroom (sized for the largest variant) small."""
+    names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
+    return sorted(set(names) | set(policy.ladder))
+
+
+def resolve_plan(config: EngineConfig, policy: PolicyConfig, weights: Mapping[str, torch.Tensor], num_layers: int,
+                 plan: MorphPlan | None) -> MorphPlan | None:
+    """The plan this mode runs on: an engine directory's, reduced to the variants the mode uses (ValueError when
+    one it needs was not built), or round-to-nearest variants made on the fly for a dynamic or static mode
+    without one; None when nothing morphs."""
+    if policy.strategy != "off" and plan is None:
+        return rtn_plan(weights, num_layers, morph_precisions(config, policy), config.int4_group_size)
+    if plan is not None:  # an engine dir may hold more variants (fp8) than this mode uses
+        wanted = morph_precisions(config, policy)
+        missing = [p for p in policy.ladder if p not in plan.precisions]
+        if missing:
+            raise ValueError(f"engine {config.model} lacks the {missing} variants that morph mode "
+                             f"{config.morph_mode!r} needs (built: {plan.precisions})")
+        plan.precisions = [p for p in plan.precisions if p in wanted]
+    return plan
+
+
+def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:
+    """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain."""
+    loaded, ed = open_model(config.model)
+    if ed is None:
+        return loaded, None
+    return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, engine_dir=ed.root)
+
