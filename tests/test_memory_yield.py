@@ -18,6 +18,9 @@ from serve.memory.host_pages import PAGE, resident_bytes
 from serve.memory.pressure import FreeMemory, PressureSource, cgroup_room, host_free, meminfo_available
 
 MiB = 2**20
+RSS_NOISE = 1 * MiB
+"""What the process may allocate or free between two RSS readings besides the arena (Python objects, the C heap);
+seen ~40 KB once in a run. Small against the >= 40 MiB the checks are about."""
 CHUNK = {"int8": 50, "int4": 75}
 BLOCK = MiB  # bytes per block in the pure tests: a layer at int8 frees 50 MiB, at int4 75 MiB
 
@@ -169,7 +172,7 @@ def test_yield_gives_pages_back_and_reclaim_takes_them_again_with_tokens_unchang
     rss_yielded = resident_bytes()
     assert yielded >= 40 * MiB
     segments = len([t for t in e.morph.stack if t.yielded])
-    assert rss_before - rss_yielded >= yielded - 2 * PAGE * segments, (rss_before, rss_yielded, yielded)
+    assert rss_before - rss_yielded >= yielded - 2 * PAGE * segments - RSS_NOISE, (rss_before, rss_yielded, yielded)
     stats = e.stats()
     assert stats.memory["yielded"] == yielded and stats.memory_yield["yields_total"] == len(d.layers)
     e.ledger.check()
@@ -179,7 +182,7 @@ def test_yield_gives_pages_back_and_reclaim_takes_them_again_with_tokens_unchang
     while e.morph.stack:
         assert boundary(e).action == "reclaim"
     assert e.ledger.yielded_slots == 0
-    assert resident_bytes() - rss_yielded >= yielded - 2 * PAGE * segments
+    assert resident_bytes() - rss_yielded >= yielded - 2 * PAGE * segments - RSS_NOISE
     assert all(layer.precision == "full" for layer in e.model.layers)
     while e.has_unfinished_requests():
         e.step()
