@@ -92,7 +92,7 @@ install-py312:
 	$(MAKE) $(VENV312)/.installed VENV=$(VENV312) PYTHON=$(PYTHON312)
 
 test-py312: install-py312
-	$(VENV312)/bin/python -m pytest -q tests/test_write_repository.py
+	$(VENV312)/bin/python -m pytest -q tests/triton/test_write_repository.py
 	$(VENV312)/bin/python -m pytest -q $(PY312_TEST_ARGS)
 
 build-engines: install

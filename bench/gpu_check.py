@@ -3,7 +3,7 @@
     python -m bench.gpu_check [--out DIR] [--skip-tests] [--replay-seconds S]
 
 1. the device (torch, CUDA, name, compute capability, memory, driver);
-2. the CUDA-marked tests (tests/test_cuda.py: tokens vs transformers, quantized kernels, int4 layouts,
+2. the CUDA-marked tests (tests/model/test_cuda.py: tokens vs transformers, quantized kernels, int4 layouts,
    device generators, NVML, the bf16 morphing engine with flat device memory, state preservation);
 3. per-precision step cost on this GPU for a random Llama: the table the cost-aware controller reads
    (serve/model/step_costs.py's measurement, the same code `make build-engines` runs), and whole-model
@@ -50,7 +50,7 @@ def device_info() -> dict:
 
 def run_cuda_tests(repo: Path, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-s", "-m", "cuda", "-p", "no:cacheprovider",
-           "tests/test_cuda.py"]
+           "tests/model/test_cuda.py"]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout_s)

@@ -1,5 +1,5 @@
 """A fixed set of guides for structured output: 24 JSON schemas (nested objects, arrays, enums, numbers with
-bounds, optional fields) and regexes, each with a prompt that asks for it. Used by tests/test_guided.py (every
+bounds, optional fields) and regexes, each with a prompt that asks for it. Used by tests/engine/test_guided.py (every
 output must validate) and bench/guided_cost.py (throughput and compile time)."""
 
 from __future__ import annotations

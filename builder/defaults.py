@@ -12,4 +12,4 @@ PROFILE_TOKENS = 256
 SEQ_LEN = 256
 KV_BLOCK_SIZE = 16
 """Tokens per KV block assumed for the morph levels' ``kv_blocks_freed`` (serve.config.EngineConfig.block_size;
-builder may not import serve.config, tests/test_builder.py checks the two agree)."""
+builder may not import serve.config, tests/builder/test_builder.py checks the two agree)."""

@@ -3,7 +3,7 @@
 Each decoder layer is a :class:`DenseLayer` whose seven projections are plain callables, so the same
 forward runs full-precision weights, dequantized runtime weights (fp32 matmul) or the runtime
 quantized kernels themselves. Hidden states are ``[batch, tokens, hidden]`` fp32; attention is causal
-over each row. Checked against transformers' LlamaForCausalLM in tests/test_builder.py.
+over each row. Checked against transformers' LlamaForCausalLM in tests/builder/test_builder.py.
 """
 
 from __future__ import annotations

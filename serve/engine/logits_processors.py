@@ -3,7 +3,7 @@ penalties, bad words and min_tokens. Applied to one row of logits before tempera
 
 Order (fixed, documented in SamplingParams): repetition penalty, presence and frequency penalties,
 bad words, min_tokens. Each step matches a transformers logits processor on the same logits
-(tests/test_logits_processors.py): RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+(tests/engine/test_logits_processors.py): RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 (presence/frequency as per-token biases), NoBadWordsLogitsProcessor, MinNewTokensLengthLogitsProcessor.
 """
 

@@ -18,7 +18,7 @@ run: they get bf16 activations (30-70x slower with fp32) and return bf16, so the
 rounding (~3e-3 relative); the result is cast back to fp32.
 
 CUDA paths ran on an NVIDIA H200 (sm90, torch 2.11+cu130) in ``make gpu-check`` on 2026-11-30:
-tests/test_cuda.py checks each against its dequantized weights; they are only reached when the tensors live
+tests/model/test_cuda.py checks each against its dequantized weights; they are only reached when the tensors live
 on a CUDA device.
 """
 

@@ -85,7 +85,7 @@ class Int8WeightOnly(WeightAndScale):
         return y.to(_out_dtype(x)).reshape(*lead, self.out_features)
 
     def _forward_cuda(self, xb: torch.Tensor) -> torch.Tensor:
-        # Checked on an H200 (tests/test_cuda.py): aten._weight_int8pack_mm has no CUDA kernel, so upcast the int8
+        # Checked on an H200 (tests/model/test_cuda.py): aten._weight_int8pack_mm has no CUDA kernel, so upcast the int8
         # weight to bf16 and scale the output columns.
         return torch.mm(xb, self.weight.to(torch.bfloat16).t()) * self.scales
 

@@ -1,0 +1,274 @@
+"""Runtime layer swapping + KV resizing on a tiny random Llama: exact accounting, state preservation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.memory.test_kv_accounting import assert_exact_accounting
+
+from policy import FULL, MorphDecision
+from serve.config import EngineConfig
+from serve.engine.engine import LLMEngine
+from serve.engine.sampling_params import SamplingParams
+from serve.morph.latency_window import percentile
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, scheduler="fcfs",
+                 **overrides) -> LLMEngine:
+    # cost_aware off: these tests are about the swap machinery, which must not depend on this machine's kernel speed
+    policy = {"persist_iters": 1, "restore_persist_s": 5.0, "cost_aware": False, **overrides}
+    if mode.startswith("static") or mode == "off":
+        policy = {}
+    return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
+                                  morph_mode=mode, policy_overrides=policy, max_model_len=256, dtype=dtype,
+                                  scheduler=scheduler),
+                     loaded=tiny, clock=clock or FakeClock())
+
+
+def assert_memory_exact(engine: LLMEngine) -> None:
+    """The arena is exactly partitioned (layer weights + staging + KV blocks), every installed layer's weights
+    lie where the layout says, and every KV chunk is the slots its transition freed, inside that layer's
+    region, right in front of the variant that replaced the milder one."""
+    led, m, kv, arena = engine.ledger, engine.morph, engine.kv, engine.memory.arena
+    led.check()
+    assert led.used_slots == led.arena_slots
+    assert led.kv_blocks == engine.pool.num_blocks
+    bank = m.bank
+    restoring = {p.layer for p in m.pending if p.kind == "restore"}
+    for i, layer in enumerate(engine.model.layers):
+        where = bank.staging if i in restoring else bank.tail(i, layer.precision)
+        lo, hi = arena.data_ptr(where.start), arena.data_ptr(where.end)
+        assert all(lo <= a and b <= hi for a, b in bank.resident_ranges(i)), f"layer {i} outside {where}"
+        if i not in restoring:
+            assert led.layer_slots[i] == bank.slots(i, layer.precision)
+    chunks = engine.pool.chunks[1:]
+    with_chunks = [t for t in m.stack if t.owner]
+    assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack if not t.yielded)
+    assert led.yielded_slots == sum(t.blocks for t in m.stack if t.yielded)  # given back: in no chunk
+    assert [c.owner for c in chunks] == [t.owner for t in with_chunks]
+    for c, t in zip(chunks, with_chunks):
+        assert kv.block_map[c.start:c.end].tolist() == list(range(t.slots.start, t.slots.end))
+        region = bank.regions[t.layer]
+        assert region.start <= t.slots.start and t.slots.end <= region.end
+        assert t.blocks == bank.slots(t.layer, t.from_precision) - bank.slots(t.layer, t.to_precision)
+
+
+def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "int4",
+                        prompt: list[int] | None = None, max_tokens: int = 16) -> tuple[list[int], LLMEngine, int]:
+    """One request on a fresh engine; quantize layers (1, 0) to ``precision`` at iteration ``swap_step``
+    (mid-decode), or never. Returns the streamed tokens, the engine and how many tokens came before the swap."""
+    e = make_engine()
+    tokens: list[int] = []
+    e.add_request(prompt or list(range(300, 340)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  callback=lambda o: tokens.extend(o.new_token_ids))
+    step, before = 0, max_tokens
+    while e.has_unfinished_requests():
+        if step == swap_step:
+            before = len(tokens)
+            e.morph.apply_now(MorphDecision("quantize", (1, 0), precision, "test"))
+        e.step()
+        step += 1
+    return tokens, e, before
+
+
+def assert_swap_mid_decode_keeps_state(run) -> None:
+    """``run(swap_step)`` -> (tokens, engine, tokens before the swap): quantizing mid-decode keeps every token
+    produced before it, is deterministic, and recomputes nothing (no preemption)."""
+    plain, _, _ = run(None)
+    swapped, engine, before = run(5)
+    again, _, _ = run(5)
+    assert 0 < before < len(plain)  # the swap really happened mid-decode
+    assert swapped == again and swapped[:before] == plain[:before]
+    assert engine.scheduler.num_preemptions == 0
+
+
+def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000) -> None:
+    """Step until no request is left and every layer is back at full precision. Swap copies are
+    asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
+    land (as a real iteration's forward time would)."""
+    steps = 0
+    while engine.has_unfinished_requests() or not engine.morph.is_settled():
+        if engine.morph.pending:
+            engine.morph.pending[0].job.result()
+        engine.step()
+        clock.t += 0.5
+        assert_memory_exact(engine)
+        assert_exact_accounting(engine)
+        steps += 1
+        assert steps < max_steps, "engine did not return to full precision"
+
+
+def test_static_modes_quantize_every_layer_up_front(tiny):
+    for mode, precision in (("static-int8", "int8"), ("static-int4", "int4")):
+        e = morph_engine(tiny, mode)
+        assert [layer.precision for layer in e.model.layers] == [precision] * tiny.config.num_layers
+        assert e.pool.num_blocks > e.pool.base_blocks
+        assert_memory_exact(e)
+        out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert len(out["token_ids"]) == 4
+
+
+def test_off_mode_has_no_layer_bank(tiny):
+    e = morph_engine(tiny, "off")
+    assert e.morph is None
+    assert e.stats().layers_quantized == {} and e.stats().swaps_total == 0
+
+
+def test_pressure_quantizes_then_calm_restores_to_base(tiny):
+    clock = FakeClock()
+    e = morph_engine(tiny, "performance", clock=clock)
+    base = e.pool.num_blocks
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for i in range(8):
+        e.add_request([(17 * i + j) % 4000 + 10 for j in range(30)], params)
+    max_total = base
+    while e.has_unfinished_requests():
+        e.step()
+        clock.t += 0.05
+        max_total = max(max_total, e.pool.num_blocks)
+        assert_memory_exact(e)
+        assert_exact_accounting(e)
+    assert e.morph.stats.swaps >= 1 and max_total > base
+    events = {ev["event"] for ev in e.morph.events}
+    assert "swap" in events
+    drain_and_settle(e, clock)
+    assert e.pool.num_blocks == base
+    assert all(layer.precision == FULL for layer in e.model.layers)
+    assert e.morph.stats.restores == e.morph.stats.swaps
+    assert "kv_shrink" in {ev["event"] for ev in e.morph.events}
+
+
+def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int4"):
+    """One request; optionally quantize `layers` at iteration `swap_step` (mid-decode)."""
+    e = morph_engine(tiny, "performance", blocks=64, kv_high=1.0, queue_delay_high_s=1e9, restore_persist_s=1e9)
+    tokens, computed = [], []
+    prompt = list(range(300, 340))
+    e.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True),
+                  callback=lambda o: tokens.extend(o.new_token_ids))
+    step = 0
+    while e.has_unfinished_requests():
+        if step == swap_step:
+            seq = e.scheduler.running[0]
+            kv_before = list(seq.block_ids)
+            e.morph.apply_now(MorphDecision("quantize", layers, precision, "test"))
+            assert seq.block_ids == kv_before, "a swap must not touch a sequence's KV blocks"
+        sched = e.scheduler.schedule()
+        computed.append(sched.num_tokens)
+        logits, sampled = e.executor.execute(sched.chunks)
+        e.scheduler.on_executed(sched)
+        e._deliver(e._append_tokens(sampled, logits))
+        step += 1
+    return tokens, computed, e
+
+
+def test_swap_mid_decode_preserves_state_and_matches_deterministic_replay(tiny):
+    plain, plain_computed, _ = _run_with_swap_at(tiny, None)
+    swapped, computed, engine = _run_with_swap_at(tiny, 6)
+    replay, _, _ = _run_with_swap_at(tiny, 6)
+    assert swapped == replay                      # deterministic: same swap, same step -> same tokens
+    assert swapped[:6] == plain[:6]               # tokens before the swap are the full-precision ones
+    assert swapped != plain                       # the quantized layers really ran afterwards
+    assert sum(computed) == sum(plain_computed) == 40 + 24 - 1   # no recomputation of the prompt
+    assert engine.scheduler.num_preemptions == 0
+    assert [engine.model.layers[i].precision for i in (0, 1)] == ["int4", "int4"]
+
+
+def test_restore_waits_for_its_chunk_to_be_free(tiny):
+    clock = FakeClock()
+    e = morph_engine(tiny, "performance", blocks=8, clock=clock, restore_persist_s=0.0)
+    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    top = e.morph.stack[-1]
+    held = e.pool.allocate(e.pool.num_free)            # occupy every block, including the chunk's
+    e.morph.start(MorphDecision("restore", (0,), None, "test"))
+    assert e.model.layers[0].precision == "int4" and e.morph.stack[-1] is top
+    assert e.morph.events[-1]["event"] == "restore_skipped"
+    e.pool.free(held)
+    e.morph.start(MorphDecision("restore", (0,), None, "test"))
+    e.morph.complete_ready(wait=True)
+    assert e.model.layers[0].precision == FULL and e.pool.num_blocks == e.pool.base_blocks
+    assert_memory_exact(e)
+
+
+def test_ladder_int8_then_int4_and_back_in_reverse(tiny):
+    e = morph_engine(tiny, "accuracy", blocks=8)
+    m = e.morph
+    for layer, prec in ((0, "int8"), (1, "int8"), (0, "int4")):
+        m.apply_now(MorphDecision("quantize", (layer,), prec, "test"))
+        assert_memory_exact(e)
+    assert m.quantized_layers() == ((1, "int8"), (0, "int4"))
+    for layer, prec in ((0, "int8"), (1, None), (0, None)):
+        m.apply_now(MorphDecision("restore", (layer,), prec, "test"))
+        assert_memory_exact(e)
+    assert m.is_settled() and e.pool.num_blocks == e.pool.base_blocks
+
+
+def test_budget_too_small_is_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        LLMEngine(EngineConfig(device_memory="1MiB", morph_mode="default"), loaded=tiny)
+    with pytest.raises(ValueError, match="morph_mode"):
+        EngineConfig(morph_mode="turbo")
+
+
+request = st.tuples(st.integers(4, 40), st.integers(1, 16), st.integers(0, 30), st.sampled_from([None, 2, 5, 11]))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=st.lists(request, min_size=1, max_size=12), mode=st.sampled_from(["default", "performance", "accuracy"]),
+       blocks=st.integers(16, 40), seed=st.integers(0, 1000), scheduler=st.sampled_from(["fcfs", "slai"]))
+def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, mode, blocks, seed, scheduler):
+    clock = FakeClock()
+    e = morph_engine(tiny, mode, blocks=blocks, clock=clock, scheduler=scheduler, persist_iters=1 + seed % 3,
+                     restore_persist_s=float(seed % 4))
+    base = e.pool.num_blocks
+    plan = sorted((arrive, i) for i, (_, _, arrive, _) in enumerate(reqs))
+    rids: dict[int, str] = {}
+    step = 0
+    while plan or e.has_unfinished_requests():
+        while plan and plan[0][0] <= step:
+            _, i = plan.pop(0)
+            n, max_tokens, _, _ = reqs[i]
+            rids[i] = e.add_request([(seed + 13 * i + j) % 4000 + 10 for j in range(n)],
+                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        for i, (_, _, arrive, abort_after) in enumerate(reqs):
+            if abort_after is not None and i in rids and step == arrive + abort_after:
+                e.abort_request(rids[i])
+        e.step()
+        clock.t += 0.05
+        assert_memory_exact(e)
+        assert_exact_accounting(e)
+        step += 1
+        assert step < 5000
+    drain_and_settle(e, clock)
+    assert e.pool.num_blocks == base and e.pool.num_used == 0
+    assert all(layer.precision == FULL for layer in e.model.layers)
+
+
+def test_a_multi_layer_decision_stages_one_copy_at_a_time(tiny):
+    e = morph_engine(tiny, "performance", blocks=8)
+    m = e.morph
+    m.start(MorphDecision("quantize", (1, 0), "int4", "test"))
+    assert len(m.pending) == 1 and list(m.queued) == [("quantize", 0, "int4", "test")]
+    assert e.ledger.staging_slots == max(m.bank.slots(i, p) for i in (0, 1) for p in m.bank.precisions)
+    assert m.bank.slots(1, "int4") <= e.ledger.staging_slots      # one variant fits the staging range
+    assert m.quantized_layers() == ((1, "int4"), (0, "int4"))      # accepted swaps are visible to the policy
+    m.complete_ready(wait=True)
+    assert not m.pending and not m.queued
+    assert [t.layer for t in m.stack] == [1, 0]
+    assert_memory_exact(e)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e3, allow_nan=False), min_size=1, max_size=300),
+       st.sampled_from([0, 50, 95, 99, 100]))
+def test_runtime_percentile_is_numpys_linear_percentile(values: list[float], pct: float) -> None:
+    """The TTFT / TBT window percentiles the controller sees are numpy's default ones, without numpy's cost."""
+    assert percentile(values, pct) == pytest.approx(float(np.percentile(values, pct)), rel=1e-12, abs=1e-12)

@@ -1,0 +1,260 @@
+"""The request tracker (serve/request_tracker.py) and the Triton model's request metrics, without Triton.
+
+The tracker's numbers come from given timestamps (no clock is read). The Triton side runs the real model file
+(triton_models/morphserve/1/model.py) against a fake ``triton_python_backend_utils`` that records what the
+custom-metrics API would export, so the histograms' bucket counts are checked exactly from a scripted
+sequence of the engine's outputs, and a cancellation or a timeout is counted once however often it is seen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve.engine.outputs import FinishReason, RequestOutput
+from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
+                                     TIME_TO_FIRST_TOKEN, RequestHistogram)
+from serve.request_tracker import CANCELLED, OVERLOADED, TIMEOUT, RequestTracker
+
+MODEL_FILE = Path(__file__).resolve().parents[2] / "triton_models" / "morphserve" / "1" / "model.py"
+
+
+class RecordingSink:
+    """What the tracker reports, as lists."""
+
+    def __init__(self) -> None:
+        self.observed: dict[str, list[float]] = {}
+        self.finished: list[tuple[str, int]] = []
+
+    def observe(self, metric: RequestHistogram, value: float) -> None:
+        self.observed.setdefault(metric.name, []).append(value)
+
+    def count_finished(self, reason: str, prompt_tokens: int) -> None:
+        self.finished.append((reason, prompt_tokens))
+
+
+def out(rid: str, tokens: int, reason: FinishReason | None = None, *, prompt: int = 7, error: str | None = None,
+        queued: tuple[float, float] | None = None) -> RequestOutput:
+    """An engine output with ``tokens`` new tokens; ``reason`` makes it the final one; ``queued`` = (the engine's
+    arrival, first scheduling) in the engine's clock."""
+    arrival, first = queued or (0.0, None)
+    return RequestOutput(rid, list(range(tokens)), "t" * tokens, reason is not None, reason, num_prompt_tokens=prompt,
+                         num_output_tokens=tokens, error=error, arrival_time=arrival, first_scheduled_time=first)
+
+
+# ---- the tracker -----------------------------------------------------------------------------------------
+def test_ttft_itl_e2e_and_queue_time_from_given_timestamps() -> None:
+    sink = RecordingSink()
+    tracker = RequestTracker(sink)
+    tracker.start("r", arrival=100.0)
+    tracker.on_output(out("r", 0), t=100.1)  # nothing new (a prefill chunk): no latency yet
+    first = tracker.on_output(out("r", 1), t=100.25)
+    tracker.on_output(out("r", 1), t=100.5)
+    done = tracker.on_output(out("r", 4, FinishReason.STOP, queued=(5.0, 5.125)), t=101.5)  # 4 tokens in 1 s
+    assert first is done and done.ttft_s == 0.25 and done.e2e_s == 1.5 and done.finish_reason == "stop"
+    assert sink.observed == {TIME_TO_FIRST_TOKEN.name: [0.25], INTER_TOKEN_LATENCY.name: [0.25] * 5,
+                             REQUEST_QUEUE_TIME.name: [0.125], E2E_REQUEST_LATENCY.name: [1.5]}
+    assert sink.finished == [("stop", 7)] and len(tracker) == 0
+    assert tracker.on_output(out("r", 1), t=102.0) is None  # finished: later outputs count nothing
+    assert sink.finished == [("stop", 7)] and len(sink.observed[INTER_TOKEN_LATENCY.name]) == 5
+
+
+def test_cancellation_and_timeout_are_counted_once() -> None:
+    sink = RecordingSink()
+    tracker = RequestTracker(sink)
+    tracker.start("c", arrival=0.0)
+    tracker.on_output(out("c", 1, prompt=3), t=0.5)
+    assert tracker.finish("c", CANCELLED, t=1.0).finish_reason == CANCELLED
+    assert tracker.finish("c", CANCELLED, t=1.1) is None  # the client's cancel seen twice
+    assert tracker.on_output(out("c", 0, FinishReason.ABORT, prompt=3), t=1.2) is None  # the engine's abort output
+
+    timed = tracker.start("t", arrival=10.0, timeout_s=2.0)
+    assert timed.timeout_s == 2.0 and tracker.expired(now=12.0) == [] and tracker.expired(now=12.5) == [timed]
+    for rec in tracker.expired(now=13.0) + tracker.expired(now=13.0):  # noticed on two polls
+        tracker.finish(rec.request_id, TIMEOUT, t=13.0)
+    assert tracker.expired(now=20.0) == []
+    assert sink.finished == [(CANCELLED, 3), (TIMEOUT, 0)]
+    assert E2E_REQUEST_LATENCY.name not in sink.observed  # only the engine completes a request
+
+
+def test_engine_reasons_refusals_and_forgotten_requests() -> None:
+    sink = RecordingSink()
+    tracker = RequestTracker(sink)
+    for rid, final in (("a", out("a", 0, FinishReason.ABORT)), ("e", out("e", 0, FinishReason.ERROR, error="boom")),
+                       ("l", out("l", 2, FinishReason.LENGTH))):
+        tracker.start(rid, arrival=0.0)
+        tracker.on_output(final, t=1.0)
+    tracker.refused(OVERLOADED)
+    tracker.start("gone", arrival=0.0)
+    tracker.forget("gone")  # the engine refused it: an error answer, not a finished request
+    assert tracker.finish("gone", CANCELLED) is None
+    assert sink.finished == [(CANCELLED, 7), ("error", 7), ("length", 7), (OVERLOADED, 0)]
+    assert sink.observed[TIME_TO_FIRST_TOKEN.name] == [1.0]  # only "l" produced tokens
+
+
+# ---- the Triton side, with a fake pb_utils ---------------------------------------------------------------
+class FakeMetric:
+    def __init__(self, labels: dict[str, str], buckets: list[float] | None) -> None:
+        self.labels, self.buckets = labels, buckets
+        self.value = 0.0
+        self.observed: list[float] = []
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def increment(self, value: float) -> None:
+        self.value += value
+
+    def observe(self, value: float) -> None:
+        self.observed.append(value)
+
+    def bucket_counts(self) -> dict[float, int]:
+        """Cumulative counts per upper bound, as Triton exports ``<name>_bucket{le=...}``."""
+        return {b: sum(v <= b for v in self.observed) for b in [*self.buckets, float("inf")]}
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    families: dict[str, FakeMetricFamily] = {}
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.description, self.kind = name, description, kind
+        self.metrics: list[FakeMetric] = []
+        FakeMetricFamily.families[name] = self
+
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> FakeMetric:  # noqa: N802 - pb_utils' name
+        assert (buckets is not None) == (self.kind == self.HISTOGRAM)
+        self.metrics.append(FakeMetric(labels, buckets))
+        return self.metrics[-1]
+
+
+class FakeTritonError:
+    INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED = "invalid_arg", "internal", "unavailable", "cancelled"
+
+    def __init__(self, message: str, code: str) -> None:
+        self.message, self.code = message, code
+
+
+def fake_pb_utils() -> types.ModuleType:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    pb.MetricFamily = FakeMetricFamily
+    pb.TritonError = FakeTritonError
+    pb.Tensor = lambda name, array: (name, array)
+    pb.InferenceResponse = lambda output_tensors=None, error=None: types.SimpleNamespace(tensors=output_tensors,
+                                                                                           error=error)
+    return pb
+
+
+class FakeRequest:
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.sent: list[tuple[Any, int]] = []
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+
+
+@pytest.fixture()
+def triton_model(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The real model file's request handling around a fake engine (records aborts) and fake pb_utils."""
+    FakeMetricFamily.families = {}
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
+    spec = importlib.util.spec_from_file_location("morphserve_triton_model_under_test", MODEL_FILE)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    from serve.triton.metrics import Metrics
+
+    model = module.TritonPythonModel.__new__(module.TritonPythonModel)
+    model.metrics = Metrics(sys.modules["triton_python_backend_utils"], "morphserve", "1")
+    model.tracker = RequestTracker(model.metrics)
+    model._inflight, model._lock, model._stats_dirty = {}, threading.Lock(), threading.Event()
+    model.queue_timeout_s = 0.0
+    model.aborted = []
+    model.engine = types.SimpleNamespace(abort_request=lambda rid: model.aborted.append(rid) or True)
+
+    def admit(rid: str, arrival: float, timeout_s: float | None = None) -> FakeRequest:
+        request = FakeRequest()
+        model._inflight[rid] = module._InFlight(rid, f"client-{rid}", request, request, True,
+                                                model.tracker.start(rid, arrival, timeout_s))
+        return request
+    model.admit = admit
+    return model
+
+
+def histogram(name: str) -> FakeMetric:
+    (metric,) = FakeMetricFamily.families[name].metrics
+    return metric
+
+
+def finished_counts() -> dict[str, float]:
+    return {m.labels["finish_reason"]: m.value for m in FakeMetricFamily.families["morphserve_requests_finished_total"].metrics}
+
+
+def test_triton_histograms_from_a_scripted_output_sequence(triton_model) -> None:
+    a = triton_model.admit("a", arrival=100.0)
+    triton_model._handle(out("a", 1), 100.03125)   # TTFT 2**-5 s: above 0.02, within 0.04
+    triton_model._handle(out("a", 1), 100.28125)   # one gap of 0.25 s
+    triton_model._handle(out("a", 2, FinishReason.LENGTH, queued=(5.0, 5.0625)), 100.78125)  # two gaps of 0.25 s
+    b = triton_model.admit("b", arrival=200.0)
+    triton_model._handle(out("b", 3), 200.5)       # TTFT 0.5 s (a bound holds what equals it)
+    triton_model._handle(out("b", 1, FinishReason.STOP, prompt=4), 201.25)  # one gap of 0.75 s; e2e 1.25 s
+
+    ttft = histogram(TIME_TO_FIRST_TOKEN.name).bucket_counts()
+    assert (ttft[0.02], ttft[0.04], ttft[0.25], ttft[0.5], ttft[float("inf")]) == (0, 1, 1, 2, 2)
+    itl = histogram(INTER_TOKEN_LATENCY.name).bucket_counts()
+    assert (itl[0.2], itl[0.3], itl[0.5], itl[0.75], itl[float("inf")]) == (0, 3, 3, 4, 4)
+    e2e = histogram(E2E_REQUEST_LATENCY.name).bucket_counts()
+    assert (e2e[0.5], e2e[1.0], e2e[2.5], e2e[float("inf")]) == (0, 1, 2, 2)
+    queue = histogram(REQUEST_QUEUE_TIME.name)
+    assert queue.observed == [0.0625] and queue.bucket_counts()[0.05] == 0 and queue.bucket_counts()[0.1] == 1
+    assert finished_counts() == {"length": 1, "stop": 1}
+    assert FakeMetricFamily.families["morphserve_prompt_tokens_total"].metrics[0].value == 7 + 4
+    assert [flags for _, flags in a.sent] == [0, 0, 1] and [flags for _, flags in b.sent] == [0, 1]
+    assert triton_model._inflight == {} and len(triton_model.tracker) == 0
+
+
+def test_triton_cancellation_and_timeout_are_counted_once(triton_model) -> None:
+    now = time.perf_counter()
+    cancelled = triton_model.admit("c", arrival=now)
+    triton_model._handle(out("c", 1), now)
+    timed = triton_model.admit("t", arrival=now - 100.0, timeout_s=1.0)  # its deadline passed long ago
+    cancelled.cancelled = True
+    triton_model._check_cancellations()
+    triton_model._check_cancellations()  # a second poll finds nothing left to answer
+    triton_model._cancel_client_request("client-c")  # a BLS model passing the same cancellation on
+    triton_model._handle(out("c", 0, FinishReason.ABORT), now)  # the engine's abort output, after the answer
+    assert finished_counts() == {CANCELLED: 1, TIMEOUT: 1}
+    assert sorted(triton_model.aborted) == ["c", "t"]
+    assert [(r.error.code, flags) for r, flags in cancelled.sent[1:]] == [("cancelled", 1)]
+    assert [(r.error.code, flags) for r, flags in timed.sent] == [("cancelled", 1)]
+    assert "timeout_s=1 s" in timed.sent[0][0].error.message
+    assert histogram(E2E_REQUEST_LATENCY.name).observed == []
+    assert histogram(TIME_TO_FIRST_TOKEN.name).observed == [0.0]
+
+
+def test_triton_gauges_read_engine_stats(triton_model, tiny) -> None:
+    from serve.config import EngineConfig
+    from serve.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(num_kv_blocks=32, max_num_seqs=4), loaded=tiny)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    stats = engine.stats()
+    triton_model.metrics.update_from_stats(stats)
+    value = lambda name: FakeMetricFamily.families[name].metrics[0].value  # noqa: E731
+    assert value("morphserve_kv_blocks_total") == stats.kv_blocks_total == 32
+    assert value("morphserve_generation_tokens_total") == stats.num_generated_tokens == 3
+    assert value("morphserve_engine_healthy") == 1.0 and stats.as_dict()["num_running"] == 0
+    kv = {m.labels["kv_cache_block_type"]: m.value for m in FakeMetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics}
+    assert kv["max"] == 32 and kv["tokens_per"] == stats.block_size
