@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from policy.precisions import QUANTIZED_PRECISIONS
 from serve.engine.stats import EngineStats
 from serve.logging_setup import get_logger
 from serve.metrics_catalogue import (ENGINE_METRICS, LAYERS_QUANTIZED, PROMPT_TOKENS, REQUEST_HISTOGRAMS,
@@ -72,7 +73,7 @@ class CapacityPublisher:
             log.warning("kv_snapshot_publish_failed", error=f"{type(exc).__name__}: {exc}")
 
 
-PRECISIONS = ("int8", "int4", "fp8")
+PRECISIONS = QUANTIZED_PRECISIONS  # one series per precision, 0 when none is quantized to it
 
 
 def _labels(labels: Mapping[str, str], extra: Mapping[str, str] | None = None) -> str:

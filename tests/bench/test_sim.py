@@ -21,8 +21,9 @@ from sim.clock import VirtualClock
 from sim.kernel_tables import KernelTables, TableError, package_root
 from sim.model_specs import load_model_config, projections
 from sim.step_model import BatchShape, TableStepModel
+from tests.conftest import SHARED_DATA
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 @pytest.fixture(scope="module")
