@@ -82,10 +82,11 @@ def test_tight_tier0_request_keeps_its_tbt_during_a_relaxed_burst(server: Triton
     # Generous bounds for a shared machine: 90 % of the gaps within 1.5x the target, no stall over 5x.
     p90 = gaps[int(0.9 * (len(gaps) - 1))]
     assert p90 <= 1.5 * TIGHT_TBT_S and gaps[-1] <= 5 * TIGHT_TBT_S, f"tight request's gaps during the burst: {gaps}"
-    # slai, not FCFS: while the burst's prefills take the budget, relaxed decodes wait for their (30 s)
-    # deadlines and tier 0 keeps going, so the longest relaxed gap exceeds the longest tight one.
-    relaxed_gaps = sorted(b - a for r in relaxed for a, b in zip(r, r[1:]))
-    assert relaxed_gaps[-1] > gaps[-1], (relaxed_gaps, gaps)
+    # No comparison with the relaxed requests' gaps: slai spends a decode's slack on prefills by design (a decode
+    # turns critical only near last token + TBT - theta x mean batch), so on a fast machine the tight request's
+    # longest gap approaches its 2 s target while a short burst's relaxed decodes never wait that long (seen:
+    # tight 1.82 s vs relaxed 1.70 s, at this commit and before it). The order itself (critical decodes first,
+    # in LST order, then prefills, then relaxed decodes) is checked exactly in tests/engine/test_slai.py.
 
 
 @pytest.mark.parametrize(("kwargs", "expected"), [
