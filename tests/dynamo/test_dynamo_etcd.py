@@ -18,7 +18,7 @@ from tests.dynamo_cluster_support import BASE_WORKER_ARGS, MODEL, REPO_ROOT, Ref
 from serve.dynamo.cluster import free_port, free_system_port
 from serve.dynamo.http import get_text
 
-pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @contextlib.contextmanager

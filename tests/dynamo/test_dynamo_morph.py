@@ -13,7 +13,7 @@ import pytest
 from tests.dynamo_cluster_support import openai_client, running_cluster, wait_for, worker_metric
 from serve.dynamo.http import post_json
 
-pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(900)]
 
 # morph mode "default" under a 600 MiB budget; thresholds lowered so two requests are "pressure" and an
 # idle half second is "calm" (the policy's real signals, only the numbers are test-sized).

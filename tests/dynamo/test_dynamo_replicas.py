@@ -12,7 +12,7 @@ import pytest
 
 from tests.dynamo_cluster_support import READY_TIMEOUT_S, ReferenceEngine, openai_client, running_cluster, wait_for, worker_metric
 
-pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")

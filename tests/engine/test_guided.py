@@ -59,6 +59,7 @@ def _closed(schema):
     return [_closed(v) for v in schema] if isinstance(schema, list) else schema
 
 
+@pytest.mark.slow
 def test_the_llguidance_backend_behind_the_same_seam(smollm) -> None:
     """llguidance (EngineConfig.guided_backend): the same 24 schemas validate, regexes match, a bad regex is
     refused before admission."""
@@ -215,6 +216,7 @@ def test_max_tokens_before_the_grammar_ends_is_a_stated_length_finish(engine) ->
         json.loads(out["text"])
 
 
+@pytest.mark.slow
 def test_guided_requests_survive_preemption_with_the_same_tokens(smollm) -> None:
     """A pool too small for the batch preempts (recompute keeps the tokens, so the matcher stays right):
     outputs equal those of a pool with room for all, and still validate."""

@@ -245,6 +245,7 @@ print("main thread returns", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_while_the_engine_generates_exits_cleanly():
     """The loop is a daemon thread. Left running at exit, it used to be ended inside a torch op, and the process
     aborted ("terminate called without an active exception"). Now the loop is stopped at exit: it finishes its

@@ -76,6 +76,7 @@ def test_load_errors_are_clear(tmp_path):
         load_model(str(tmp_path / "dir"))
 
 
+@pytest.mark.slow
 def test_generate_cli_prints_only_the_completion():
     cmd = [sys.executable, "-m", "serve.generate", "--prompt", "What is the capital of France?", "--chat",
            "--max-tokens", "16", "--threads", "2"]

@@ -328,6 +328,7 @@ def _read_ready_line(p: subprocess.Popen[str], timeout: float) -> str:
     return box[0]
 
 
+@pytest.mark.slow
 def test_crash_is_restarted_sigterm_drains_and_no_shm_is_left(tmp_path: Path) -> None:
     shm_before = {p.name for p in Path("/dev/shm").glob("morphserve_*")}
     http, grpc, metrics = free_port(), free_port(), free_port()
