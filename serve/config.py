@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,14 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"cannot parse size {text!r} (examples: 600MiB, 1.5GiB, 1000000)")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def without_none(hint: Any) -> Any:
+    """A field's type without ``None``: ``int | None`` -> int; a union of several types -> str (read as text)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return hint
 
 
 SCHEDULERS = ("fcfs", "slai")

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from serve.config import PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig
+from serve.config import PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig, without_none
 
 ENGINE_FLAG_HELP: dict[str, str] = {
     "model": "engine directory, embedded model name ('smollm2-135m'), .gguf file or Hugging Face directory",
@@ -75,15 +74,6 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def _scalar_type(field: str) -> type:
-    """The field's type without ``None``: ``int | None`` -> int."""
-    hint = typing.get_type_hints(EngineConfig)[field]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else str
-    return hint
-
-
 def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, fields: Iterable[str], *,
                      defaults: Mapping[str, Any] | None = None, aliases: Mapping[str, Iterable[str]] | None = None,
                      help_suffix: str = "", help_overrides: Mapping[str, str] | None = None) -> None:
@@ -94,6 +84,7 @@ def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
     (serve.triton adds "(parameter {field})"). help_overrides: where an entry point's meaning of the field differs.
     """
     known = {f.name for f in dataclasses.fields(EngineConfig)}
+    hints = typing.get_type_hints(EngineConfig)
     defaults, aliases, help_overrides = defaults or {}, aliases or {}, help_overrides or {}
     for field in fields:
         if field not in known:
@@ -105,7 +96,7 @@ def add_engine_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
             text += f" (default: {UNSET_MEANS[field]})"
         kwargs: dict[str, Any] = {"dest": field, "default": defaults.get(field),
                                   "help": text + help_suffix.format(field=field)}
-        typ = _scalar_type(field)
+        typ = without_none(hints[field])
         if typ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -111,9 +111,6 @@ class RequestTracker:
             self._requests[request_id] = record
         return record
 
-    def get(self, request_id: str) -> TrackedRequest | None:
-        return self._requests.get(request_id)
-
     def on_output(self, out: EngineOutput, t: float | None = None) -> TrackedRequest | None:
         """Account one engine output seen at ``t``: the first tokens give the TTFT, later ones the
         inter-token gaps (a group of n tokens counts n gaps of 1/n of the wait each), a final output

@@ -104,14 +104,17 @@ class LLMEngine:
         """The loop's resource manager (the morph runtime, or the static null object), the admission bound it
         gives and the scheduler, which offers it the shortfalls it meets when it can grow the pool."""
         self.resources: ResourceManager = self.morph if self.morph is not None else StaticResources(config.morph_mode)
-        # The most KV blocks this engine's mode can ever have: admission is bounded by it, so a request no
-        # configuration can hold is refused at once instead of preempting in a loop.
-        self.reachable_blocks, self._reach_note = self.resources.reachable_blocks(self.pool.base_blocks,
-                                                                                  self.pool.num_blocks)
+        # Admission is bounded by the most blocks the mode can reach: what no configuration holds is refused at once.
+        reachable, note = self.resources.reachable_blocks(self.pool.base_blocks, self.pool.num_blocks)
         self.scheduler = make_scheduler(config, self.pool, self.clock,
                                         self._cover_shortfall if self.resources.grows_pool else None)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                          config.block_size, self.reachable_blocks, self._reach_note, config.morph_mode)
+                                          config.block_size, reachable, note, config.morph_mode)
+
+    @property
+    def reachable_blocks(self) -> int:
+        """The most KV blocks this engine's mode can ever have (the admission bound)."""
+        return self.validator.reachable_blocks
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

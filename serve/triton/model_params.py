@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from pathlib import Path
 from typing import Any
+
+from serve.config import without_none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +60,7 @@ PARAM_ALIASES = {"engine_dir": "model", "enable_kv_cache_reuse": "enable_prefix_
 
 def _coerce(raw: str, hint: Any, name: str) -> Any:
     """Convert a config.pbtxt string to the type of an EngineConfig field (``int | None`` etc.)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else str
+    hint = without_none(hint)
     if hint is dict or typing.get_origin(hint) is dict:
         try:
             value = json.loads(raw)
