@@ -40,6 +40,20 @@ def parse_level(level: int | str) -> int:
         raise ValueError(f"unknown log level {level!r}; use one of {sorted(set(_LEVELS))}") from None
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is when a line is written, not when logging was configured: a test runner (or a CLI)
+    that swaps stderr and later closes its stand-in must not leave every later log line failing on a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()
+
+
 def configure_logging(level: int | str = logging.INFO, stream: IO[str] | None = None, *, force: bool = False) -> None:
     """Configure structlog process-wide to print one sorted-key JSON object per event.
 
@@ -49,7 +63,7 @@ def configure_logging(level: int | str = logging.INFO, stream: IO[str] | None = 
     """
     global _configured
     lvl = parse_level(level)
-    out = stream if stream is not None else sys.stderr
+    out = stream if stream is not None else _STDERR
     key = (lvl, id(out))
     with _lock:
         if _configured == key and not force:
