@@ -173,3 +173,28 @@ def test_vmm_arena_gives_segments_back_to_the_driver_and_tokens_survive():
         return out
 
     assert run(engine("0"), 3) == run(engine(None), -1)
+
+
+def test_cost_aware_default_measures_this_gpu_and_serves_a_burst(model):
+    """The shipped default (morph mode ``default``, cost-aware): at start it reads or measures the step costs of
+    *this* CUDA device (not a CPU table), and under a burst it keeps exact accounting and returns to full
+    precision. Whether it quantizes depends on the measured costs, so the swap count is printed, not asserted."""
+    clock = FakeClock()
+    engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=16, block_size=16,
+                                    max_num_batched_tokens=256, max_num_seqs=16, morph_mode="default",
+                                    policy_overrides={"persist_iters": 1, "restore_persist_s": 1.0}),
+                       loaded=model, clock=clock)
+    costs = engine.morph.costs
+    assert costs is not None and costs.device == torch.cuda.get_device_name(CUDA), costs
+    assert set(costs.precisions) >= {"full", "int8"}
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for i in range(10):
+        engine.add_request([(7 * i + j) % 250 + 1 for j in range(60)], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        clock.t += 0.05
+        assert_memory_exact(engine)
+    drain_and_settle(engine, clock, max_steps=1000)
+    assert all(layer.precision == FULL for layer in engine.model.layers)
+    print(f"\ncost-aware default on {costs.device}: {engine.morph.stats.swaps} swaps, "
+          f"ratios { {p: [round(costs.ratio(p, n), 2) for n in costs.token_counts] for p in costs.precisions} }")
