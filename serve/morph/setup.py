@@ -133,10 +133,13 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
 
 def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, DecoderLayer], tuple[int, int, int], LinearOp]:
     """What step costs are measured on: layer 0 at every precision the bank holds (the very objects the
-    engine serves, fused as it fuses them), the linears' input widths, and the LM head."""
+    engine serves, fused as it fuses them), the linears' input widths, and the LM head. On CUDA the bank's
+    sources are pinned host copies, so each is copied to the device for the measurement (and dropped after)."""
     cfg = model.config
     shape = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
     layers = {p: bank.host[0][p] for p in (FULL, *sorted(bank.precisions))}
+    if model.device.type != "cpu":
+        layers = {p: remap(layer, lambda t: t.to(model.device)) for p, layer in layers.items()}
     return layers, shape, model.head
 
 
