@@ -57,6 +57,7 @@ def run_cuda_tests(repo: Path, timeout_s: float) -> dict:
         out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         out, rc = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else str(exc.stdout or ""), 124
+    out = "\n".join(ln for ln in out.splitlines() if not ln.startswith('{"'))  # the engines' JSON logs: not the report
     lines = [ln for ln in out.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED")) or " passed" in ln
              or " failed" in ln or "CUDA allocated" in ln]
     return {"command": " ".join(cmd[1:]), "exit_code": rc, "seconds": round(time.perf_counter() - t0, 1),
