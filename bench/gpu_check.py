@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.tiny_model import make_tiny_model
+from serve.morph.runtime import MorphRuntime
 
 MODEL_SHAPE = dict(vocab_size=257, hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16,
                    num_kv_heads=4, head_dim=64, max_position_embeddings=4096)
@@ -110,8 +111,9 @@ def layer_costs(model) -> dict:
     e = _engine(model, "default", num_kv_blocks=64, morph_precisions=_precisions(),
                 policy_overrides={"cost_aware": False})  # cost_aware would look the table up (or measure) at start
     try:
-        assert e.morph is not None
-        layers, shape, head = cost_inputs(e.model, e.morph.bank)
+        runtime = e.resource_manager(MorphRuntime)
+        assert runtime is not None
+        layers, shape, head = cost_inputs(e.model, runtime.bank)
         costs = measure(layers, shape, e.model.device, e.model.dtype, head=head, repeats=5)
     finally:
         e.shutdown()
@@ -150,7 +152,7 @@ def swap_costs(model) -> list[dict]:
     from policy import MorphDecision  # noqa: PLC0415
 
     e = _engine(model, "default", num_kv_blocks=64, morph_precisions=_precisions())
-    m = e.morph
+    m = e.resource_manager(MorphRuntime)
     rows = []
     for precision in sorted(m.bank.precisions):
         swap, restore = [], []
@@ -190,10 +192,10 @@ def memory_yield(model) -> dict:
 
     def settle() -> None:
         for _ in range(64):
-            e.morph.on_iteration_boundary(e.scheduler)
-            e.morph.complete_ready(wait=True)
+            m.before_schedule(e.scheduler)
+            m.complete_ready(wait=True)
 
-    m = e.morph
+    m = e.resource_manager(MorphRuntime)
     want = 8 * m.blocks_per_layer_chunk[m.config.ladder[0]] * e.ledger.slot_bytes
     before = used()
     e.request_memory_yield(want)

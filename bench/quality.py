@@ -34,6 +34,7 @@ import torch
 from bench.workload import default_text_path
 from policy import FULL
 from policy.precisions import CODE_PRECISION, PRECISION_CODE
+from serve.morph.runtime import MorphRuntime
 
 # A fixed probe set: short, varied prompts whose greedy continuations are sensitive to weight changes.
 PROBE_PROMPTS: tuple[str, ...] = (
@@ -117,9 +118,10 @@ class QualityEvaluator:
         blocks = math.ceil(window / 16) + 1
         self.engine = LLMEngine(EngineConfig(model=model, morph_mode="default", morph_precisions="int8,int4", num_kv_blocks=blocks,
                                              num_threads=num_threads))
-        if self.engine.morph is None:  # pragma: no cover - default mode always has a bank
+        runtime = self.engine.resource_manager(MorphRuntime)
+        if runtime is None:  # pragma: no cover - default mode always has a bank
             raise RuntimeError("the quality engine has no layer bank")
-        self.bank = self.engine.morph.bank
+        self.bank = runtime.bank
         self.num_layers = len(self.bank.model.layers)
         self.text_path = Path(text_path) if text_path else default_text_path()
         ids = self.engine.tokenizer.encode(self.text_path.read_text(encoding="utf-8"))[:num_tokens]

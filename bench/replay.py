@@ -33,6 +33,7 @@ from serve.config import EngineConfig, parse_policy_overrides
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
+from serve.morph.runtime import MorphRuntime
 
 
 ENGINE_FIELDS = ("model", "device_memory", "slo_ttft_s", "scheduler", "slai_theta", "max_num_seqs",
@@ -82,6 +83,7 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     timeline: list[dict] = []
     tokens_by_config: collections.Counter = collections.Counter()
     num_layers = engine.model_config.num_layers
+    morph = engine.resource_manager(MorphRuntime)
     kv_block_tokens = engine.config.block_size
     t0 = clock()
     last_sample = -1.0
@@ -123,7 +125,7 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
             step_s.append(clock() - t_step)
         if idle and queue:
             sleep(max(0.0, min(0.01, queue[0].arrival_s - (clock() - t0))))
-        config = engine.morph.config_signature() if engine.morph else full_signature(num_layers)
+        config = morph.config_signature() if morph is not None else full_signature(num_layers)
         tokens_by_config[config] += engine.num_generated_tokens - before
         now = clock() - t0
         if now - last_sample >= 0.1:
@@ -172,7 +174,7 @@ def resident_bytes() -> int:
 
 def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: int) -> dict:
     """The "morph" block of the result, from the in-process engine (same schema as the Triton benchmark's)."""
-    m = engine.morph
+    m = engine.resource_manager(MorphRuntime)
     return MorphSummary(
         swaps=m.stats.swaps if m else 0,
         restores=m.stats.restores if m else 0,

@@ -19,6 +19,7 @@ from policy import FULL
 from serve.config import EngineConfig
 from serve.model.quantized_linear import REGISTRY
 from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure, store
+from serve.morph.runtime import MorphRuntime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                                     policy_overrides={"cost_aware": False}, num_threads=args.threads,
                                     device=args.device, num_kv_blocks=8))
     try:
-        assert engine.morph is not None
-        layers, shape, head = cost_inputs(engine.model, engine.morph.bank)
+        runtime = engine.resource_manager(MorphRuntime)
+        assert runtime is not None
+        layers, shape, head = cost_inputs(engine.model, runtime.bank)
         model = engine.model
         key = machine_key(model.device, model.dtype, shape)
         engine_dir = Path(args.model) if (Path(args.model) / "manifest.json").is_file() else None

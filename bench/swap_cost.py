@@ -15,6 +15,7 @@ import time
 
 from policy import FULL, MorphDecision
 from serve.config import EngineConfig
+from serve.morph.runtime import MorphRuntime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions="int8,int4",
                                     num_threads=args.threads, device_memory="2GiB"))
-    m = engine.morph
+    m = engine.resource_manager(MorphRuntime)
+    assert m is not None
     bpb = engine.bytes_per_block
     print(f"model {engine.model_config.name}: {engine.model_config.num_layers} layers, KV block = "
           f"{engine.config.block_size} tokens = {bpb / 2**10:.0f} KiB, full layer = {m.bank.nbytes(0, FULL) / 2**20:.2f} MiB")

@@ -26,6 +26,7 @@ from sim.assemble import Target, build_engine, table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
+from serve.morph.runtime import MorphRuntime
 
 DEFAULT_TABLE_MODEL = "llama-2-7b"
 GPU_MAX_NUM_SEQS = 256
@@ -88,7 +89,7 @@ class Planner:
         wall = time.perf_counter()
         result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
                   **replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=False, sleep=clock.sleep)}
-        m = engine.morph
+        m = engine.resource_manager(MorphRuntime)
         result["plan"] = {
             "system": self.target.system, "device": self.target.device, "notes": self.target.notes,
             "wall_s": round(time.perf_counter() - wall, 3), "virtual_s": round(clock(), 3),

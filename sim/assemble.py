@@ -24,7 +24,9 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.sizing import plan_arena
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
-from serve.morph.setup import EngineMemory, MorphPlan, build_runtime
+from serve.engine.memory_assembly import EngineMemory
+from serve.morph.plan import MorphPlan
+from serve.morph.setup import build_runtime
 from sim.bank import SimKV, SimLayerBank
 from sim.clock import VirtualClock
 from sim.executor import SimExecutor
@@ -106,13 +108,14 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     bank = SimLayerBank(sizes, arena.regions, arena.staging, target.slot_bytes, clock, target.h2d_bytes_per_s,
                         target.d2d_bytes_per_s) if morphing else None
     memory = EngineMemory(arena=None, pool=pool, ledger=ledger, kv=SimKV(), bank=bank, base=arena.base)  # type: ignore[arg-type]
-    morph = None
+    resources = []
     if bank is not None:
         costs = target.step_costs(precisions) if policy.cost_aware else None
         morph = build_runtime(policy, MorphPlan(precisions, list(target.swap_order), None),  # type: ignore[arg-type]
-                              memory, config.block_size, clock=clock, costs=costs,
-                              prefix_cache=config.prefix_cache_across_morph)
+                              bank, pool, ledger, memory.kv, config.block_size,  # type: ignore[arg-type]
+                              clock=clock, costs=costs, prefix_cache=config.prefix_cache_across_morph)
         morph.step_token_budget = config.max_num_batched_tokens
+        resources.append(morph)
     tokenizer = prompt_tokenizer()
     cfg = target.model_config
     engine_cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
@@ -120,6 +123,6 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id)  # type: ignore[arg-type]
     max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     parts = EngineParts(model_config=engine_cfg, tokenizer=tokenizer, max_model_len=max_len,
-                        device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, morph=morph,
+                        device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, resources=resources,
                         executor=executor)
     return LLMEngine(config, clock=clock, parts=parts)

@@ -30,6 +30,7 @@ from serve.model.step_costs import device_name
 from sim.assemble import Target
 from sim.executor import batch_shape
 from sim.step_model import LocalStepModel, LocalTerms, prefill_work
+from serve.morph.runtime import MorphRuntime
 
 CALIBRATION_REQUESTS = 40
 
@@ -114,7 +115,9 @@ def local_target(args: argparse.Namespace) -> Target:
         raise ValueError("--system local needs --device-memory (the budget the real replay runs with)")
     engine = _engine(args, "default")
     try:
-        bank, morph = engine.morph.bank, engine.morph  # type: ignore[union-attr]
+        morph = engine.resource_manager(MorphRuntime)
+        assert morph is not None, "mode default hosts a morph runtime"
+        bank = morph.bank
         sizes = [{p: (bank.nbytes(i, p) if p != FULL else bank.regions[i].num_slots * bank.slot_bytes)
                   for p in bank.host[i]} for i in range(len(bank.regions))]
         costs = morph.costs or morph.controller.costs

@@ -1,5 +1,6 @@
-"""Building what the engine loop runs on: the device and dtype, the model, its memory, the morph runtime, the
-executor (:func:`build_parts`), and the scheduler the config names (:func:`make_scheduler`).
+"""Building what the engine loop runs on: the device and dtype, the model, its memory, the resource managers (the
+morph runtime when the mode morphs), the executor (:func:`build_parts`), and the scheduler the config names
+(:func:`make_scheduler`).
 
 The planner (sim/) builds :class:`EngineParts` of its own (a simulated executor, layer bank and virtual clock)
 and hands them to the very engine loop the server runs; both ways in end in ``LLMEngine``'s one assembly.
@@ -21,8 +22,10 @@ from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
-from serve.morph.runtime import MorphRuntime
-from serve.morph.setup import EngineMemory, build_memory, build_runtime, load_model_and_plan, resolve_plan
+from serve.engine.memory_assembly import EngineMemory, build_memory
+from serve.engine.resources import ResourceManager
+from serve.morph.plan import load_model_and_plan, resolve_plan
+from serve.morph.setup import build_runtime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,14 +55,15 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype
     memory: EngineMemory
-    morph: MorphRuntime | None
+    resources: list[ResourceManager]  # in the order the loop calls them
     executor: Any
     model: LlamaModel | None = None
 
 
 def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callable[[], float]) -> EngineParts:
-    """The model on its device, its memory (arena, KV pool, layer bank), the morph runtime the mode asks for and
-    the torch executor. ``loaded``: weights already in memory (else the config's model is opened)."""
+    """The model on its device, its memory (arena, KV pool, layer bank), the resource managers the mode asks for
+    (the morph runtime) and the torch executor. ``loaded``: weights already in memory (else the config's model is
+    opened)."""
     device = resolve_device(config.device)
     dtype = DTYPES[config.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
     plan = None
@@ -71,14 +75,15 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
     policy = config.policy_config()
     plan = resolve_plan(config, policy, loaded.weights, loaded.config.num_layers, plan)
     memory = build_memory(config, model, plan, policy)
-    morph: MorphRuntime | None = None
+    resources: list[ResourceManager] = []
     if memory.bank is not None and plan is not None:
-        morph = build_runtime(policy, plan, memory, config.block_size, clock=clock,
-                              prefix_cache=config.prefix_cache_across_morph,
+        morph = build_runtime(policy, plan, memory.bank, memory.pool, memory.ledger, memory.kv, config.block_size,
+                              clock=clock, prefix_cache=config.prefix_cache_across_morph,
                               pressure=pressure_source(config.memory_pressure_source, device)
                               if policy.strategy == "dynamic" else None)
         morph.step_token_budget = config.max_num_batched_tokens
-    return EngineParts(loaded.config, loaded.tokenizer, max_model_len, device, dtype, memory, morph,
+        resources.append(morph)
+    return EngineParts(loaded.config, loaded.tokenizer, max_model_len, device, dtype, memory, resources,
                        TorchExecutor(model, memory.kv), model)
 
 

@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
@@ -26,7 +26,7 @@ from serve.engine.sampler import sample_isolated
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.engine.validation import RequestValidator
-from serve.engine.stats import EngineStats, memory_gauges
+from serve.engine.stats import EngineStats, resource_fields
 from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
@@ -34,9 +34,10 @@ from serve.memory.block_pool import CacheEvents
 from serve.model.loader import LoadedModel
 from serve.model.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer
-from serve.engine.resources import ResourceManager, StaticResources
+from serve.engine.resources import ResourceManagers, YieldsMemory
 
 Callback = Callable[[RequestOutput], None]
+M = TypeVar("M")
 
 # Engines whose loop thread runs. The loop is a daemon thread so that a forgotten engine never holds the process
 # open; but a daemon thread still inside a torch op when the interpreter finalizes is ended by a forced unwind
@@ -83,7 +84,7 @@ class LLMEngine:
         self.last_num_scheduled = 0   # sequences in the last iteration's batch
         self.last_num_context = 0     # of which prefill (context) chunks
         self.last_step_error: str | None = None
-        self._morph_ok = True         # no morph failure in this iteration (the boundary's or a shortfall's)
+        self._resources_ok = True     # no resource-manager failure in this iteration (a boundary's or a shortfall's)
         self._step_listeners: list[Callable[[], None]] = []
         self.start_rate = StartRateMeter()  # waiting requests started per busy second (load shedding on arrival)
 
@@ -95,21 +96,25 @@ class LLMEngine:
         self.memory = parts.memory
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
-        self.morph = parts.morph
+        self.resources = ResourceManagers(parts.resources)
         self._wire_resources(config)
         self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _wire_resources(self, config: EngineConfig) -> None:
-        """The loop's resource manager (the morph runtime, or the static null object), the admission bound it
-        gives and the scheduler, which offers it the shortfalls it meets when it can grow the pool."""
-        self.resources: ResourceManager = self.morph if self.morph is not None else StaticResources(config.morph_mode)
+        """The admission bound the resource managers give, and the scheduler, which offers them the shortfalls
+        it meets when one of them can grow the pool."""
         # Admission is bounded by the most blocks the mode can reach: what no configuration holds is refused at once.
         reachable, note = self.resources.reachable_blocks(self.pool.base_blocks, self.pool.num_blocks)
         self.scheduler = make_scheduler(config, self.pool, self.clock,
                                         self._cover_shortfall if self.resources.grows_pool else None)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                           config.block_size, reachable, note, config.morph_mode)
+
+    def resource_manager(self, kind: type[M]) -> M | None:
+        """The engine's resource manager of type ``kind`` (e.g. ``MorphRuntime``), None when it hosts none: the
+        public way for tools, the planner and front ends to reach a lever."""
+        return self.resources.get(kind)
 
     @property
     def reachable_blocks(self) -> int:
@@ -200,7 +205,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             self._admit_handoff()
-            self._morph_ok = self._morph_boundary()
+            self._resources_ok = self.resources.before_schedule(self.scheduler, self.faults.record)
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not c.is_decode)
@@ -221,7 +226,7 @@ class LLMEngine:
                 else:
                     self.scheduler.on_executed(sched)
                     produced = self._append_tokens(sampled, logits)
-                    if self._morph_ok:
+                    if self._resources_ok:
                         self.faults.iteration_ok()
                 self.num_steps += 1
         self._deliver(produced)
@@ -254,24 +259,12 @@ class LLMEngine:
                 produced += self._fail_seqs([seq], "postprocess", exc, iteration_failed=False)
         return produced
 
-    def _morph_boundary(self) -> bool:
-        """The resource manager's iteration boundary (the policy's decision applied); a failure is logged and
-        counted, the batch still runs."""
-        try:
-            self.resources.before_schedule(self.scheduler)
-            return True
-        except Exception as exc:  # noqa: BLE001
-            self.faults.record("morph", exc)
-            return False
-
     def _cover_shortfall(self, blocks: int) -> None:
-        """Quantize before preempt: the scheduler is ``blocks`` KV blocks short and about to preempt (the
-        KV-cache manager's hook). A failure is logged and counted as the boundary's; the scheduler preempts."""
-        try:
-            self.resources.cover_shortfall(self.scheduler, blocks)
-        except Exception as exc:  # noqa: BLE001
-            self.faults.record("morph", exc)
-            self._morph_ok = False
+        """The scheduler is ``blocks`` KV blocks short and about to preempt (the KV-cache manager's hook): the
+        managers that grow the pool cover what they can (quantize before preempt); the scheduler preempts the
+        rest. A failure is logged and counted as the boundary's."""
+        if not self.resources.cover_shortfall(self.scheduler, blocks, self.faults.record):
+            self._resources_ok = False
 
     def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
@@ -322,6 +315,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason, last_token: int | None = None) -> RequestOutput:
         self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
+        self.resources.on_request_finished(seq.request_id)
         seq.finish_reason = reason
         new = [last_token] if last_token is not None else []
         return self._output(seq, new, final=True)
@@ -416,7 +410,7 @@ class LLMEngine:
         with self._lock:
             busy = self.scheduler.has_work()
             kv = self.scheduler.kv_cache_manager
-            resources = self.resources.resource_stats()
+            resources = self.resources.stats()
             ledger = self.ledger.as_dict()
             return EngineStats(
                 kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
@@ -429,18 +423,19 @@ class LLMEngine:
                 critical_decodes_unscheduled=getattr(self.scheduler, "num_critical_unscheduled", 0),
                 num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
                 num_generated_tokens=self.num_generated_tokens, prefix_cache_queries=kv.prefix_queried_tokens,
-                prefix_cache_hits=kv.prefix_hit_tokens, layers_quantized=resources["layers_quantized"],
-                swaps_total=resources["swaps_total"], restores_total=resources["restores_total"],
-                memory_yield=resources["memory_yield"], memory=ledger,
-                **memory_gauges(ledger, resources["memory_yield"]),
+                prefix_cache_hits=kv.prefix_hit_tokens, memory=ledger, memory_held_bytes=ledger["held"],
                 healthy=self.healthy, failed_iterations=self.faults.failed_iterations,
-                last_step_error=self.last_step_error)
+                last_step_error=self.last_step_error, resources=resources, **resource_fields(resources))
 
     def request_memory_yield(self, nbytes: int | None) -> dict:
         """The operator's yield control: keep ``nbytes`` given back to the device (or host) until cleared
         (None/0: reclaim under the reclaim rule). ValueError when this engine cannot yield."""
+        yielder = self.resources.get(YieldsMemory)
+        if yielder is None:
+            raise ValueError(f"morph mode {self.config.morph_mode!r} holds no quantized layers and cannot yield "
+                             "memory; serve a dynamic mode (default, performance, accuracy)")
         with self._lock:
-            state = self.resources.request_yield(nbytes)
+            state = yielder.request_yield(nbytes)
         self._handoff.work.set()  # an idle loop wakes and ticks until the request is met
         return state
 

@@ -2,7 +2,8 @@
 
 The front ends read it field by field: the metric catalogue (serve/metrics_catalogue.py) names a field per
 engine metric, the Dynamo worker publishes ``kv_blocks_used`` / ``kv_blocks_total`` as its live capacity,
-and ``as_dict()`` gives the JSON form (the worker's ``morph_state`` control, logs, bench outputs).
+and ``as_dict()`` gives the JSON form (the worker's ``morph_state`` control, logs, bench outputs). The resource
+managers' fields (layers, swaps, memory yield) come from their typed snapshots, never from the loop.
 """
 
 from __future__ import annotations
@@ -35,31 +36,44 @@ class EngineStats:
     num_generated_tokens: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int     # prompt tokens served from it
-    # the resource manager's (morphing): layers per quantized precision, transitions, memory yield state
-    layers_quantized: dict[str, int]
-    swaps_total: int
-    restores_total: int
-    memory_yield: dict[str, Any]
-    # memory: the ledger's budget split, and the flat gauges the catalogue exports
+    # memory: the ledger's budget split and the bytes the engine holds
     memory: dict[str, Any]
     memory_held_bytes: int
-    memory_yielded_bytes: int
-    memory_yields_total: int
-    memory_reclaims_total: int
     # health
     healthy: bool
     failed_iterations: int
     last_step_error: str | None = None
-    memory_outside_free_bytes: int | None = field(default=None)  # None: no pressure source reads it
+    # filled by the resource managers (ResourceStats.engine_fields(); serve/engine/resources.py); these defaults
+    # are an engine that hosts none (mode off): no layer ever quantized, nothing given back
+    layers_quantized: dict[str, int] = field(default_factory=dict)
+    swaps_total: int = 0
+    restores_total: int = 0
+    memory_yield: dict[str, Any] = field(default_factory=dict)
+    memory_yielded_bytes: int = 0
+    memory_yields_total: int = 0
+    memory_reclaims_total: int = 0
+    memory_outside_free_bytes: int | None = None  # None: no pressure source reads it
+    # every manager's own typed snapshot, by its name (e.g. resources["morph"]: MorphResourceStats)
+    resources: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (every field; nested dicts copied)."""
         return dataclasses.asdict(self)
 
 
-def memory_gauges(ledger: dict[str, Any], mem: dict[str, Any]) -> dict[str, Any]:
-    """The flat memory numbers of ``EngineStats`` from the ledger (``MemoryLedger.as_dict()``) and the resource
-    manager's memory state: bytes held and given back, outside free memory, counts."""
-    return {"memory_held_bytes": ledger["held"], "memory_yielded_bytes": mem.get("yielded_bytes", 0),
-            "memory_yields_total": mem.get("yields_total", 0), "memory_reclaims_total": mem.get("reclaims_total", 0),
-            "memory_outside_free_bytes": mem.get("outside_free_bytes")}
+def resource_fields(resources: dict[str, Any]) -> dict[str, Any]:
+    """The flat ``EngineStats`` fields the managers' snapshots fill; two managers filling one field is a bug."""
+    fields: dict[str, Any] = {}
+    for name, snapshot in resources.items():
+        mine = snapshot.engine_fields()
+        clash = sorted(set(mine) & set(fields))
+        if clash:
+            raise ValueError(f"resource manager {name!r} fills EngineStats fields {clash} another manager fills")
+        unknown = sorted(set(mine) - _FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"resource manager {name!r} fills fields EngineStats lacks: {unknown}")
+        fields.update(mine)
+    return fields
+
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(EngineStats)}

@@ -1,6 +1,6 @@
 """The arena's arithmetic, apart from any tensor: how a memory budget splits into layer regions, staging and KV.
 
-``serve/morph/setup.py`` feeds it the byte sizes of a loaded model's layers and variants and then allocates;
+``serve/engine/memory_assembly.py`` feeds it the byte sizes of a loaded model's layers and variants and then allocates;
 the planner (``sim/``) feeds it sizes computed from a model's config and allocates nothing. Both get the same
 region, staging and base-pool sizes and the same ``MemoryLedger`` from the same lines, so a plan's KV
 capacity is the engine's.

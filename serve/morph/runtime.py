@@ -29,7 +29,7 @@ from serve.model.kv_cache import PagedKVCache
 from serve.model.llama import DecoderLayer
 from serve.morph.latency_window import LatencyWindow
 from serve.morph.layer_bank import LayerBank
-from serve.morph.swap_records import MorphStats, PendingSwap, Transition
+from serve.morph.swap_records import MorphResourceStats, MorphStats, PendingSwap, Transition
 from serve.morph.scheduler_view import SchedulerView
 
 log = get_logger("morphserve.morph")
@@ -115,7 +115,12 @@ class MorphRuntime:
         )
 
     # ---- the iteration boundary ----------------------------------------------------------------------
-    def on_iteration_boundary(self, scheduler: SchedulerView) -> MorphDecision | None:
+    # ---- the engine loop's resource-manager seam (serve/engine/resources.py) --------------------------------
+    name = "morph"
+    grows_pool = True
+
+    def before_schedule(self, scheduler: SchedulerView) -> MorphDecision | None:
+        """The iteration boundary: land finished copies, ask the controller, start what it decides."""
         now = self.clock()
         self.complete_ready(wait=False)
         if self.pending or self.queued:
@@ -309,16 +314,16 @@ class MorphRuntime:
                     bytes_freed=freed.num_slots * self.ledger.slot_bytes, blocks_added=freed.num_slots,
                     kv_blocks_total=self.pool.num_blocks, time_ms=round(elapsed_ms, 3), reason=p.reason)
 
-    def cover_deficit(self, scheduler: SchedulerView, deficit: int) -> int:
+    def cover_shortfall(self, scheduler: SchedulerView, blocks: int) -> int:
         """Quantize before preempt (as the released MorphServe does): the scheduler is about to preempt because
-        it is ``deficit`` KV blocks short of what it is scheduling (the shortfall it met, in its own order; the
-        KV-cache manager calls this). Finish what is in flight and take quantize steps at once until that many
-        more blocks are free. Returns the number of layers quantized; 0 and the scheduler preempts as before
+        it is ``blocks`` KV blocks short of what it is scheduling (the shortfall it met, in its own order; the
+        KV-cache manager calls this through the engine). Finish what is in flight and take quantize steps at once
+        until that many more blocks are free. Returns the blocks it freed; 0 and the scheduler preempts as before
         when the mode has no room left."""
-        quantized = 0
-        if deficit <= 0:
+        if blocks <= 0:
             return 0
-        wanted = self.pool.num_free + deficit
+        free_before = self.pool.num_free
+        wanted = free_before + blocks
         self.queued = collections.deque(q for q in self.queued if q[0] in ("quantize", "yield"))  # no restore under pressure
         self.complete_ready(wait=True)
         while (left := wanted - self.pool.num_free) > 0:
@@ -329,8 +334,7 @@ class MorphRuntime:
             self.apply_now(decision)
             if self.pool.num_blocks == before:
                 break  # the step freed no whole block: preemption it is
-            quantized += len(decision.layers)
-        return quantized
+        return max(0, self.pool.num_free - free_before)
 
     def apply_now(self, decision: MorphDecision) -> None:
         """Apply a decision synchronously, one layer at a time (static modes, before serving starts)."""
@@ -357,15 +361,7 @@ class MorphRuntime:
         """The model's current shape, one character per layer: f(ull), 8 (int8), 4 (int4), e (fp8)."""
         return signature(layer.precision for layer in self.bank.model.layers)
 
-    # ---- the engine loop's resource-manager seam (serve/engine/resources.py) --------------------------------
-    grows_pool = True
-
-    def before_schedule(self, scheduler: SchedulerView) -> None:
-        self.on_iteration_boundary(scheduler)
-
-    def cover_shortfall(self, scheduler: SchedulerView, blocks: int) -> int:
-        return self.cover_deficit(scheduler, blocks)
-
+    # ---- the rest of the seam ---------------------------------------------------------------------------------
     def after_schedule(self, num_tokens: int) -> None:
         self.last_step_tokens = num_tokens
 
@@ -377,19 +373,29 @@ class MorphRuntime:
         self._gaps.add(now, gap_s)
         self.tokens_served += 1
 
-    def reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
-        """The most KV blocks this mode can ever have: a dynamic mode quantizing every layer it may to its
-        deepest rung; a static mode has them all already."""
+    def on_request_finished(self, request_id: str) -> None:
+        return None  # a request's KV blocks are the scheduler's; layers are shared
+
+    def extra_reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
+        """The KV blocks this mode can still add: a dynamic mode quantizing every layer it may to its deepest
+        rung; a static mode has added them all already."""
         if self.config.strategy != "dynamic":
-            return num_blocks, f"{num_blocks} blocks, layers fixed in mode {self.config.mode}"
+            return 0, f"layers fixed in mode {self.config.mode}"
         deepest = self.config.ladder[-1]
         layers = self.controller.max_quantized_layers
         chunk = self.blocks_per_layer_chunk[deepest]
-        return base_blocks + layers * chunk, f"{base_blocks} base + {layers} layers at {deepest} x {chunk} blocks"
+        return (max(0, base_blocks + layers * chunk - num_blocks),
+                f"{base_blocks} base + {layers} layers at {deepest} x {chunk} blocks")
 
-    def resource_stats(self) -> dict:
-        return {"layers_quantized": self.quantized_by_precision(), "swaps_total": self.stats.swaps,
-                "restores_total": self.stats.restores, "memory_yield": self.memory_stats()}
+    def resource_stats(self) -> MorphResourceStats:
+        free = self.last_free
+        return MorphResourceStats(
+            layers_quantized=self.quantized_by_precision(), swaps_total=self.stats.swaps,
+            restores_total=self.stats.restores, configuration=self.config_signature(),
+            yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
+            yield_request_bytes=self.yield_request or 0, yields_total=self.stats.yields,
+            reclaims_total=self.stats.reclaims, outside_free_bytes=free.free_bytes if free else None,
+            outside_source=free.source if free else "")
 
     def shutdown(self) -> None:
         self.bank.shutdown()
@@ -406,14 +412,7 @@ class MorphRuntime:
             raise ValueError("this arena cannot give memory back: on CUDA set memory_floor (which builds the "
                              "arena from CUDA VMM segments)")
         self.yield_request = nbytes or None
-        return self.memory_stats()
-
-    def memory_stats(self) -> dict:
-        free = self.last_free
-        return {"yielded_bytes": self.ledger.yielded_slots * self.ledger.slot_bytes,
-                "yield_request_bytes": self.yield_request or 0, "yields_total": self.stats.yields,
-                "reclaims_total": self.stats.reclaims,
-                "outside_free_bytes": free.free_bytes if free else None, "outside_source": free.source if free else ""}
+        return self.resource_stats().memory_yield()
 
     def is_settled(self) -> bool:
         """Nothing in flight, every layer at full precision and no outside memory to watch (the state an

@@ -1,10 +1,11 @@
 """What the morph runtime keeps about its swaps: the stack of transitions (each owning a KV chunk or given back to
-the system), the copy in flight, and the counters its metrics read."""
+the system), the copy in flight, the counters its metrics read, and the typed snapshot it reports to the engine."""
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve.memory.arena import SlotRange
 from serve.morph.layer_bank import CopyJob
@@ -39,3 +40,33 @@ class MorphStats:
     reclaims: int = 0
     failed_copies: int = 0
     swap_ms: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
+
+
+@dataclass(frozen=True)
+class MorphResourceStats:
+    """The morph runtime's snapshot (``EngineStats.resources["morph"]``): layers per quantized precision, the
+    model's configuration signature, transitions, and the memory-yield state."""
+
+    layers_quantized: dict[str, int]
+    swaps_total: int
+    restores_total: int
+    configuration: str
+    yielded_bytes: int
+    yield_request_bytes: int
+    yields_total: int
+    reclaims_total: int
+    outside_free_bytes: int | None
+    outside_source: str
+
+    def memory_yield(self) -> dict[str, Any]:
+        """The yield state as the operator's control answers it (and ``EngineStats.memory_yield``)."""
+        return {"yielded_bytes": self.yielded_bytes, "yield_request_bytes": self.yield_request_bytes,
+                "yields_total": self.yields_total, "reclaims_total": self.reclaims_total,
+                "outside_free_bytes": self.outside_free_bytes, "outside_source": self.outside_source}
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The flat ``EngineStats`` fields (and so the metric catalogue's series) this manager fills."""
+        return {"layers_quantized": dict(self.layers_quantized), "swaps_total": self.swaps_total,
+                "restores_total": self.restores_total, "memory_yield": self.memory_yield(),
+                "memory_yielded_bytes": self.yielded_bytes, "memory_yields_total": self.yields_total,
+                "memory_reclaims_total": self.reclaims_total, "memory_outside_free_bytes": self.outside_free_bytes}

@@ -22,6 +22,8 @@ from sim.kernel_tables import KernelTables, TableError, package_root
 from sim.model_specs import load_model_config, projections
 from sim.step_model import BatchShape, TableStepModel
 from tests.conftest import SHARED_DATA
+from serve.morph.runtime import MorphRuntime
+from tests.morph_support import morph
 
 TRACE = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
@@ -81,7 +83,7 @@ def test_a_precision_the_tables_lack_is_refused_not_invented() -> None:
     with pytest.raises(TableError, match="needs \\['int4'\\]"):
         build_engine(engine_config(args, "default"), target, VirtualClock())
     engine = build_engine(engine_config(args, 'default+ladder=["fp8"]'), target, VirtualClock())
-    assert engine.morph is not None and engine.morph.bank.precisions == {"fp8"}
+    assert engine.resource_manager(MorphRuntime) is not None and morph(engine).bank.precisions == {"fp8"}
     with pytest.raises(TableError, match="no TensorRT-LLM tables"):
         KernelTables("no_such_gpu")
 
@@ -93,18 +95,18 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
     try:
         from sim.assemble import Target
 
-        bank = real.morph.bank
+        bank = morph(real).bank
         sizes = [{p: (bank.nbytes(i, p) if p != FULL else bank.regions[i].num_slots * bank.slot_bytes) for p in bank.host[i]}
                  for i in range(len(bank.regions))]
         target = Target(system="local", device="cpu", model_name="smollm2-135m", model_config=real.model_config,
                         layer_nbytes=sizes, non_arena_bytes=real.ledger.non_arena_bytes, slot_bytes=real.ledger.slot_bytes,
                         device_bytes=None, h2d_bytes_per_s=1e10, d2d_bytes_per_s=1e10, step_model=None,
-                        swap_order=list(real.morph.controller.swap_order), notes={})
+                        swap_order=list(morph(real).controller.swap_order), notes={})
         sim = build_engine(EngineConfig(morph_mode="default", device_memory="600MiB",
                                         policy_overrides={"cost_aware": False}), target, VirtualClock())
         assert sim.ledger.as_dict() == real.ledger.as_dict()
         assert (sim.pool.num_blocks, sim.pool.max_blocks) == (real.pool.num_blocks, real.pool.max_blocks)
-        assert sim.morph.blocks_per_layer_chunk == real.morph.blocks_per_layer_chunk
+        assert morph(sim).blocks_per_layer_chunk == morph(real).blocks_per_layer_chunk
         assert sim.reachable_blocks == real.reachable_blocks
     finally:
         real.shutdown()
@@ -123,7 +125,7 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
     args = replay_parser().parse_args(["--device-memory", "24GiB", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"])
     config = engine_config(args, "default")
     engine = build_engine(config, target, VirtualClock())
-    planned = engine.morph.controller
+    planned = morph(engine).controller
     assert type(planned) is MorphController
     policy = PolicyConfig.for_mode("default", ttft_slo_s=config.slo_ttft_s)
     reference = MorphController(policy, list(range(32)), target.step_costs(["int4"]))

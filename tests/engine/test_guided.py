@@ -21,6 +21,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.guided.compiler import GuideError
 from serve.guided.spec import MAX_GUIDE_BYTES, GuidedDecoding
 from serve.guided.state import apply_bitmask, mask_guided_rows
+from tests.morph_support import morph
 
 torch.set_num_threads(2)
 
@@ -267,17 +268,17 @@ def test_guided_requests_under_slai_with_layers_swapped_mid_request(smollm) -> N
                 r["finish_reason"] = out.finish_reason.value
 
         rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema in picks]
-        order = e.morph.controller.swap_order
+        order = morph(e).controller.swap_order
         for step in range(400):
             if step == 3:
-                e.morph.apply_now(MorphDecision("quantize", tuple(order[:4]), "int8", "test"))
+                morph(e).apply_now(MorphDecision("quantize", tuple(order[:4]), "int8", "test"))
             if step == 6:
-                e.morph.apply_now(MorphDecision("quantize", tuple(order[:2]), "int4", "test"))
+                morph(e).apply_now(MorphDecision("quantize", tuple(order[:2]), "int4", "test"))
             if step == 12:
-                e.morph.apply_now(MorphDecision("restore", tuple(order[:2]), "int8", "test"))
+                morph(e).apply_now(MorphDecision("restore", tuple(order[:2]), "int8", "test"))
             if not e.step() and not e.has_unfinished_requests():
                 break
-        assert e.morph.stats.swaps >= 2
+        assert morph(e).stats.swaps >= 2
         for rid, (subject, schema) in zip(rids, picks):
             assert results[rid]["finish_reason"] == "stop", (subject, results[rid])
             jsonschema.validate(json.loads(results[rid]["text"]), schema)

@@ -17,6 +17,8 @@ from serve.config import EngineConfig
 from serve.dynamo.kv_events import KvEventBridge, block_id
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
+from serve.morph.runtime import MorphRuntime
+from tests.morph_support import morph
 
 BS = 4
 
@@ -89,6 +91,7 @@ def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, m
                                     morph_mode=mode, max_model_len=128, prefix_cache_across_morph=policy,
                                     slo_ttft_s=1e6, slo_tbt_s=1e6, policy_overrides=morph),  # calm = KV only
                        loaded=tiny, clock=clock)
+    runtime = engine.resource_manager(MorphRuntime)
     bridge = KvEventBridge()
     view = RouterView()
     engine.set_cache_events(bridge)
@@ -99,8 +102,8 @@ def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, m
         for _ in range(rng.choice([0, 1, 2, 3]) if step % 90 < 30 else 0):  # 30 busy steps, 60 calm ones
             prompt = rng.choice(prefixes) + [rng.randrange(30, 500) for _ in range(rng.randrange(0, 9))]
             engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=True))
-        if engine.morph is not None and engine.morph.pending:
-            engine.morph.pending[0].job.result()  # the copy lands within the step, as a real forward's time allows
+        if runtime is not None and runtime.pending:
+            runtime.pending[0].job.result()  # the copy lands within the step, as a real forward's time allows
         engine.step()
         clock.t += 0.5
         check(engine, bridge, view)
@@ -108,9 +111,9 @@ def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, m
             engine.reset_prefix_cache()
             resets += 1
             check(engine, bridge, view)
-    while engine.has_unfinished_requests() or (engine.morph is not None and not engine.morph.is_settled()):
-        if engine.morph is not None and engine.morph.pending:
-            engine.morph.pending[0].job.result()
+    while engine.has_unfinished_requests() or (runtime is not None and not runtime.is_settled()):
+        if runtime is not None and runtime.pending:
+            runtime.pending[0].job.result()
         engine.step()  # drain, then stay calm until every layer is back at full precision
         clock.t += 0.5
         check(engine, bridge, view)
@@ -139,10 +142,10 @@ def test_a_configuration_that_returns_republishes_its_blocks(tiny):
     bridge.flush()
     full_precision = view.ids()
     assert len(full_precision) == 4                                  # 17 tokens: 4 full blocks registered
-    engine.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    morph(engine).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
     bridge.flush()
     assert view.ids() == set()                                       # withdrawn: they do not serve the int4 model
-    engine.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    morph(engine).apply_now(MorphDecision("restore", (0,), None, "test"))
     bridge.flush()
     assert view.ids() == full_precision                              # back, without recomputing anything
 

@@ -9,6 +9,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slai import SlaiScheduler
 from serve.engine.slo import RequestSLO
+from tests.morph_support import morph
 
 
 class FakeClock:
@@ -76,11 +77,11 @@ def test_ttft_slack_reaches_the_morph_controller(tiny):
                   loaded=tiny, clock=clock)
     e.add_request(list(range(1, 5)), SamplingParams(max_tokens=4), request_id="tight",
                   slo=RequestSLO(ttft_s=0.5), arrival_time=clock.t)
-    t = e.morph.telemetry(clock.t, e.scheduler)
+    t = morph(e).telemetry(clock.t, e.scheduler)
     assert t.min_ttft_slack_s == pytest.approx(0.5) and t.critical_decodes_unscheduled == 0
-    decision = e.morph.controller.decide(t)  # 0.5 s left < performance's ttft_slack_low_s 1.0 s
+    decision = morph(e).controller.decide(t)  # 0.5 s left < performance's ttft_slack_low_s 1.0 s
     assert decision.action == "quantize" and "TTFT target" in decision.reason
     fcfs = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_model_len=256, morph_mode="performance"),
                      loaded=tiny, clock=clock)
     fcfs.add_request(list(range(1, 5)), slo=RequestSLO(ttft_s=0.5), arrival_time=clock.t)
-    assert fcfs.morph.telemetry(clock.t, fcfs.scheduler).min_ttft_slack_s is None  # FCFS reports no deadlines
+    assert morph(fcfs).telemetry(clock.t, fcfs.scheduler).min_ttft_slack_s is None  # FCFS reports no deadlines

@@ -21,6 +21,8 @@ from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.placement import weight_tensors
+from serve.morph.runtime import MorphRuntime
+from tests.morph_support import morph
 
 
 def _rss_bytes() -> int:
@@ -38,14 +40,14 @@ def _ranges(layer) -> list[tuple[int, int]]:
 
 def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the_weights_back(tiny):
     e = morph_engine(tiny, "performance", blocks=8)
-    arena, kv, bank = e.memory.arena, e.kv, e.morph.bank
+    arena, kv, bank = e.memory.arena, e.kv, morph(e).bank
     full = _ranges(e.model.layers[0])
     lo, hi = min(a for a, _ in full), max(b for _, b in full)
     region = bank.regions[0]
     assert arena.data_ptr(region.start) <= lo and hi <= arena.data_ptr(region.end)
     before = [t.clone() for t in weight_tensors(e.model.layers[0])]
 
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
     chunk = e.pool.chunks[-1]
     assert chunk.num_blocks == region.num_slots - bank.slots(0, "int4") > 0
     for logical in range(chunk.start, chunk.end):  # every new block sits where the full weights were
@@ -60,7 +62,7 @@ def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the
     for logical in held:
         kv.k[0][kv.physical_slot(logical)].fill_(7.0)
     e.pool.free(held)
-    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    morph(e).apply_now(MorphDecision("restore", (0,), None, "test"))
     assert e.model.layers[0].precision == FULL
     assert _ranges(e.model.layers[0]) == full  # back at the very same addresses
     for old, new in zip(before, weight_tensors(e.model.layers[0])):
@@ -85,15 +87,15 @@ def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
     growth: list[int] = []
     for _ in range(3):  # the first round warms up (activations, allocator pools, the swap thread's malloc arena)
         rss0 = _rss_bytes()
-        for layer in e.morph.controller.swap_order[:3]:
-            e.morph.apply_now(MorphDecision("quantize", (layer,), "int4", "burst"))
+        for layer in morph(e).controller.swap_order[:3]:
+            morph(e).apply_now(MorphDecision("quantize", (layer,), "int4", "burst"))
         grown = e.pool.num_blocks
         fill = (grown * 16) // 260  # requests that together write KV into (nearly) every block of the grown pool
         outs = e.generate([prompt] * fill, params)
         assert all(len(o["token_ids"]) == 4 for o in outs)
         growth.append(_rss_bytes() - rss0)  # at the peak: swapped layers, grown pool written
-        for layer in reversed(e.morph.controller.swap_order[:3]):
-            e.morph.apply_now(MorphDecision("restore", (layer,), None, "burst"))
+        for layer in reversed(morph(e).controller.swap_order[:3]):
+            morph(e).apply_now(MorphDecision("restore", (layer,), None, "burst"))
         assert e.pool.num_blocks == capacity0
     kv_gained = (grown - capacity0) * e.bytes_per_block
     print(f"\nRSS growth at the peak of each burst: {[round(g / 2**20, 1) for g in growth]} MiB while the KV cache "
@@ -119,7 +121,7 @@ def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, 
         clock.t += 0.05
         assert_memory_exact(e)
         assert_exact_accounting(e)
-    assert e.morph.stats.swaps >= 1
+    assert morph(e).stats.swaps >= 1
     drain_and_settle(e, clock, max_steps=1000)
     assert all(layer.precision == FULL for layer in e.model.layers)
     assert e.pool.num_blocks == e.pool.base_blocks
@@ -137,8 +139,8 @@ def test_bfloat16_swap_mid_decode_keeps_state(tiny):
 def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(tiny):
     clock = FakeClock()
     e = morph_engine(tiny, "default", blocks=20, clock=clock)
-    gain = e.morph.blocks_per_layer_chunk["int4"]
-    assert e.reachable_blocks == 20 + e.morph.controller.max_quantized_layers * gain
+    gain = morph(e).blocks_per_layer_chunk["int4"]
+    assert e.reachable_blocks == 20 + morph(e).controller.max_quantized_layers * gain
     small = [e.add_request([50 + j for j in range(6)], SamplingParams(max_tokens=30, ignore_eos=True))]
     big_prompt = [(13 * j) % 4000 + 10 for j in range(4 * 20 + 40)]  # needs more blocks than the base pool
     big = e.add_request(big_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -154,7 +156,7 @@ def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(
         assert steps < 500
     assert finished[big] == 8 and finished[small[0]] == 30
     assert e.scheduler.num_preemptions == 0
-    assert e.morph.stats.swaps >= 1
+    assert morph(e).stats.swaps >= 1
 
 
 def test_a_request_no_configuration_of_the_mode_can_hold_is_refused_with_the_reason(tiny):
@@ -187,15 +189,15 @@ def test_running_requests_short_of_blocks_get_a_quantize_step_instead_of_preempt
                 done[out.request_id] = out.num_output_tokens
         clock.t += 0.01
         assert_exact_accounting(e)
-        if e.morph is not None:
+        if e.resource_manager(MorphRuntime) is not None:
             assert_memory_exact(e)
         steps += 1
         assert steps < 2000
     assert all(done[i] == 40 for i in ids)
     assert (e.scheduler.num_preemptions > 0) is expect_preemption
     if not expect_preemption:
-        assert e.morph.stats.swaps >= 1
-        assert any("quantize before preempt" in ev.get("reason", "") for ev in e.morph.events)
+        assert morph(e).stats.swaps >= 1
+        assert any("quantize before preempt" in ev.get("reason", "") for ev in morph(e).events)
 
 
 def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_work(tiny):
@@ -262,15 +264,15 @@ def test_a_quantize_whose_copy_fails_half_way_leaves_the_layer_and_the_pool_as_t
     reference = morph_engine(tiny, "off").generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     e = morph_engine(tiny, "performance", blocks=8)
     blocks = e.pool.num_blocks
-    _failing_copies(e.morph.bank, monkeypatch, failures=1)
-    e.morph.start(MorphDecision("quantize", (0, 1), "int4", "test"))  # as at an iteration boundary
-    e.morph.complete_ready(wait=True)  # the copy for layer 0 fails
+    _failing_copies(morph(e).bank, monkeypatch, failures=1)
+    morph(e).start(MorphDecision("quantize", (0, 1), "int4", "test"))  # as at an iteration boundary
+    morph(e).complete_ready(wait=True)  # the copy for layer 0 fails
     assert [layer.precision for layer in e.model.layers[:2]] == [FULL, FULL]  # the rest of the decision dropped
-    assert e.pool.num_blocks == blocks and e.morph.stack == [] and e.morph.stats.failed_copies == 1
+    assert e.pool.num_blocks == blocks and morph(e).stack == [] and morph(e).stats.failed_copies == 1
     assert_memory_exact(e)
     out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert out["token_ids"] == reference["token_ids"]  # staging's partial bytes were never served
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))  # the next attempt works
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))  # the next attempt works
     assert e.model.layers[0].precision == "int4" and e.pool.num_blocks > blocks
     assert_memory_exact(e)
 
@@ -279,10 +281,10 @@ def test_a_restore_whose_copy_fails_half_way_is_copied_again_and_serves_full_wei
     reference = morph_engine(tiny, "off").generate([[5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     e = morph_engine(tiny, "performance", blocks=8)
     full = [t.clone() for t in weight_tensors(e.model.layers[0])]
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
-    _failing_copies(e.morph.bank, monkeypatch, failures=1)
-    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
-    assert e.model.layers[0].precision == FULL and e.morph.stats.failed_copies == 1
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    _failing_copies(morph(e).bank, monkeypatch, failures=1)
+    morph(e).apply_now(MorphDecision("restore", (0,), None, "test"))
+    assert e.model.layers[0].precision == FULL and morph(e).stats.failed_copies == 1
     assert all(a.equal(b) for a, b in zip(full, weight_tensors(e.model.layers[0])))
     assert _ranges(e.model.layers[0]) != [] and e.pool.num_blocks == e.pool.base_blocks
     assert_memory_exact(e)

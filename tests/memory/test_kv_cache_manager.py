@@ -21,6 +21,7 @@ from serve.engine.sequence import SequenceStatus
 from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.memory.block_pool import BlockPool
 from serve.memory.kv_cache_manager import KVCacheManager
+from tests.morph_support import morph
 
 
 @dataclass(eq=False)
@@ -196,10 +197,10 @@ def test_a_failing_shortfall_hook_is_a_morph_fault_and_the_scheduler_preempts(ti
 
     def broken(view, blocks):
         raise RuntimeError("injected cover failure")
-    e.morph.cover_deficit = broken  # type: ignore[method-assign]
+    morph(e).cover_shortfall = broken  # type: ignore[method-assign]
     outs = e.generate([[(7 * i + j) % 4000 + 10 for j in range(8)] for i in range(4)],
                       SamplingParams(max_tokens=40, ignore_eos=True))
     assert [len(o["token_ids"]) for o in outs] == [40] * 4
-    assert e.scheduler.num_preemptions > 0 and e.morph.stats.swaps == 0
+    assert e.scheduler.num_preemptions > 0 and morph(e).stats.swaps == 0
     assert e.faults.failed_iterations >= 1 and "injected cover failure" in e.faults.last_error
     assert_exact_accounting(e)

@@ -16,6 +16,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.memory.cuda_vmm import VmmBuffer
 from serve.memory.host_pages import PAGE, resident_bytes
 from serve.memory.pressure import FreeMemory, PressureSource, cgroup_room, host_free, meminfo_available
+from tests.morph_support import morph
 
 MiB = 2**20
 RSS_NOISE = 1 * MiB
@@ -126,7 +127,7 @@ class Outside:
 
     def attach(self, engine: LLMEngine) -> None:
         led = engine.ledger
-        engine.morph.pressure = PressureSource(lambda: FreeMemory(self.free + led.yielded_slots * led.slot_bytes,
+        morph(engine).pressure = PressureSource(lambda: FreeMemory(self.free + led.yielded_slots * led.slot_bytes,
                                                                   "test"), interval_s=0.0)
 
 
@@ -146,8 +147,8 @@ def start(engine: LLMEngine, n: int = 3) -> list[list[int]]:
 
 
 def boundary(engine: LLMEngine) -> MorphDecision | None:
-    d = engine.morph.on_iteration_boundary(engine.scheduler)
-    engine.morph.complete_ready(wait=True)
+    d = morph(engine).before_schedule(engine.scheduler)
+    morph(engine).complete_ready(wait=True)
     return d
 
 
@@ -171,7 +172,7 @@ def test_yield_gives_pages_back_and_reclaim_takes_them_again_with_tokens_unchang
     yielded = e.ledger.yielded_slots * e.ledger.slot_bytes
     rss_yielded = resident_bytes()
     assert yielded >= 40 * MiB
-    segments = len([t for t in e.morph.stack if t.yielded])
+    segments = len([t for t in morph(e).stack if t.yielded])
     assert rss_before - rss_yielded >= yielded - 2 * PAGE * segments - RSS_NOISE, (rss_before, rss_yielded, yielded)
     stats = e.stats()
     assert stats.memory["yielded"] == yielded and stats.memory_yield["yields_total"] == len(d.layers)
@@ -179,7 +180,7 @@ def test_yield_gives_pages_back_and_reclaim_takes_them_again_with_tokens_unchang
     assert e.ledger.used_slots == e.ledger.arena_slots  # layers + staging + KV + yielded: exactly the arena
 
     outside.free = 10 * 2**30  # the co-tenant left
-    while e.morph.stack:
+    while morph(e).stack:
         assert boundary(e).action == "reclaim"
     assert e.ledger.yielded_slots == 0
     assert resident_bytes() - rss_yielded >= yielded - 2 * PAGE * segments - RSS_NOISE
@@ -213,11 +214,11 @@ def test_tokens_while_yielded_equal_an_engine_that_quantized_the_same_layers(tin
                     assert d.action == "yield" and d.precision == "int4"
                     layers = d.layers
                 else:
-                    e.morph.apply_now(MorphDecision("quantize", (e.morph.controller.swap_order[0],), "int4", "test"))
-                    layers = (e.morph.controller.swap_order[0],)
+                    morph(e).apply_now(MorphDecision("quantize", (morph(e).controller.swap_order[0],), "int4", "test"))
+                    layers = (morph(e).controller.swap_order[0],)
             e.step()
-        assert layers == (e.morph.controller.swap_order[0],)
-        assert e.scheduler.num_preemptions == 0 and e.morph.stats.swaps == (0 if yield_it else 1)
+        assert layers == (morph(e).controller.swap_order[0],)
+        assert e.scheduler.num_preemptions == 0 and morph(e).stats.swaps == (0 if yield_it else 1)
         return outs, e
 
     yielded, ey = run(True)
@@ -233,8 +234,8 @@ def test_a_free_kv_chunk_is_yielded_as_it_stands(tiny) -> None:
                                morph_mode="default", memory_floor="1GiB", memory_pressure_source="none",
                                policy_overrides={"cost_aware": False}), loaded=tiny)
     outside.attach(e)
-    layer = e.morph.controller.swap_order[0]
-    e.morph.apply_now(MorphDecision("quantize", (layer,), "int4", "test"))
+    layer = morph(e).controller.swap_order[0]
+    morph(e).apply_now(MorphDecision("quantize", (layer,), "int4", "test"))
     grown = e.pool.num_blocks
     assert grown > e.pool.base_blocks
     outside.free = 2**30 - 4096
@@ -242,7 +243,7 @@ def test_a_free_kv_chunk_is_yielded_as_it_stands(tiny) -> None:
     assert (d.action, d.layers, d.precision) == ("yield", (layer,), None)
     assert e.pool.num_blocks == e.pool.base_blocks
     assert e.ledger.yielded_slots == grown - e.pool.base_blocks
-    assert e.morph.stack[-1].yielded and not e.morph.stack[-1].owner
+    assert morph(e).stack[-1].yielded and not morph(e).stack[-1].owner
     from tests.morph.test_morph import assert_memory_exact
 
     assert_memory_exact(e)
@@ -335,20 +336,20 @@ def test_yielded_bytes_under_newer_kv_transitions_come_back_as_kv(tiny) -> None:
 
     e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_model_len=256, morph_mode="default",
                                policy_overrides={"cost_aware": False}), loaded=tiny)
-    first, second = e.morph.controller.swap_order[:2]
+    first, second = morph(e).controller.swap_order[:2]
     e.request_memory_yield(1)
     assert boundary(e).layers == (first,)
-    e.morph.apply_now(MorphDecision("quantize", (second,), "int4", "KV pressure"))
+    morph(e).apply_now(MorphDecision("quantize", (second,), "int4", "KV pressure"))
     assert_memory_exact(e)  # one yielded transition under a KV one
     grown = e.pool.num_blocks
     e.request_memory_yield(None)
     d = boundary(e)
     assert (d.action, d.layers) == ("reclaim", (first,)) and "as KV blocks" in d.reason
-    chunk = e.morph.stack[-1].blocks
+    chunk = morph(e).stack[-1].blocks
     assert e.ledger.yielded_slots == 0 and e.pool.num_blocks == grown + chunk
-    assert [t.layer for t in e.morph.stack] == [second, first] and not any(t.yielded for t in e.morph.stack)
+    assert [t.layer for t in morph(e).stack] == [second, first] and not any(t.yielded for t in morph(e).stack)
     assert_memory_exact(e)
-    e.morph.apply_now(MorphDecision("restore", (first,), None, "calm"))
-    e.morph.apply_now(MorphDecision("restore", (second,), None, "calm"))
-    assert not e.morph.stack and e.pool.num_blocks == e.pool.base_blocks
+    morph(e).apply_now(MorphDecision("restore", (first,), None, "calm"))
+    morph(e).apply_now(MorphDecision("restore", (second,), None, "calm"))
+    assert not morph(e).stack and e.pool.num_blocks == e.pool.base_blocks
     assert_memory_exact(e)

@@ -14,6 +14,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.block_pool import BlockPool, BlockPoolError
 from serve.memory.prefix_hash import extend_block_hashes
+from tests.morph_support import morph
 
 H = [bytes([i]) * 32 for i in range(8)]  # stand-in content hashes
 
@@ -161,14 +162,14 @@ def test_exact_serves_a_block_only_under_the_configuration_that_computed_it(tiny
     full = e.generate([prompt], GREEDY)[0]["token_ids"]
     cached = e.pool.num_cached
     assert cached > 0
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
     assert e.pool.num_cached == cached and e.pool.cache_epoch == 0  # kept, not forgotten
     e.generate([prompt], GREEDY)
     assert _hits(e) == 0                                         # computed again with the int4 layer
     e.generate([prompt], GREEDY)
     assert _hits(e) == 16                                        # the int4 configuration's own blocks
-    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
-    assert e.morph.config_signature() == "f" * tiny.config.num_layers
+    morph(e).apply_now(MorphDecision("restore", (0,), None, "test"))
+    assert morph(e).config_signature() == "f" * tiny.config.num_layers
     again = e.generate([prompt], GREEDY)[0]["token_ids"]
     assert _hits(e) == 32                                        # full precision's blocks, cached before the swap
     assert again == full                                         # and exactly the tokens they gave then
@@ -181,9 +182,9 @@ def test_a_request_computed_across_a_transition_registers_nothing_after_it(tiny)
     e.add_request(prompt, SamplingParams(max_tokens=1))
     e.step()                                                     # tokens 0-31 at full precision: 8 blocks
     assert len(e.pool.registered_hashes()) == 8
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
     e.step()                                                     # tokens 32-63 with the int4 layer
-    e.morph.apply_now(MorphDecision("restore", (0,), None, "test"))
+    morph(e).apply_now(MorphDecision("restore", (0,), None, "test"))
     while e.has_unfinished_requests():                           # 64-79 at full precision again, but they
         e.step()                                                 # attend to KV the int4 layer computed
     assert len(e.pool.registered_hashes()) == 8
@@ -199,7 +200,7 @@ def test_preserve_serves_cached_blocks_under_any_configuration(tiny):
                   loaded=tiny, clock=FakeClock())
     prompt = [(7 * j) % 500 + 30 for j in range(17)]
     e.generate([prompt], GREEDY)
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
     e.generate([prompt], GREEDY)
     assert _hits(e) == 16                                        # the full-precision blocks serve the int4 model
     assert_exact_accounting(e)

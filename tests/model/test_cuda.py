@@ -19,6 +19,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.memory.budget import query_device_memory
 from serve.model.rtn import quantize_linear_rtn
 from tests.morph.test_morph import FakeClock, assert_memory_exact, assert_swap_mid_decode_keeps_state, decode_with_swap_at, drain_and_settle
+from tests.morph_support import morph
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")]
@@ -112,12 +113,12 @@ def test_morphing_engine_in_bfloat16_keeps_device_memory_flat(model):
         clock.t += 0.05
         peak_blocks = max(peak_blocks, engine.pool.num_blocks)
         assert_memory_exact(engine)
-    assert engine.morph.stats.swaps >= 1 and peak_blocks > engine.pool.base_blocks
+    assert morph(engine).stats.swaps >= 1 and peak_blocks > engine.pool.base_blocks
     drain_and_settle(engine, clock, max_steps=1000)
     assert all(layer.precision == FULL for layer in engine.model.layers)
     torch.cuda.synchronize()
     growth = torch.cuda.memory_allocated(CUDA) - allocated0
-    print(f"\nCUDA allocated bytes moved by {growth} across {engine.morph.stats.swaps} swaps "
+    print(f"\nCUDA allocated bytes moved by {growth} across {morph(engine).stats.swaps} swaps "
           f"(KV capacity peaked at {peak_blocks} blocks, base {engine.pool.base_blocks})")
     assert abs(growth) < 4 * 2**20
 
@@ -157,13 +158,13 @@ def test_vmm_arena_gives_segments_back_to_the_driver_and_tokens_survive():
                 torch.cuda.synchronize()
                 before = used()
                 e.request_memory_yield(1)  # the smallest request: one layer
-                e.morph.on_iteration_boundary(e.scheduler)
-                e.morph.complete_ready(wait=True)
+                morph(e).before_schedule(e.scheduler)
+                morph(e).complete_ready(wait=True)
                 torch.cuda.synchronize()
                 released = before - used()
                 e.request_memory_yield(None)
-                e.morph.on_iteration_boundary(e.scheduler)
-                e.morph.complete_ready(wait=True)
+                morph(e).before_schedule(e.scheduler)
+                morph(e).complete_ready(wait=True)
                 torch.cuda.synchronize()
                 assert e.memory.arena.vmm is not None and e.ledger.yielded_slots == 0
                 assert released >= e.memory.arena.vmm.segment_bytes, released
@@ -184,9 +185,9 @@ def test_cost_aware_default_measures_this_gpu_and_serves_a_burst(model):
                                     max_num_batched_tokens=256, max_num_seqs=16, morph_mode="default",
                                     policy_overrides={"persist_iters": 1, "restore_persist_s": 1.0}),
                        loaded=model, clock=clock)
-    costs = engine.morph.costs
+    costs = morph(engine).costs
     assert costs is not None and costs.device == torch.cuda.get_device_name(CUDA), costs
-    assert set(costs.precisions) == {FULL, *engine.morph.bank.precisions}  # every rung the mode can take
+    assert set(costs.precisions) == {FULL, *morph(engine).bank.precisions}  # every rung the mode can take
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for i in range(10):
         engine.add_request([(7 * i + j) % 250 + 1 for j in range(60)], params)
@@ -196,5 +197,5 @@ def test_cost_aware_default_measures_this_gpu_and_serves_a_burst(model):
         assert_memory_exact(engine)
     drain_and_settle(engine, clock, max_steps=1000)
     assert all(layer.precision == FULL for layer in engine.model.layers)
-    print(f"\ncost-aware default on {costs.device}: {engine.morph.stats.swaps} swaps, "
+    print(f"\ncost-aware default on {costs.device}: {morph(engine).stats.swaps} swaps, "
           f"ratios { {p: [round(costs.ratio(p, n), 2) for n in costs.token_counts] for p in costs.precisions} }")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from serve.model.omp_threads import _libgomp, on_short_lived_thread, serial_torch_here
+from tests.morph_support import morph
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir() or _libgomp() is None,
@@ -66,7 +67,7 @@ def test_the_swap_workers_torch_ops_start_no_team(tiny) -> None:
     from tests.morph.test_morph import morph_engine
 
     engine = morph_engine(tiny, "performance")
-    workers = engine.morph.bank._workers
+    workers = morph(engine).bank._workers
     here = torch.get_num_threads()
     assert workers.submit(torch.get_num_threads).result() == 1
     assert torch.get_num_threads() == here  # only the worker's own thread count changed

@@ -25,7 +25,7 @@ from serve.model.quantized_linear import (
 )
 from serve.model.quantized_linear import registry
 from serve.model.rtn import quantize_fp8_rtn, quantize_int4_rtn, quantize_int8_rtn, quantize_linear_rtn
-from serve.morph.setup import MIN_CUDA_CAPABILITY
+from serve.morph.plan import MIN_CUDA_CAPABILITY
 
 torch.set_num_threads(1)
 

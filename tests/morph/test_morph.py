@@ -13,6 +13,8 @@ from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.latency_window import percentile
+from serve.morph.runtime import MorphRuntime
+from tests.morph_support import morph
 
 
 class FakeClock:
@@ -39,7 +41,7 @@ def assert_memory_exact(engine: LLMEngine) -> None:
     """The arena is exactly partitioned (layer weights + staging + KV blocks), every installed layer's weights
     lie where the layout says, and every KV chunk is the slots its transition freed, inside that layer's
     region, right in front of the variant that replaced the milder one."""
-    led, m, kv, arena = engine.ledger, engine.morph, engine.kv, engine.memory.arena
+    led, m, kv, arena = engine.ledger, morph(engine), engine.kv, engine.memory.arena
     led.check()
     assert led.used_slots == led.arena_slots
     assert led.kv_blocks == engine.pool.num_blocks
@@ -75,7 +77,7 @@ def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "in
     while e.has_unfinished_requests():
         if step == swap_step:
             before = len(tokens)
-            e.morph.apply_now(MorphDecision("quantize", (1, 0), precision, "test"))
+            morph(e).apply_now(MorphDecision("quantize", (1, 0), precision, "test"))
         e.step()
         step += 1
     return tokens, e, before
@@ -97,9 +99,9 @@ def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000)
     asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
     land (as a real iteration's forward time would)."""
     steps = 0
-    while engine.has_unfinished_requests() or not engine.morph.is_settled():
-        if engine.morph.pending:
-            engine.morph.pending[0].job.result()
+    while engine.has_unfinished_requests() or not morph(engine).is_settled():
+        if morph(engine).pending:
+            morph(engine).pending[0].job.result()
         engine.step()
         clock.t += 0.5
         assert_memory_exact(engine)
@@ -120,7 +122,7 @@ def test_static_modes_quantize_every_layer_up_front(tiny):
 
 def test_off_mode_has_no_layer_bank(tiny):
     e = morph_engine(tiny, "off")
-    assert e.morph is None
+    assert e.resource_manager(MorphRuntime) is None
     assert e.stats().layers_quantized == {} and e.stats().swaps_total == 0
 
 
@@ -138,14 +140,14 @@ def test_pressure_quantizes_then_calm_restores_to_base(tiny):
         max_total = max(max_total, e.pool.num_blocks)
         assert_memory_exact(e)
         assert_exact_accounting(e)
-    assert e.morph.stats.swaps >= 1 and max_total > base
-    events = {ev["event"] for ev in e.morph.events}
+    assert morph(e).stats.swaps >= 1 and max_total > base
+    events = {ev["event"] for ev in morph(e).events}
     assert "swap" in events
     drain_and_settle(e, clock)
     assert e.pool.num_blocks == base
     assert all(layer.precision == FULL for layer in e.model.layers)
-    assert e.morph.stats.restores == e.morph.stats.swaps
-    assert "kv_shrink" in {ev["event"] for ev in e.morph.events}
+    assert morph(e).stats.restores == morph(e).stats.swaps
+    assert "kv_shrink" in {ev["event"] for ev in morph(e).events}
 
 
 def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int4"):
@@ -160,7 +162,7 @@ def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int
         if step == swap_step:
             seq = e.scheduler.running[0]
             kv_before = list(seq.block_ids)
-            e.morph.apply_now(MorphDecision("quantize", layers, precision, "test"))
+            morph(e).apply_now(MorphDecision("quantize", layers, precision, "test"))
             assert seq.block_ids == kv_before, "a swap must not touch a sequence's KV blocks"
         sched = e.scheduler.schedule()
         computed.append(sched.num_tokens)
@@ -186,22 +188,22 @@ def test_swap_mid_decode_preserves_state_and_matches_deterministic_replay(tiny):
 def test_restore_waits_for_its_chunk_to_be_free(tiny):
     clock = FakeClock()
     e = morph_engine(tiny, "performance", blocks=8, clock=clock, restore_persist_s=0.0)
-    e.morph.apply_now(MorphDecision("quantize", (0,), "int4", "test"))
-    top = e.morph.stack[-1]
+    morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
+    top = morph(e).stack[-1]
     held = e.pool.allocate(e.pool.num_free)            # occupy every block, including the chunk's
-    e.morph.start(MorphDecision("restore", (0,), None, "test"))
-    assert e.model.layers[0].precision == "int4" and e.morph.stack[-1] is top
-    assert e.morph.events[-1]["event"] == "restore_skipped"
+    morph(e).start(MorphDecision("restore", (0,), None, "test"))
+    assert e.model.layers[0].precision == "int4" and morph(e).stack[-1] is top
+    assert morph(e).events[-1]["event"] == "restore_skipped"
     e.pool.free(held)
-    e.morph.start(MorphDecision("restore", (0,), None, "test"))
-    e.morph.complete_ready(wait=True)
+    morph(e).start(MorphDecision("restore", (0,), None, "test"))
+    morph(e).complete_ready(wait=True)
     assert e.model.layers[0].precision == FULL and e.pool.num_blocks == e.pool.base_blocks
     assert_memory_exact(e)
 
 
 def test_ladder_int8_then_int4_and_back_in_reverse(tiny):
     e = morph_engine(tiny, "accuracy", blocks=8)
-    m = e.morph
+    m = morph(e)
     for layer, prec in ((0, "int8"), (1, "int8"), (0, "int4")):
         m.apply_now(MorphDecision("quantize", (layer,), prec, "test"))
         assert_memory_exact(e)
@@ -255,7 +257,7 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
 
 def test_a_multi_layer_decision_stages_one_copy_at_a_time(tiny):
     e = morph_engine(tiny, "performance", blocks=8)
-    m = e.morph
+    m = morph(e)
     m.start(MorphDecision("quantize", (1, 0), "int4", "test"))
     assert len(m.pending) == 1 and list(m.queued) == [("quantize", 0, "int4", "test")]
     assert e.ledger.staging_slots == max(m.bank.slots(i, p) for i in (0, 1) for p in m.bank.precisions)

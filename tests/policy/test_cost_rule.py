@@ -14,6 +14,7 @@ from policy import MorphController, PolicyConfig, StepCosts
 from policy.cost_rule import cost_ladder, requests_admitted
 from serve.model import step_costs as sc
 from tests.policy.test_policy import CHUNK, SWAP_ORDER, FakeEngine, step
+from tests.morph_support import morph
 
 COUNTS = (1, 8, 32, 128, 512)
 FULL_MS = (1.0, 1.5, 3.0, 8.0, 30.0)  # one layer's linears at full precision, ms per step
@@ -151,7 +152,7 @@ def test_measure_and_the_per_machine_cache(tiny, tmp_path, monkeypatch) -> None:
     e = LLMEngine(EngineConfig(num_kv_blocks=8, block_size=4, morph_mode="default", morph_precisions="int8,int4",
                                policy_overrides={"cost_aware": False}, max_model_len=64), loaded=tiny)
     try:
-        layers, shape, head = cost_inputs(e.model, e.morph.bank)
+        layers, shape, head = cost_inputs(e.model, morph(e).bank)
         measured = sc.measure(layers, shape, e.model.device, e.model.dtype, head=head, token_counts=(1, 8), repeats=1)
         assert set(measured.layer_s) == {"full", "int8", "int4"} and all(v > 0 for r in measured.layer_s.values() for v in r)
         key = sc.machine_key(e.model.device, e.model.dtype, shape)
@@ -172,7 +173,7 @@ def test_cost_aware_engine_gets_costs_at_start(tiny, tmp_path, monkeypatch) -> N
     monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path))
     e = LLMEngine(EngineConfig(num_kv_blocks=8, block_size=4, morph_mode="default", max_model_len=64), loaded=tiny)
     try:
-        assert e.morph.controller.costs is not None and "int4" in e.morph.controller.costs.layer_s
+        assert morph(e).controller.costs is not None and "int4" in morph(e).controller.costs.layer_s
         assert (tmp_path / sc.COSTS_FILE).is_file()
     finally:
         e.shutdown()
@@ -239,13 +240,13 @@ def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_sa
                                morph_mode="default", max_model_len=128, policy_overrides={"persist_iters": 1}),
                   loaded=tiny, clock=clock)
     try:
-        assert e.morph.controller.costs.layer_s == fake.layer_s
+        assert morph(e).controller.costs.layer_s == fake.layer_s
         for i in range(8):
             e.add_request([10 + i, 11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True))
         while e.has_unfinished_requests():
             e.step()
             clock.t += 0.05
-        assert (e.morph.stats.swaps > 0) is swaps
+        assert (morph(e).stats.swaps > 0) is swaps
         assert e.scheduler.num_preemptions == 0
     finally:
         e.shutdown()
@@ -271,6 +272,6 @@ def test_build_step_costs_into_the_engine_dir_and_the_engine_reads_them(built, t
     sc.cache_path().unlink()
     e = LLMEngine(EngineConfig(model=str(eng), morph_mode="default", num_kv_blocks=8, max_model_len=64))
     try:
-        assert e.morph.controller.costs is not None and not sc.cache_path().exists()
+        assert morph(e).controller.costs is not None and not sc.cache_path().exists()
     finally:
         e.shutdown()

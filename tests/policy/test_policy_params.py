@@ -17,6 +17,8 @@ from serve.memory.budget import auto_budget
 from serve.triton.__main__ import build_parser, check_params, main, params_from_args
 from serve.triton.model_params import engine_config_kwargs
 from serve.triton.repository import DEFAULT_MODEL_REPOSITORY, fill_config_parameters, read_config_parameters
+from serve.morph.runtime import MorphRuntime
+from tests.morph_support import morph
 
 CONFIG = DEFAULT_MODEL_REPOSITORY / "morphserve" / "config.pbtxt"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +43,8 @@ def engine_from_cli(argv: list[str], loaded) -> LLMEngine:
 ], ids=["flag", "config-json", "merged"])
 def test_policy_reaches_the_engine_controller(tiny, argv: list[str], kv_low: float) -> None:
     engine = engine_from_cli(["--morph-mode", "default", *SMALL, *argv], tiny)
-    assert engine.morph is not None
-    config = engine.morph.controller.config
+    assert engine.resource_manager(MorphRuntime) is not None
+    config = morph(engine).controller.config
     assert (config.mode, config.kv_high, config.kv_low) == ("default", 0.7, kv_low)
 
 

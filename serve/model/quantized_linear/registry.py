@@ -4,7 +4,7 @@ A format is a module of this package (its linear class, its round-to-nearest qua
 modelopt's calibrated codes) plus one :class:`QuantFormat` row below. Everything else looks a format up here:
 the RTN dispatch (serve/model/rtn.py), safetensors loading (:func:`load_quantized_linear`, engine
 directories), the builder's modelopt route (builder/quantize.py, builder/variants.py), the layer bank's fusion
-and host packing (serve/morph/layer_bank.py) and the CUDA capability check (serve/morph/setup.py). The
+and host packing (serve/morph/layer_bank.py) and the CUDA capability check (serve/morph/plan.py). The
 precision's name and its one-character signature code are policy's vocabulary (policy/precisions.py: policy
 is pure and imports nothing of ours); :func:`check_registry` keeps the two in step.
 """
