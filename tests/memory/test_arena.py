@@ -129,11 +129,12 @@ def test_bfloat16_engine_morphs_with_exact_accounting_and_returns_to_full(tiny, 
 
 
 def test_bfloat16_swap_mid_decode_keeps_state(tiny):
-    """State preservation in bf16: quantizing mid-decode = the same tokens as a replay, no recomputation."""
+    """State preservation in bf16: quantizing mid-decode gives the tokens of a mode-off bf16 engine that swaps the
+    same layers in place at the same step; no recomputation."""
     def run(swap_step):
         return decode_with_swap_at(lambda: morph_engine(tiny, "performance", blocks=64, dtype="bfloat16", kv_high=1.0,
                                                         queue_delay_high_s=1e9, restore_persist_s=1e9), swap_step)
-    assert_swap_mid_decode_keeps_state(run)
+    assert_swap_mid_decode_keeps_state(run, lambda: morph_engine(tiny, "off", blocks=64, dtype="bfloat16"), tiny)
 
 
 def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(tiny):

@@ -130,9 +130,14 @@ def test_swap_mid_decode_on_the_gpu_keeps_state(model):
                                       policy_overrides={"kv_high": 1.0, "queue_delay_high_s": 1e9,
                                                         "restore_persist_s": 1e9, "cost_aware": False}), loaded=model, clock=FakeClock())
 
+    precision = "int4" if _capability() >= (8, 0) else "int8"
+
     def run(swap_step):
-        return decode_with_swap_at(make, swap_step, "int4" if _capability() >= (8, 0) else "int8", list(range(30, 70)))
-    assert_swap_mid_decode_keeps_state(run)
+        return decode_with_swap_at(make, swap_step, precision, list(range(30, 70)))
+
+    def reference():
+        return LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16), loaded=model)
+    assert_swap_mid_decode_keeps_state(run, reference, model, precision, prompt=list(range(30, 70)))
 
 
 def test_vmm_arena_gives_segments_back_to_the_driver_and_tokens_survive():

@@ -14,7 +14,7 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.latency_window import percentile
 from serve.morph.runtime import MorphRuntime
-from tests.morph_support import morph
+from tests.morph_support import decode_with_direct_swap_at, morph
 
 
 class FakeClock:
@@ -71,26 +71,37 @@ def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "in
     (mid-decode), or never. Returns the streamed tokens, the engine and how many tokens came before the swap."""
     e = make_engine()
     tokens: list[int] = []
-    e.add_request(prompt or list(range(300, 340)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    e.add_request(prompt or SWAP_PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                   callback=lambda o: tokens.extend(o.new_token_ids))
     step, before = 0, max_tokens
     while e.has_unfinished_requests():
         if step == swap_step:
             before = len(tokens)
-            morph(e).apply_now(MorphDecision("quantize", (1, 0), precision, "test"))
+            morph(e).apply_now(MorphDecision("quantize", SWAP_LAYERS, precision, "test"))
         e.step()
         step += 1
     return tokens, e, before
 
 
-def assert_swap_mid_decode_keeps_state(run) -> None:
-    """``run(swap_step)`` -> (tokens, engine, tokens before the swap): quantizing mid-decode keeps every token
-    produced before it, is deterministic, and recomputes nothing (no preemption)."""
+SWAP_PROMPT = list(range(300, 340))
+SWAP_LAYERS = (1, 0)
+
+
+def assert_swap_mid_decode_keeps_state(run, reference, loaded, precision: str = "int4",
+                                       prompt: list[int] | None = None, max_tokens: int = 16,
+                                       swap_step: int = 5) -> None:
+    """``run(swap_step)`` -> (tokens, engine, tokens before the swap) on a morphing engine; ``reference()`` -> a
+    mode-off engine on the same weights, dtype and device. The morphing engine's tokens after quantizing layers
+    mid-decode must equal the reference's, which swaps the same layers to the same variants in place at the same
+    step without moving any memory (tests/morph_support.decode_with_direct_swap_at); and the swap recomputes
+    nothing (no preemption) and really changes the output (the quantized layers ran)."""
     plain, _, _ = run(None)
-    swapped, engine, before = run(5)
-    again, _, _ = run(5)
+    swapped, engine, before = run(swap_step)
     assert 0 < before < len(plain)  # the swap really happened mid-decode
-    assert swapped == again and swapped[:before] == plain[:before]
+    expected = decode_with_direct_swap_at(reference(), loaded, swap_step, SWAP_LAYERS, precision,
+                                          prompt or SWAP_PROMPT, max_tokens)
+    assert swapped == expected, f"tokens after the swap differ from the reference: {swapped} vs {expected}"
+    assert swapped != plain, "the quantized layers must change the output, or the comparison proves nothing"
     assert engine.scheduler.num_preemptions == 0
 
 
@@ -173,12 +184,15 @@ def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int
     return tokens, computed, e
 
 
-def test_swap_mid_decode_preserves_state_and_matches_deterministic_replay(tiny):
+def test_swap_mid_decode_equals_an_independent_reference_and_recomputes_nothing(tiny):
+    """Quantizing layers (1, 0) at iteration 6 of a decode: the tokens after it equal a mode-off engine's that swaps
+    the same layers in place at the same step (its KV never moved), and no prompt token is computed again."""
     plain, plain_computed, _ = _run_with_swap_at(tiny, None)
     swapped, computed, engine = _run_with_swap_at(tiny, 6)
-    replay, _, _ = _run_with_swap_at(tiny, 6)
-    assert swapped == replay                      # deterministic: same swap, same step -> same tokens
-    assert swapped[:6] == plain[:6]               # tokens before the swap are the full-precision ones
+    reference = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
+                                       morph_mode="off", max_model_len=256), loaded=tiny, clock=FakeClock())
+    expected = decode_with_direct_swap_at(reference, tiny, 6, (1, 0), "int4", list(range(300, 340)), 24)
+    assert swapped == expected                    # the KV cached before the swap survived it, bit for bit
     assert swapped != plain                       # the quantized layers really ran afterwards
     assert sum(computed) == sum(plain_computed) == 40 + 24 - 1   # no recomputation of the prompt
     assert engine.scheduler.num_preemptions == 0
