@@ -11,7 +11,7 @@
 4. swap cost on this GPU (variant copy on the copy stream + in-place install) and restore;
 5. a short bursty replay, morph mode off vs default at a budget where full precision runs out of KV.
 
-Random weights built in place (bench/tiny_model.py): the embedded GGUF need not be installed, and the
+Random weights built in place (serve/model/random_model.py): the embedded GGUF need not be installed, and the
 numbers are about the machinery, not model quality. Writes gpu-check.md and gpu-check.json to --out.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.tiny_model import make_tiny_model
+from serve.model.random_model import make_tiny_model
 
 MODEL_SHAPE = dict(vocab_size=257, hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16,
                    num_kv_heads=4, head_dim=64, max_position_embeddings=4096)
