@@ -97,8 +97,16 @@ def _timed(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _ladder_precisions() -> list[str]:
+    """The default ladders' precisions (int8, int4) that this GPU's kernels run (the format registry's CUDA
+    capabilities: int4's tinygemm needs Ampere)."""
+    from serve.model.quantized_linear import REGISTRY  # noqa: PLC0415
+
+    return [p for p in ("int8", "int4") if _capability() >= REGISTRY[p].min_cuda_capability]
+
+
 def _precisions() -> str:
-    return "int8,int4" if _capability() >= (8, 0) else "int8"
+    return ",".join(_ladder_precisions())
 
 
 def layer_costs(model) -> dict:
@@ -123,8 +131,7 @@ def step_costs(model) -> list[dict]:
     """Decode tok/s at batch 1/8/32 and prefill tok/s, the whole model at each precision (static modes)."""
     from serve.engine.sampling_params import SamplingParams  # noqa: PLC0415
 
-    cap = _capability()
-    modes = [("full", "off"), ("int8", "static-int8")] + ([("int4", "static-int4")] if cap >= (8, 0) else [])
+    modes = [("full", "off")] + [(p, f"static-{p}") for p in _ladder_precisions()]
     rows = []
     for precision, mode in modes:
         e = _engine(model, mode, num_kv_blocks=2048)
