@@ -168,6 +168,12 @@ class EngineConfig:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
 
 
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The context an engine serves (prompt + output tokens): ``max_model_len`` capped at the model's
+        ``max_position_embeddings``, the model's own when unset. The one rule the engine's assembly, the memory
+        budget and the planner apply."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+
     def policy_config(self):
         """The controller's PolicyConfig: the mode's preset, the TTFT SLO, --policy overrides, the memory floor."""
         from policy import PolicyConfig  # noqa: PLC0415

@@ -118,7 +118,7 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     engine_cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
     token_id = tokenizer.encode(" the")[-1]
     executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id)  # type: ignore[arg-type]
-    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_len = config.context_length(cfg.max_position_embeddings)
     parts = EngineParts(model_config=engine_cfg, tokenizer=tokenizer, max_model_len=max_len,
                         device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, morph=morph,
                         executor=executor)

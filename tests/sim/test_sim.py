@@ -93,6 +93,15 @@ def test_layer_bytes_and_kernel_names_are_the_format_registrys(a100: KernelTable
     assert set(GEMM_DTYPE.values()) <= set(a100.gemm_dtypes) | set(KernelTables("h200_sxm").gemm_dtypes)  # A100: no fp8
 
 
+def test_the_planners_engine_serves_the_configs_context_length() -> None:
+    """The plan's engine takes EngineConfig.context_length, as the server's assembly does: capped at the model's."""
+    target = table_target("a100_sxm", "llama-2-7b", 16, 0.001)
+    model_max = target.model_config.max_position_embeddings
+    for configured in (1024, 10 * model_max, None):
+        engine = build_engine(EngineConfig(max_model_len=configured, device_memory="24GiB"), target, VirtualClock())
+        assert engine.max_model_len == min(configured or model_max, model_max)
+
+
 def test_a_precision_the_tables_lack_is_refused_not_invented() -> None:
     h200 = KernelTables("h200_sxm")
     with pytest.raises(TableError, match="no int4_wo.*fp8"):
