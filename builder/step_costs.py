@@ -19,6 +19,8 @@ from pathlib import Path
 
 from policy import FULL
 from serve.config import EngineConfig
+from serve.config_flags import add_engine_flags
+from serve.model.embedded import DEFAULT_ENGINE_DIR
 from serve.model.quantized_linear import REGISTRY
 from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure, store
 
@@ -26,9 +28,9 @@ from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m builder.step_costs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="engines/smollm2-135m", help="engine directory or model (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads, as the server runs (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: %(default)s)")
+    add_engine_flags(p, ("model", "num_threads", "device"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": DEFAULT_ENGINE_DIR, "num_threads": 2, "device": "cpu"},
+                     help_overrides={"num_threads": "torch threads, as the server runs them"})
     p.add_argument("--precisions", default=None, help="quantized precisions (default: int8,int4; fp8 too on CUDA)")
     p.add_argument("--repeats", type=int, default=7, help="repetitions, fastest kept (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="measure even if this machine's entry exists")
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda") or args.device == "auto"
     precisions = args.precisions or ",".join(p for p, fmt in REGISTRY.items() if cuda or fmt.cpu_kernel)
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions=precisions,
-                                    policy_overrides={"cost_aware": False}, num_threads=args.threads,
+                                    policy_overrides={"cost_aware": False}, num_threads=args.num_threads,
                                     device=args.device, num_kv_blocks=8))
     try:
         assert engine.morph is not None

@@ -8,6 +8,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.model.embedded import EMBEDDED_MODEL  # noqa: F401 - re-exported: serve.triton reads the name from here
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -52,7 +54,7 @@ def check_device_memory(text: str | None) -> None:
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"        # embedded name, .gguf file, or Hugging Face directory
+    model: str = EMBEDDED_MODEL        # embedded name, .gguf file, or Hugging Face directory
     device: str = "cpu"                # cpu | cuda[:N] | auto (CUDA when available)
     dtype: str | None = None           # default: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16

@@ -57,9 +57,10 @@ class Target:
 def prompt_tokenizer() -> Tokenizer:
     """The embedded model's tokenizer: the planner builds the replay's prompts from the same text, so prompt
     content (prefix-cache hits) is as in the real replay; lengths come from the trace."""
+    from serve.model.embedded import EMBEDDED_MODEL  # noqa: PLC0415
     from serve.model.loader import load_model  # noqa: PLC0415
 
-    return load_model("smollm2-135m").tokenizer
+    return load_model(EMBEDDED_MODEL).tokenizer
 
 
 def table_target(system: str, model: str, block_size: int, overhead_s: float) -> Target:

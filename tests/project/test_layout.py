@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
     # per-request TTFT / ITL / finish accounting for every front end; reads RequestOutput by duck type (no engine)
     "serve.request_tracker": {"serve.metrics_catalogue"},
-    "serve.config": {"policy"},
+    "serve.config": {"serve.model", "policy"},  # serve.model.embedded: the embedded model's name (stdlib only)
     "serve.config_flags": {"serve.config", "policy"},  # EngineConfig fields as command-line flags (every CLI)
     "serve.model": {"policy"},
     # process tuning: the C heap's free pages back to the OS, one OpenMP team per process (stdlib + torch)
@@ -42,7 +42,8 @@ ALLOWED: dict[str, set[str]] = {
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "serve.request_tracker",
                       "policy"},
     # builder.step_costs (make build-engines' second step) times the layers as an engine's layer bank serves them
-    "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config"},
+    "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config",
+                "serve.config_flags"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
     "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
             "serve.logging_setup", "policy"},
