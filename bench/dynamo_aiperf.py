@@ -122,6 +122,14 @@ class Sampler(threading.Thread):
         }
 
 
+def worker_flags(args: argparse.Namespace, mode: str, prefix_policy: str) -> list[str]:
+    """``python -m serve.dynamo`` flags of every worker of one configuration: the shared engine flags (the model goes
+    to the cluster), the configuration's morph mode and prefix-cache policy."""
+    shared = {f: v for f, v in engine_kwargs(args, WORKER_FIELDS).items() if f != "model"}
+    return [a for f, v in {**shared, "morph_mode": mode, "prefix_cache_across_morph": prefix_policy}.items()
+            for a in (flag_name(f), str(v))]
+
+
 def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, artifacts: Path, n: int) -> list[str]:
     return [args.aiperf, "profile", "--model", "morphserve", "--tokenizer", str(card), "--url", url,
             "--endpoint-type", "chat", "--streaming", "--extra-inputs", "ignore_eos:true",
@@ -131,9 +139,7 @@ def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, 
 def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, trace: Path, n: int, out: Path,
             prefix_policy: str = "exact") -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    shared = {f: v for f, v in engine_kwargs(args, WORKER_FIELDS).items() if f != "model"}  # model: the cluster's
-    worker_args = [a for f, v in {**shared, "morph_mode": mode, "prefix_cache_across_morph": prefix_policy}.items()
-                   for a in (flag_name(f), str(v))]
+    worker_args = worker_flags(args, mode, prefix_policy)
     cluster = Cluster(ClusterConfig(replicas=replicas, model=args.model, http_port=free_port(), system_port_base=0,
                                     router_mode=router, worker_args=worker_args, python=args.python,
                                     log_dir=out / "logs"))

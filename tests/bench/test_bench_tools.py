@@ -89,3 +89,38 @@ def test_guided_cost_compares_guided_with_unguided_and_both_grammar_engines(tiny
     assert set(result["throughput"][0]["tok_s"]) == {"guided", "unguided"}
     assert set(result["engines"]) == {"xgrammar", "llguidance", "outputs_rejected_by_either"}
     assert result["xgrammar_compile_ms"]["median"] > 0
+
+
+def test_engine_throughput_compares_every_row_with_transformers(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    from bench import engine_throughput
+
+    out = tmp_path / "e.json"
+    assert engine_throughput.main(["--threads", "1", "--quick", "--model", str(tiny_dir), "--prefill-tokens", "64",
+                                   "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["metric"] for r in result["rows"]] == ["decode tok/s, batch 1", "decode tok/s, batch 8",
+                                                    "decode tok/s, batch 32", "prefill tok/s, 64-token prompt",
+                                                    "32 mixed requests, output tok/s"]
+    assert all(r["ours"] > 0 and r["transformers"] > 0 for r in result["rows"])
+    assert result["bandwidth"]["weight_bytes_per_token"] > 0 and "| decode tok/s, batch 1 |" in capsys.readouterr().out
+
+
+def test_quant_kernels_times_every_available_kernel_per_row_count(capsys) -> None:
+    from bench import quant_kernels
+
+    assert quant_kernels.main(["--rows", "1", "--repeats", "1", "--threads", "1"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    names = rows["rows"]
+    assert {"fp32", "torch int8", "torch int4"} <= set(names) and len(rows["1"]) == len(names)
+    assert ("ours int4 q8" in names) is (kernels.ops() is not None)
+
+
+def test_replay_serves_a_synthetic_workload_and_writes_the_replay_schema(tiny_dir: Path, tmp_path: Path) -> None:
+    from bench import replay
+
+    out = tmp_path / "r.json"
+    assert replay.main(["--model", str(tiny_dir), "--mode", "off", "--num-requests", "3", "--input-len", "8",
+                        "--output-len", "2", "--request-rate", "50", "--threads", "1", "--quiet", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["mode"], r["num_requests"], r["completed"], r["failed"]) == ("off", 3, 3, 0)
+    assert r["ttft_s"]["p50"] is not None and r["morph"]["swaps"] == 0
