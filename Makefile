@@ -102,7 +102,7 @@ test-py312: install-py312
 
 build-engines: install
 	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)
-	$(PY) -m bench.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
+	$(PY) -m builder.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
 
 # The planner: bench.replay's experiment on a virtual clock at a GPU's measured speed (docs/planner.md).
 # Default: the MorphServe paper's A100-80GB experiment (CodeLlama-34B, Azure burst downscaled 4.75x, 1024/512 tokens).

@@ -32,6 +32,7 @@ from bench.triton.run import REPO_ROOT, Progress, assemble_result, run_mode, ser
 from bench.repeats import cell
 from bench.vllm_server import peer_env
 from bench.workload import build_workload
+from serve.config_flags import add_engine_flags
 
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, "ignore_eos": true, '
             '"stream": true}')
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = __doc__
     p.set_defaults(output_dir=Path("bench-results/aiperf"), no_quality=True, no_plots=True, num_probes=0)
     g = p.add_argument_group("aiperf")
-    g.add_argument("--mode", default="default", help="morph mode of the server (default: %(default)s)")
+    add_engine_flags(g, ("morph_mode",), aliases={"morph_mode": ["--mode"]}, defaults={"morph_mode": "default"},
+                     help_overrides={"morph_mode": "morph mode of the server"})
     g.add_argument("--runs", type=int, default=3, help="runs, each client on a fresh server (default: %(default)s)")
     g.add_argument("--aiperf", default=str(REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"),
                    help="the aiperf executable (make bench-aiperf installs it in .venv-aiperf)")
@@ -120,7 +122,7 @@ def run_aiperf(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: P
     trace, template = out / "trace.mooncake.jsonl", out / "payload.j2"
     export_mooncake(reqs, trace)
     template.write_text(TEMPLATE)
-    params = server_params(args, args.mode, max(r.max_tokens for r in reqs))
+    params = server_params(args, args.morph_mode, max(r.max_tokens for r in reqs))
     with TritonServer(params=params, log_path=out / "server-aiperf.log", keep_log=True) as srv:
         srv.wait_ready(timeout=args.server_start_timeout)
         with contextlib.suppress(Exception), GrpcStream(srv.grpc_url) as s:
@@ -136,8 +138,8 @@ def run_aiperf(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: P
 
 def run_own(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: Path, num_layers: int, desc: str,
             retok: Mapping) -> dict:
-    records, info = run_mode(args.mode, reqs, args, out, num_layers, 16, Progress(False))
-    r = assemble_result(args.mode, desc, records, info, args, num_layers, 16, retok)
+    records, info = run_mode(args.morph_mode, reqs, args, out, num_layers, 16, Progress(False))
+    r = assemble_result(args.morph_mode, desc, records, info, args, num_layers, 16, retok)
     return {k: r[k] for k in ("ttft_s", "tpot_s", "e2el_s", "completed", "failed", "status", "error")}
 
 
@@ -176,9 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         own = run_own(args, reqs, run_dir, num_layers, desc, retok)
         print(f"run {i + 1}/{args.runs}: AIPerf", file=sys.stderr, flush=True)
         runs.append({"own": own, "aiperf": run_aiperf(args, reqs, run_dir, tokenizer_dir)})
-        (out_dir / "results.json").write_text(json.dumps({"workload": desc, "mode": args.mode, "runs": runs}, indent=1))
+        (out_dir / "results.json").write_text(json.dumps({"workload": desc, "mode": args.morph_mode, "runs": runs}, indent=1))
     command = "python -m bench.aiperf " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    md = (f"# AIPerf vs own client\n\n`{command}`\n\nWorkload: {desc}; mode {args.mode}; {args.runs} runs; "
+    md = (f"# AIPerf vs own client\n\n`{command}`\n\nWorkload: {desc}; mode {args.morph_mode}; {args.runs} runs; "
           f"completed own {[r['own']['completed'] for r in runs]}, AIPerf {[r['aiperf']['completed'] for r in runs]}, "
           f"AIPerf errors {[r['aiperf']['errors'] for r in runs]}.\n\n{table(runs)}\n")
     (out_dir / "results.md").write_text(md)

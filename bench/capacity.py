@@ -22,9 +22,15 @@ import sys
 from pathlib import Path
 
 from bench import defaults
+from bench.repeats import span
 from bench.replay import replay
 from bench.workload import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from serve.config import SCHEDULERS, EngineConfig
+from serve.config_flags import add_engine_flags, engine_kwargs
+
+ENGINE_FIELDS = ("model", "device_memory", "max_num_seqs", "max_num_batched_tokens", "num_threads", "slai_theta")
+"""The EngineConfig fields the sweep's command line sets for every engine (serve/config_flags.py); the scheduler,
+mode and TTFT target come from --configs and --ttft-target."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,13 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated SCHEDULER:MORPH_MODE pairs (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per (config, rate); medians are reported")
     p.add_argument("--ttft-target", type=float, default=2.0, help="median TTFT target in seconds (default: %(default)s)")
-    p.add_argument("--model", default=defaults.MODEL)
-    p.add_argument("--device-memory", default=defaults.DEVICE_MEMORY)
-    p.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
-    p.add_argument("--slai-theta", type=float, default=None,
-                   help="fixed theta for slai (default: dynamic, EngineConfig.slai_theta_low / _high)")
+    add_engine_flags(p, ENGINE_FIELDS, aliases={"num_threads": ["--threads"]},
+                     defaults={"model": defaults.MODEL, "device_memory": defaults.DEVICE_MEMORY, "num_threads": 1,
+                               "max_num_seqs": defaults.ENGINE_DEFAULTS.max_num_seqs,
+                               "max_num_batched_tokens": defaults.ENGINE_DEFAULTS.max_num_batched_tokens})
     p.add_argument("--json", type=Path, default=None, help="write every run and the capacities here")
     p.add_argument("--plot", type=Path, default=None, help="median TTFT vs rate (PNG)")
     add_trace_arguments(p)
@@ -128,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         work = at_rate(items, rate)
         for rep in range(args.repeats):
             for sched, mode in configs:
-                cfg = EngineConfig(model=args.model, morph_mode=mode, scheduler=sched, device_memory=args.device_memory,
-                                   slo_ttft_s=args.ttft_target, max_num_seqs=args.max_num_seqs,
-                                   max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                                   seed=args.seed, slai_theta=args.slai_theta)
+                cfg = EngineConfig(**engine_kwargs(args, ENGINE_FIELDS), morph_mode=mode, scheduler=sched,
+                                   slo_ttft_s=args.ttft_target, seed=args.seed)
                 engine = LLMEngine(cfg, loaded=loaded)
                 try:
                     point = run_point(replay(engine, work, args.ttft_target))
@@ -158,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def capacity_table(summary: dict, rates: list[float]) -> str:
-    head = "| config | " + " | ".join(f"{r:g} req/s: P50 TTFT s (min-max), tiers met" for r in rates) + " | capacity (req/s) |"
+    head = "| config | " + " | ".join(f"{r:g} req/s: P50 TTFT s [min-max], tiers met" for r in rates) + " | capacity (req/s) |"
     lines = [head, "|---|" + "---|" * len(rates) + "---|"]
     for name, s in summary.items():
         cells = []
         for r in rates:
             p = s["rates"][str(r)]
-            cells.append(f"{p['ttft_p50_s_median']:.3f} ({p['ttft_p50_s_min']:.3f}-{p['ttft_p50_s_max']:.3f}), "
+            cells.append(f"{span(p['ttft_p50_s_median'], p['ttft_p50_s_min'], p['ttft_p50_s_max'], 3)}, "
                          f"{'yes' if p['pass'] else 'no'}")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['capacity_rps'] if s['capacity_rps'] else 'below range'} |")
     return "\n".join(lines) + "\n"

@@ -27,11 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.aiperf import replay_args
+from bench.repeats import cell
 from bench.workload import PromptBuilder, add_trace_arguments, default_text_path, trace_requests
 from serve.dynamo.cluster import REPO_ROOT, Cluster, ClusterConfig, free_port
+from serve.config_flags import add_engine_flags, engine_kwargs, flag_name
 from serve.dynamo.http import get_text, metric_values, post_json
+from serve.model.embedded import EMBEDDED_MODEL
 
 METRICS = {"ttft_s": "time_to_first_token", "itl_s": "inter_token_latency", "e2el_s": "request_latency"}
+WORKER_FIELDS = ("model", "device_memory", "max_model_len", "num_threads", "slo_ttft_s")
+"""The EngineConfig fields every worker of every configuration gets (serve/config_flags.py's flags, passed on)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,12 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="REPLICAS:MORPH_MODE[:ROUTER[:PREFIX_POLICY]] list, PREFIX_POLICY exact (default) or preserve "
                         "(--prefix-cache-across-morph of the workers) (default: %(default)s)")
     g.add_argument("--router-mode", default="least-loaded", help="default router (default: %(default)s)")
-    g.add_argument("--device-memory", default="600MiB", help="memory budget of each replica (default: %(default)s)")
-    g.add_argument("--max-model-len", type=int, default=512)
-    g.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
-    g.add_argument("--model", default="smollm2-135m")
+    add_engine_flags(g, WORKER_FIELDS, aliases={"num_threads": ["--worker-threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "device_memory": "600MiB", "max_model_len": 512, "num_threads": 1,
+                               "slo_ttft_s": 2.0},
+                     help_suffix=" (every worker's)", help_overrides={
+                         "slo_ttft_s": "TTFT SLO in seconds: the workers' controller target and the violation share"})
     g.add_argument("--runs", type=int, default=3)
-    g.add_argument("--slo-ttft-s", type=float, default=2.0)
     g.add_argument("--python", default=str(REPO_ROOT / ".venv-dynamo" / "bin" / "python"))
     g.add_argument("--aiperf", default=str(REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"))
     g.add_argument("--output-dir", type=Path, default=Path("bench-results/dynamo"))
@@ -117,6 +122,14 @@ class Sampler(threading.Thread):
         }
 
 
+def worker_flags(args: argparse.Namespace, mode: str, prefix_policy: str) -> list[str]:
+    """``python -m serve.dynamo`` flags of every worker of one configuration: the shared engine flags (the model goes
+    to the cluster), the configuration's morph mode and prefix-cache policy."""
+    shared = {f: v for f, v in engine_kwargs(args, WORKER_FIELDS).items() if f != "model"}
+    return [a for f, v in {**shared, "morph_mode": mode, "prefix_cache_across_morph": prefix_policy}.items()
+            for a in (flag_name(f), str(v))]
+
+
 def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, artifacts: Path, n: int) -> list[str]:
     return [args.aiperf, "profile", "--model", "morphserve", "--tokenizer", str(card), "--url", url,
             "--endpoint-type", "chat", "--streaming", "--extra-inputs", "ignore_eos:true",
@@ -126,9 +139,7 @@ def aiperf_command(args: argparse.Namespace, url: str, trace: Path, card: Path, 
 def run_one(args: argparse.Namespace, replicas: int, mode: str, router: str, trace: Path, n: int, out: Path,
             prefix_policy: str = "exact") -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    worker_args = ["--morph-mode", mode, "--device-memory", args.device_memory, "--max-model-len",
-                   str(args.max_model_len), "--num-threads", str(args.worker_threads),
-                   "--prefix-cache-across-morph", prefix_policy]
+    worker_args = worker_flags(args, mode, prefix_policy)
     cluster = Cluster(ClusterConfig(replicas=replicas, model=args.model, http_port=free_port(), system_port_base=0,
                                     router_mode=router, worker_args=worker_args, python=args.python,
                                     log_dir=out / "logs"))
@@ -210,8 +221,7 @@ def table(results: list[dict]) -> str:
         kv = "; ".join(f"{int(b)} -> {int(m)}" for b, m in zip(rs[-1]["workers"]["base_total_blocks"],
                                                                rs[-1]["workers"]["max_total_blocks"]))
         rates = [hit_rate(r) for r in rs if hit_rate(r) is not None]
-        spread = f" [{min(rates):.1%}-{max(rates):.1%}]" if len(rates) > 1 else ""
-        rate = f"{statistics.median(rates):.1%}{spread}" if rates else "n/a"
+        rate = cell(rates, 1, "%")
         rows.append(f"| {n} | {mode} | {router} | {policy} | {len(rs)} | {med(lambda r: r['completed']):.0f}/"
                     f"{med(lambda r: r['errors']):.0f} | {rate} | {med(lambda r: r['ttft_s']['p50']):.3f} | "
                     f"{med(lambda r: r['ttft_s']['p95']):.3f} | {med(lambda r: r['ttft_s']['p99']):.3f} | "

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from serve.config import EngineConfig
+from serve.config import EMBEDDED_MODEL, EngineConfig
+from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model.linear import linear
@@ -86,9 +87,9 @@ def make_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[li
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def run(threads: int, quick: bool) -> dict:
+def run(threads: int, quick: bool, model: str = EMBEDDED_MODEL, prefill_tokens: int = 512) -> dict:
     torch.set_num_threads(threads)
-    engine = LLMEngine(EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, num_threads=threads))
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=512, num_threads=threads))
     from serve.model.loader import load_model
     hf = HFRunner(load_model(engine.config.model))
     vocab = engine.model_config.vocab_size
@@ -106,10 +107,10 @@ def run(threads: int, quick: bool) -> dict:
             res[name] = batch * (new - 1) / max(t_full - t_one, 1e-9)
         rows.append({"metric": f"decode tok/s, batch {batch}", "ours": res["ours"], "transformers": res["transformers"]})
 
-    prompt = make_prompts(rng, 1, 512, vocab)
-    res = {"ours": 512 / min(_timed(lambda: ours_generate(engine, prompt, 1)) for _ in range(2)),
-           "transformers": 512 / min(_timed(lambda: hf.generate(prompt, 1)) for _ in range(2))}
-    rows.append({"metric": "prefill tok/s, 512-token prompt", **res})
+    prompt = make_prompts(rng, 1, prefill_tokens, vocab)
+    res = {"ours": prefill_tokens / min(_timed(lambda: ours_generate(engine, prompt, 1)) for _ in range(2)),
+           "transformers": prefill_tokens / min(_timed(lambda: hf.generate(prompt, 1)) for _ in range(2))}
+    rows.append({"metric": f"prefill tok/s, {prefill_tokens}-token prompt", **res})
 
     n_req = 32 if quick else 64
     lens_in = [rng.randint(16, 256) for _ in range(n_req)]
@@ -127,6 +128,7 @@ def run(threads: int, quick: bool) -> dict:
 
     bw = gemv_read_gbs()
     wbytes = decode_weight_bytes(engine)
+    engine.shutdown()
     bound = bw * 1e9 / wbytes
     for r in rows:
         r["ratio"] = r["ours"] / r["transformers"]
@@ -151,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
+    add_engine_flags(p, ("model",), defaults={"model": EMBEDDED_MODEL})
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill row (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    result = run(args.threads, args.quick)
+    result = run(args.threads, args.quick, args.model, args.prefill_tokens)
     return emit(result, to_markdown(result), args.json)
 
 

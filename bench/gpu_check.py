@@ -11,7 +11,7 @@
 4. swap cost on this GPU (variant copy on the copy stream + in-place install) and restore;
 5. a short bursty replay, morph mode off vs default at a budget where full precision runs out of KV.
 
-Random weights built in place (bench/tiny_model.py): the embedded GGUF need not be installed, and the
+Random weights built in place (serve/model/random_model.py): the embedded GGUF need not be installed, and the
 numbers are about the machinery, not model quality. Writes gpu-check.md and gpu-check.json to --out.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.tiny_model import make_tiny_model
+from serve.model.random_model import make_tiny_model
 from serve.morph.runtime import MorphRuntime
 
 MODEL_SHAPE = dict(vocab_size=257, hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16,
@@ -98,8 +98,16 @@ def _timed(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _ladder_precisions() -> list[str]:
+    """The default ladders' precisions (int8, int4) that this GPU's kernels run (the format registry's CUDA
+    capabilities: int4's tinygemm needs Ampere)."""
+    from serve.model.quantized_linear import REGISTRY  # noqa: PLC0415
+
+    return [p for p in ("int8", "int4") if _capability() >= REGISTRY[p].min_cuda_capability]
+
+
 def _precisions() -> str:
-    return "int8,int4" if _capability() >= (8, 0) else "int8"
+    return ",".join(_ladder_precisions())
 
 
 def layer_costs(model) -> dict:
@@ -125,8 +133,7 @@ def step_costs(model) -> list[dict]:
     """Decode tok/s at batch 1/8/32 and prefill tok/s, the whole model at each precision (static modes)."""
     from serve.engine.sampling_params import SamplingParams  # noqa: PLC0415
 
-    cap = _capability()
-    modes = [("full", "off"), ("int8", "static-int8")] + ([("int4", "static-int4")] if cap >= (8, 0) else [])
+    modes = [("full", "off")] + [(p, f"static-{p}") for p in _ladder_precisions()]
     rows = []
     for precision, mode in modes:
         e = _engine(model, mode, num_kv_blocks=2048)

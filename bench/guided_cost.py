@@ -24,7 +24,8 @@ import torch
 
 from bench.guided_schemas import SCHEMAS, schema_prompt
 from bench.repeats import cell, spread
-from serve.config import EngineConfig
+from serve.config import EMBEDDED_MODEL, EngineConfig
+from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.guided.compiler import GuideCompiler
@@ -56,8 +57,9 @@ def _timed(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) 
     return time.perf_counter() - t0, outs
 
 
-def throughput(engine: LLMEngine, batch: int, rounds: int, max_tokens: int) -> dict[str, Any]:
-    picks = [SCHEMAS[i % len(SCHEMAS)] for i in range(batch)]
+def throughput(engine: LLMEngine, batch: int, rounds: int, max_tokens: int,
+               schemas: list[tuple[str, dict]] = SCHEMAS) -> dict[str, Any]:
+    picks = [schemas[i % len(schemas)] for i in range(batch)]
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_prompt(s)}]) for s, _ in picks]
     guided = [_params(schema, max_tokens) for _, schema in picks]
     _, outs = _timed(engine, prompts, guided)  # warm-up, and the token counts the unguided runs get
@@ -75,11 +77,11 @@ def throughput(engine: LLMEngine, batch: int, rounds: int, max_tokens: int) -> d
             "ratio_cell": cell(ratios, 3)}
 
 
-def xgrammar_compile_ms(engine: LLMEngine) -> list[float]:
+def xgrammar_compile_ms(engine: LLMEngine, schemas: list[tuple[str, dict]] = SCHEMAS) -> list[float]:
     compiler = GuideCompiler(engine.tokenizer, engine.model_config.vocab_size, cache_bytes=0)
-    compiler.compile(GuidedDecoding("json_schema", json.dumps(SCHEMAS[0][1])))  # tokenizer analysis, once
+    compiler.compile(GuidedDecoding("json_schema", json.dumps(schemas[0][1])))  # tokenizer analysis, once
     times = []
-    for _, schema in SCHEMAS:
+    for _, schema in schemas:
         t0 = time.perf_counter()
         compiler.compile(GuidedDecoding("json_schema", json.dumps(schema)))
         times.append((time.perf_counter() - t0) * 1e3)
@@ -87,7 +89,8 @@ def xgrammar_compile_ms(engine: LLMEngine) -> list[float]:
     return times
 
 
-def engines_side_by_side(engine: LLMEngine, outputs: list[list[int]]) -> dict[str, Any]:
+def engines_side_by_side(engine: LLMEngine, outputs: list[list[int]],
+                         schemas: list[tuple[str, dict]] = SCHEMAS) -> dict[str, Any]:
     """Compile and per-token mask time of xgrammar and llguidance on the same schemas, each matcher driven
     along the same recorded (xgrammar-guided) output."""
     import llguidance
@@ -104,7 +107,7 @@ def engines_side_by_side(engine: LLMEngine, outputs: list[list[int]]) -> dict[st
     result: dict[str, dict[str, list[float]]] = {"xgrammar": {"compile_ms": [], "mask_us_per_token": []},
                                                  "llguidance": {"compile_ms": [], "mask_us_per_token": []}}
     rejected: list[str] = []
-    for (_, schema), tokens in zip(SCHEMAS, outputs):
+    for (_, schema), tokens in zip(schemas, outputs):
         text = json.dumps(schema)
         t0 = time.perf_counter()
         compiled = xcomp.compile_json_schema(text, any_whitespace=False)
@@ -138,23 +141,27 @@ def engines_side_by_side(engine: LLMEngine, outputs: list[list[int]]) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.guided_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name, .gguf or HF dir (default: %(default)s)")
+    add_engine_flags(p, ("model",), defaults={"model": EMBEDDED_MODEL})
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per batch size (default: %(default)s)")
     p.add_argument("--batches", default="1,32", help="batch sizes, comma-separated (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=160, help="cap of each guided answer (default: %(default)s)")
+    p.add_argument("--schemas", type=int, default=len(SCHEMAS),
+                   help="the first N of bench/guided_schemas.py's schemas (default: all %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     args = p.parse_args(argv)
+    schemas = SCHEMAS[:max(1, args.schemas)]
     argv = sys.argv[1:] if argv is None else argv
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=32, max_num_batched_tokens=1024))
     try:
         result: dict[str, Any] = {"command": "python -m bench.guided_cost " + " ".join(argv or []), "cpu": cpu_description(),
-                                  "date": time.strftime("%Y-%m-%d"), "schemas": len(SCHEMAS)}
-        result["throughput"] = [throughput(engine, int(b), args.rounds, args.max_tokens) for b in args.batches.split(",")]
-        compile_ms = xgrammar_compile_ms(engine)
+                                  "date": time.strftime("%Y-%m-%d"), "schemas": len(schemas)}
+        result["throughput"] = [throughput(engine, int(b), args.rounds, args.max_tokens, schemas)
+                                for b in args.batches.split(",")]
+        compile_ms = xgrammar_compile_ms(engine, schemas)
         result["xgrammar_compile_ms"] = {"median": statistics.median(compile_ms), "max": max(compile_ms)}
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_prompt(s)}]) for s, _ in SCHEMAS]
-        outs = engine.generate(prompts, [_params(schema, args.max_tokens) for _, schema in SCHEMAS])
-        result["engines"] = engines_side_by_side(engine, [o["token_ids"] for o in outs])
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_prompt(s)}]) for s, _ in schemas]
+        outs = engine.generate(prompts, [_params(schema, args.max_tokens) for _, schema in schemas])
+        result["engines"] = engines_side_by_side(engine, [o["token_ids"] for o in outs], schemas)
     finally:
         engine.shutdown()
     for t in result["throughput"]:

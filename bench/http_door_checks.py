@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.latency import percentiles
 from serve.triton.client import metric_value, scrape_metrics
 
 MODEL = "morphserve"
@@ -179,14 +180,14 @@ def load(url: str, n: int, prompt_words: int, max_tokens: int, arrival_rate: flo
     for r in results:
         key = r["outcome"].split(":")[0] if r["outcome"].startswith("error") else r["outcome"]
         outcomes[key] = outcomes.get(key, 0) + 1
-    q = statistics.quantiles(firsts, n=100) if len(firsts) >= 2 else [float("nan")] * 99
+    p50_s, p95_s = percentiles(firsts, (50, 95)) or (float("nan"), float("nan"))
     refused = sorted(r["first_event_s"] for r in results if r["outcome"] == "http 503")
     answered = sorted(r["first_event_s"] for r in results if r["outcome"] == "answer")
     return {"requests": n, "arrival_rate": arrival_rate or "all at once", "seed": seed, "outcomes": outcomes,
             "with_first_event": len(firsts),
             "refused_503_p50_s": round(statistics.median(refused), 3) if refused else None,
             "answered_ttft_p50_s": round(statistics.median(answered), 2) if answered else None,
-            "first_event_p50_s": round(q[49], 2), "first_event_p95_s": round(q[94], 2),
+            "first_event_p50_s": round(p50_s, 2), "first_event_p95_s": round(p95_s, 2),
             "first_event_max_s": round(max(firsts), 2) if firsts else None,
             "wall_s": round(time.monotonic() - t0, 1)}
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from serve.config import EMBEDDED_MODEL
 from serve.triton.server import free_port
 
 MODEL = "morphserve"
@@ -205,7 +206,7 @@ def measure(args: argparse.Namespace, front: int, direct: int, grpc_port: int | 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.http_front_cost", description=__doc__.split("\n")[0])
-    p.add_argument("--engine-dir", default="smollm2-135m")
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="the server's engine directory or model (default: %(default)s)")
     p.add_argument("--requests", type=int, default=100, help="non-streaming requests per door")
     p.add_argument("--stream-requests", type=int, default=6, help="streaming requests per door")
     p.add_argument("--stream-tokens", type=int, default=32)

@@ -1,20 +1,25 @@
 """Where a `make bench-peer` workload spends its time, per CPU kernel, and A/B of one kernel path in one process.
 
-  .venv/bin/python -m bench.kernel_breakdown --mode off --workload 32 [--ab fused_norm --rounds 4]
+  .venv/bin/python -m bench.kernel_breakdown --morph-mode off --workload 32 [--ab fused_norm --rounds 4] [--model M]
 
 Runs one of bench.peer's offline workloads (name prefix: "batch-1", "32", "64") through the engine in
-``--mode`` and times every call of our CPU kernels (the extension's functions, wrapped for the run) and of
-torch's SDPA and oneDNN's linear: seconds and calls per function against the wall time of the workload (the rest: small torch
-ops, Python, the scheduler). With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR
-(``fused_norm``, ``fused_elementwise``, ``paged_attention``, ``prompt_attention`` or ``int8_head``) between on and off (None: the torch path),
-or ``trim_last_layer`` (the last layer's attention projection and MLP for the sampled rows only, vs every row), or the quantized layers'
-activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or their short path for decode
-inputs (``q8_short_path``: the direct kernel call vs the general path), or the fp32 projections' weight layout
-(``blocked_weights``: oneDNN's blocked layout as the engine stores it vs plain ``[N, K]`` copies of the same
-weights, made outside the arena for the run), or the LM head's (``blocked_head``: the engine's blocked head vs a
-plain copy of it; token lookups stay on the blocked copy), for ``--rounds`` rounds, the
-order flipped every round, and prints the median (min-max) tok/s of each side: a same-process A/B, the only
-kind this noisy 2-core machine can tell apart.
+``--morph-mode`` and reports, per function, the seconds and calls of our CPU kernels (the extension's functions),
+torch's SDPA and oneDNN's linear (serve/model/linear.py ``onednn_linear``) against the wall time of the workload
+(the rest: small torch ops, Python, the scheduler). The kernels are timed from outside, by the interpreter's profile
+hook (``sys.setprofile``) on the thread that steps the engine: nothing of the runtime is replaced. The hook slows
+every Python call, so the wall time and tok/s come from an unprofiled run of the same workload just before, and the
+kernel seconds from the profiled one.
+
+With ``--ab ATTR`` it instead alternates the model's kernel attribute ATTR (``fused_norm``, ``fused_elementwise``,
+``paged_attention``, ``prompt_attention`` or ``int8_head``) between on and off (None: the torch path), or
+``trim_last_layer`` (the last layer's attention projection and MLP for the sampled rows only, vs every row), or the
+quantized layers' activations (``int8_activations``: int8 vs fp32, MORPHSERVE_QACTIVATIONS), or the fp32
+projections' weight layout (``blocked_weights``: oneDNN's blocked layout as the engine stores it vs plain ``[N, K]``
+copies of the same weights, made outside the arena for the run), or the LM head's (``blocked_head``: the engine's
+blocked head vs a plain copy of it; token lookups stay on the blocked copy), for ``--rounds`` rounds, the order
+flipped every round, and prints the median [min-max] tok/s of each side: a same-process A/B, the only kind this
+noisy 2-core machine can tell apart. (The quantized layers' short decode path, A/B'd on 2026-12-01 by replacing a
+private function, is no longer switchable: the runtime has no knob for it.)
 """
 
 from __future__ import annotations
@@ -22,37 +27,66 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
+from types import CodeType, FrameType, ModuleType
+from typing import Any
 
 import torch.nn.functional as F
 
 from bench.peer import make_engine, workloads
+from bench.repeats import cell
+from serve.config import EMBEDDED_MODEL
+from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 
-
-class _TimedOps:
-    """The kernels module with every function call timed into ``seconds`` / ``calls``."""
-
-    def __init__(self, ops, seconds: dict[str, float], calls: collections.Counter) -> None:
-        self._ops, self._seconds, self._calls = ops, seconds, calls
-
-    def __getattr__(self, name: str) -> Callable:
-        return _timed(getattr(self._ops, name), name, self._seconds, self._calls)
+AB_SWITCHES = ("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head", "int8_activations",
+               "blocked_weights", "blocked_head", "trim_last_layer")
 
 
-def _timed(fn: Callable, name: str, seconds: dict[str, float], calls: collections.Counter) -> Callable:
-    def run(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds[name] += time.perf_counter() - t0
-            calls[name] += 1
-    return run
+class KernelTimer:
+    """Seconds and calls per kernel, from the profile hook's call and return events: C functions of our kernel
+    extension and torch's SDPA (``c_call`` / ``c_return``), and the Python functions in ``python_functions``
+    (``call`` / ``return`` of their code). Install with ``sys.setprofile(timer)``; remove with ``sys.setprofile(None)``."""
+
+    def __init__(self, extension: ModuleType | None, python_functions: dict[CodeType, str]) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._extension = extension.__name__ if extension is not None else None
+        self._python = python_functions
+        self._open_c: list[tuple[object, str, float]] = []
+        self._open_py: dict[FrameType, tuple[str, float]] = {}
+
+    def _c_name(self, fn: Any) -> str | None:
+        if fn is F.scaled_dot_product_attention:
+            return "torch sdpa"
+        if self._extension is not None and getattr(fn, "__module__", None) == self._extension:
+            return fn.__name__
+        return None
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        now = time.perf_counter()
+        if event == "c_call":
+            name = self._c_name(arg)
+            if name is not None:
+                self._open_c.append((arg, name, now))
+        elif event in ("c_return", "c_exception"):
+            if self._open_c and self._open_c[-1][0] is arg:
+                _, name, t0 = self._open_c.pop()
+                self._add(name, now - t0)
+        elif event == "call":
+            name = self._python.get(frame.f_code)
+            if name is not None:
+                self._open_py[frame] = (name, now)
+        elif event == "return" and frame in self._open_py:
+            name, t0 = self._open_py.pop(frame)
+            self._add(name, now - t0)
+
+    def _add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+        self.calls[name] += 1
 
 
 def _workload(engine: LLMEngine, prefix: str) -> tuple[str, dict]:
@@ -72,51 +106,37 @@ def _run(engine: LLMEngine, work: dict) -> float:
     return sum(work["max_tokens"]) / (time.perf_counter() - t0)
 
 
-def breakdown(mode: str, prefix: str, threads: int) -> str:
-    from serve.model import kernels  # noqa: PLC0415
+def breakdown(mode: str, prefix: str, threads: int, model: str = EMBEDDED_MODEL) -> str:
+    from serve.model import kernels, linear  # noqa: PLC0415
 
-    seconds: dict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter = collections.Counter()
-    from serve.model import linear  # noqa: PLC0415
-
-    real_ops, real_sdpa, real_onednn = kernels.ops, F.scaled_dot_product_attention, linear.onednn_linear
-    ops = real_ops()
-    kernels.ops = lambda: None if ops is None else _TimedOps(ops, seconds, calls)  # read at layer/model build and per call
-    F.scaled_dot_product_attention = _timed(real_sdpa, "torch sdpa", seconds, calls)
-    linear.onednn_linear = _timed(real_onednn, f"oneDNN linear (blocked projections > {linear.BLOCKED_KERNEL_MAX_ROWS} "
-                                  f"rows, plain > {linear.FP32_KERNEL_MAX_ROWS})", seconds, calls)
+    timer = KernelTimer(kernels.ops(), {linear.onednn_linear.__code__: f"oneDNN linear (blocked projections > "
+                                        f"{linear.BLOCKED_KERNEL_MAX_ROWS} rows, plain > {linear.FP32_KERNEL_MAX_ROWS})"})
+    engine = make_engine(mode, threads, model)
     try:
-        engine = make_engine(mode, threads, "smollm2-135m")
         name, work = _workload(engine, prefix)
         engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        seconds.clear()
-        calls.clear()
         t0 = time.perf_counter()
         tok_s = _run(engine, work)
         wall = time.perf_counter() - t0
+        sys.setprofile(timer)
+        try:
+            _run(engine, work)
+        finally:
+            sys.setprofile(None)
     finally:
-        kernels.ops, F.scaled_dot_product_attention, linear.onednn_linear = real_ops, real_sdpa, real_onednn
-    lines = [f"{name}, mode {mode}: {tok_s:.1f} tok/s, {wall:.2f} s wall", "| function | seconds | share of wall | calls |",
-             "|---|---:|---:|---:|"]
-    for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {name} | {s:.3f} | {100 * s / wall:.1f} % | {calls[name]} |")
-    rest = wall - sum(seconds.values())
+        engine.shutdown()
+    lines = [f"{name}, mode {mode}: {tok_s:.1f} tok/s, {wall:.2f} s wall (unprofiled run; kernel seconds from a "
+             "profiled run of the same workload)", "| function | seconds | share of wall | calls |", "|---|---:|---:|---:|"]
+    for fn, sec in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {fn} | {sec:.3f} | {100 * sec / wall:.1f} % | {timer.calls[fn]} |")
+    rest = wall - sum(timer.seconds.values())
     lines.append(f"| rest (small torch ops, Python, scheduler) | {rest:.3f} | {100 * rest / wall:.1f} % | |")
     return "\n".join(lines)
 
 
 def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
     """A function that turns ``attr`` on or off: a model kernel attribute, ``int8_activations`` (the
-    MORPHSERVE_QACTIVATIONS setting the quantized layers read at every call) or ``q8_short_path`` (the quantized
-    layers' direct kernel call for decode inputs; off: every call takes the general path)."""
-    if attr == "q8_short_path":
-        from serve.model.quantized_linear import common  # noqa: PLC0415 - the formats call common._q8_gemv_input
-
-        short = common._q8_gemv_input
-
-        def set_short(on: bool | None) -> None:
-            common._q8_gemv_input = short if on is not False else (lambda x, in_features: False)
-        return set_short
+    MORPHSERVE_QACTIVATIONS setting the quantized layers read at every call), or a layout of the fp32 weights."""
     if attr == "int8_activations":
         before = os.environ.get("MORPHSERVE_QACTIVATIONS")
 
@@ -153,8 +173,8 @@ def _switch(engine: LLMEngine, attr: str) -> Callable[[bool], None]:
     return lambda on: setattr(engine.model, attr, None if on is False else kernel)
 
 
-def ab(mode: str, prefix: str, threads: int, attr: str, rounds: int) -> str:
-    engine = make_engine(mode, threads, "smollm2-135m")
+def ab(mode: str, prefix: str, threads: int, attr: str, rounds: int, model: str = EMBEDDED_MODEL) -> str:
+    engine = make_engine(mode, threads, model)
     name, work = _workload(engine, prefix)
     engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     switch = _switch(engine, attr)
@@ -166,24 +186,23 @@ def ab(mode: str, prefix: str, threads: int, attr: str, rounds: int) -> str:
                 result[side].append(_run(engine, work))
     finally:
         switch(None)
-    return f"{name}, mode {mode}\n" + "\n".join(f"{attr} {side}: median {statistics.median(v):.2f} tok/s ({min(v):.2f}-{max(v):.2f}), "
-                     f"{len(v)} rounds" for side, v in result.items())
+        engine.shutdown()
+    return f"{name}, mode {mode}\n" + "\n".join(f"{attr} {side}: {cell(v, 2)} tok/s, {len(v)} rounds"
+                                                  for side, v in result.items())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_breakdown", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="off", help="morph mode (default: %(default)s)")
+    add_engine_flags(p, ("model", "morph_mode", "num_threads"), aliases={"morph_mode": ["--mode"], "num_threads": ["--threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "morph_mode": "off", "num_threads": 2})
     p.add_argument("--workload", default="32", help="bench.peer workload name prefix: batch-1, 32 or 64")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ab", default=None,
-                   choices=("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head", "int8_activations",
-                            "q8_short_path", "blocked_weights", "blocked_head", "trim_last_layer"),
+    p.add_argument("--ab", default=None, choices=AB_SWITCHES,
                    help="alternate this kernel path on/off instead of the per-kernel breakdown")
     p.add_argument("--rounds", type=int, default=4, help="A/B rounds (default: %(default)s)")
     args = p.parse_args(argv)
-    print(ab(args.mode, args.workload, args.threads, args.ab, args.rounds) if args.ab
-          else breakdown(args.mode, args.workload, args.threads))
+    print(ab(args.morph_mode, args.workload, args.num_threads, args.ab, args.rounds, args.model) if args.ab
+          else breakdown(args.morph_mode, args.workload, args.num_threads, args.model))
     return 0
 
 

@@ -73,14 +73,21 @@ class RequestTiming:
         return [b - a for a, b in zip(times, times[1:])]
 
 
+def percentiles(values: Sequence[float], pcts: Sequence[float] = PERCENTILES) -> list[float] | None:
+    """``pcts`` percentiles of ``values`` by numpy's default (linear) method, the one every report here uses (the
+    morph runtime's windows compute the same, serve/morph/latency_window.py); None when ``values`` is empty.
+    ``statistics.quantiles`` (exclusive method) gives other p95s on small samples: do not use it for reports."""
+    if len(values) == 0:
+        return None
+    return [float(x) for x in np.percentile(np.asarray(values, dtype=float), list(pcts))]
+
+
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
     """{p50, p95, p99, mean} of ``values`` (numpy linear percentiles); all None when empty."""
     keys = [f"p{p}" for p in PERCENTILES] + ["mean"]
     if len(values) == 0:
         return dict.fromkeys(keys)
-    arr = np.asarray(values, dtype=float)
-    stats = [float(x) for x in np.percentile(arr, PERCENTILES)] + [float(arr.mean())]
-    return dict(zip(keys, stats))
+    return dict(zip(keys, [*percentiles(values), float(np.mean(values))]))
 
 
 def meets_slo(t: RequestTiming, slo_ttft_s: float, slo_tpot_s: float | None = None) -> bool:

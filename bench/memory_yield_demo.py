@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.soak import group_rss_bytes
 from policy.precisions import QUANTIZED_PRECISIONS
-from serve.config import parse_size
+from serve.config import EMBEDDED_MODEL, parse_size
 from serve.memory.pressure import meminfo_available
 from serve.triton.client import GenerationError, generate_http, metric_value, scrape_metrics
 from serve.triton.server import TritonServer
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     floor, margin, shortfall = parse_size(args.floor), parse_size(args.margin), parse_size(args.shortfall)
-    params = {"engine_dir": "smollm2-135m", "morph_mode": "default", "max_model_len": 512, "num_threads": 1,
+    params = {"engine_dir": EMBEDDED_MODEL, "morph_mode": "default", "max_model_len": 512, "num_threads": 1,
               "memory_floor": str(floor), "memory_reclaim_mark": str(floor + margin),
               "policy": json.dumps({"memory_reclaim_calm_s": args.calm_s}), "queue_timeout_s": 0}
     log_dir = Path(tempfile.gettempdir()) / f"morphserve-yield-demo-{os.getpid()}"

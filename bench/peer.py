@@ -4,7 +4,7 @@
   .venv/bin/python -m bench.peer --vllm-python PEERS/vllm-venv/bin/python \\
       --llamacpp-python PEERS/llamacpp-venv/bin/python --runs 3 [--json results/bench_peer.json]
 
-Rows (output tok/s, medians of --runs with min-max spread):
+Rows (output tok/s, medians of --runs with their [min-max] spread):
 - fp32, ours (morph mode off) vs vLLM offline `LLM.generate`: batch-1 decode (128 tokens after a 32-token
   prompt), 32 prompts x 128 new tokens, 64 mixed requests (16-256 in, 16-128 out). Both engines cache
   prompt prefixes by default, and each workload is repeated: "cold" runs reset both prefix caches first
@@ -35,8 +35,10 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
+from bench.repeats import cell
 from bench.vllm_server import peer_env, vllm_env
-from serve.config import EngineConfig
+from serve.config import EMBEDDED_MODEL, EngineConfig
+from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model.loader import embedded_model_path, load_model, save_hf_directory
@@ -99,24 +101,18 @@ def run_llamacpp(python: str, gguf: Path, prompt: list[int], new: int, runs: int
     return json.loads((work / "llamacpp.json").read_text())["decode_tok_s"]
 
 
-def _cell(values: list[float] | None) -> str:
-    if not values:
-        return "n/a"
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def _ratio(a: list[float] | None, b: list[float] | None) -> str:
     return f"{statistics.median(a) / statistics.median(b):.2f}x" if a and b else "n/a"
 
 
 def to_markdown(r: dict) -> str:
-    lines = ["| workload (fp32, output tok/s, median (min-max)) | prefix caches | ours (mode off) | vLLM CPU | ours / vLLM |",
+    lines = ["| workload (fp32, output tok/s, median [min-max]) | prefix caches | ours (mode off) | vLLM CPU | ours / vLLM |",
              "|---|---|---:|---:|---:|"]
     for kind in ("cold", "warm"):
         for name, values in r["ours_fp32"].items():
             peer = r.get("vllm", {}).get(name, {}).get(kind)
             if values.get(kind) or peer:
-                lines.append(f"| {name} | {kind} | {_cell(values.get(kind))} | {_cell(peer)} | "
+                lines.append(f"| {name} | {kind} | {cell(values.get(kind))} | {cell(peer)} | "
                              f"{_ratio(values.get(kind), peer)} |")
     if "vllm" in r:
         lines.append(f"| startup to first request (s) | {r['ours_startup_s']:.1f} | {r['vllm']['startup_s']:.0f} | |")
@@ -124,7 +120,7 @@ def to_markdown(r: dict) -> str:
               "|---|---:|---:|---:|"]
     b1 = next(iter(r["ours_fp32"]))
     for mode, values in r["ours_quantized"].items():
-        lines.append(f"| {mode} | {_cell(values)} | {_cell(r.get('llamacpp'))} | {_ratio(values, r.get('llamacpp'))} |")
+        lines.append(f"| {mode} | {cell(values)} | {cell(r.get('llamacpp'))} | {_ratio(values, r.get('llamacpp'))} |")
     b = r["bound"]
     fp32 = statistics.median(r["ours_fp32"][b1]["cold"])
     lines.append(f"\nBatch-1 fp32 decode: {fp32:.1f} tok/s = {fp32 / b['bound_tok_s']:.0%} of the bound "
@@ -136,42 +132,43 @@ def to_markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name, .gguf, HF dir or engine dir")
+    add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "num_threads": 2},
+                     help_overrides={"num_threads": "torch threads of every engine, ours and the peers'"})
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (row skipped when absent)")
     p.add_argument("--llamacpp-python", default=None, help="python of llama-cpp-python's venv (row skipped when absent)")
     p.add_argument("--runs", type=int, default=3, help="cold runs per workload (prefix caches reset before each)")
     p.add_argument("--warm-runs", type=int, default=3,
                    help="runs per fp32 workload after the cold ones, prefix caches kept (0: none)")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantized-modes", default="static-int4,static-int8")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
-    engine = make_engine("off", args.threads, args.model)
+    engine = make_engine("off", args.num_threads, args.model)
     startup = time.perf_counter() - t0
     wl = workloads(engine.model_config.vocab_size)
     b1_name = next(iter(wl))
     fp32 = ours(engine, wl, args.runs, args.warm_runs)
     bw = gemv_read_gbs()
     wbytes = decode_weight_bytes(engine)
-    result: dict = {"threads": args.threads, "ours_fp32": fp32, "ours_startup_s": startup,
+    result: dict = {"threads": args.num_threads, "ours_fp32": fp32, "ours_startup_s": startup,
                     "bound": {"gemv_read_gbs": bw, "weight_bytes_per_token": wbytes, "bound_tok_s": bw * 1e9 / wbytes}}
     engine.shutdown()
     result["ours_quantized"] = {}
     for mode in filter(None, args.quantized_modes.split(",")):
-        qe = make_engine(mode, args.threads, args.model)
+        qe = make_engine(mode, args.num_threads, args.model)
         result["ours_quantized"][mode] = ours(qe, {b1_name: wl[b1_name]}, args.runs)[b1_name]["cold"]
         qe.shutdown()
     with tempfile.TemporaryDirectory(prefix="morphserve-peer-") as tmp:
         work = Path(tmp)
         if args.vllm_python:
             hf_dir = save_hf_directory(load_model(args.model), work / "hf")
-            result["vllm"] = run_vllm(args.vllm_python, hf_dir, wl, args.runs, args.warm_runs, args.threads, work)
+            result["vllm"] = run_vllm(args.vllm_python, hf_dir, wl, args.runs, args.warm_runs, args.num_threads, work)
         if args.llamacpp_python:
-            result["llamacpp"] = run_llamacpp(args.llamacpp_python, embedded_model_path("smollm2-135m"),
+            result["llamacpp"] = run_llamacpp(args.llamacpp_python, embedded_model_path(EMBEDDED_MODEL),
                                               wl[b1_name]["prompts"][0], wl[b1_name]["max_tokens"][0], args.runs,
-                                              args.threads, work)
+                                              args.num_threads, work)
     return emit(result, to_markdown(result), args.json)
 
 

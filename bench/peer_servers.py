@@ -40,6 +40,7 @@ from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT
 from bench.vllm_server import VllmServer
 from bench.workload import PromptBuilder, WorkItem, default_text_path
+from serve.config_flags import add_engine_flags
 
 # (label, our summary key, stat)
 ROWS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p95", "ttft_s", "p95"),
@@ -121,8 +122,8 @@ def table(runs: Sequence[Mapping]) -> str:
     """Medians over runs (min-max) per server in ms, the ratio of the medians ours / vLLM, and the median (min-max)
     of each run's own ratio: the two servers of a run ran minutes apart, so a VM whose speed drifts over the
     runs moves both sides of that ratio together."""
-    lines = ["| metric (ms, median (min-max) over runs) | vLLM server | our server (mode off) | ours / vLLM "
-             "| per-run ours / vLLM, median (min-max) |", "|---|---:|---:|---:|---:|"]
+    lines = ["| metric (ms, median [min-max] over runs) | vLLM server | our server (mode off) | ours / vLLM "
+             "| per-run ours / vLLM, median [min-max] |", "|---|---:|---:|---:|---:|"]
     for label, key, stat in ROWS:
         v = [r["vllm"][key][stat] * 1e3 for r in runs]
         o = [r["ours"][key][stat] * 1e3 for r in runs]
@@ -167,10 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads of each server (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-start-timeout", type=float, default=900.0)
-    p.add_argument("--device-memory", default="2600MiB",
-                   help="our server's memory budget: fp32 weights (~515 MiB) + ~2 GiB of KV, the KV space vLLM gets "
-                        "(VLLM_CPU_KVCACHE_SPACE=2); bench.aiperf's 600MiB admits only ~5 of these sequences at once "
-                        "(default: %(default)s)")
+    add_engine_flags(p, ("device_memory",), defaults={"device_memory": "2600MiB"}, help_overrides={
+        "device_memory": "our server's memory budget: fp32 weights (~515 MiB) + ~2 GiB of KV, the KV space vLLM gets "
+                         "(VLLM_CPU_KVCACHE_SPACE=2); bench.aiperf's 600MiB admits only ~5 of these sequences at once"})
     p.add_argument("--output-dir", type=Path, default=Path("bench-results/peer-servers"))
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in OUTPUT_DIR/results.json (same workload) and add runs up to --runs: "

@@ -32,6 +32,9 @@ import torch
 from bench.quality import QualityEvaluator, aggregate_match, match_rates
 from bench.workload import PromptBuilder, default_text_path
 from policy import FULL, MorphDecision, signature
+from serve.config import EMBEDDED_MODEL
+from serve.config_flags import add_engine_flags
+from serve.morph.runtime import MorphRuntime
 
 
 def _signature(ev: QualityEvaluator, int4_layers: list[int]) -> str:
@@ -59,7 +62,7 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
     full = engine.generate([prefix + suffix], greedy)[0]["token_ids"]  # every layer at full precision
     engine.reset_prefix_cache()
     engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at full precision
-    engine.morph.apply_now(MorphDecision("quantize", tuple(layers), "int4", "prefix reuse quality"))
+    engine.resource_manager(MorphRuntime).apply_now(MorphDecision("quantize", tuple(layers), "int4", "prefix reuse quality"))
     hits = engine.stats().prefix_cache_hits
     reused = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
     hit_tokens = engine.stats().prefix_cache_hits - hits
@@ -68,7 +71,7 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
     engine.reset_prefix_cache()
     engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at int4
     for layer in reversed(layers):  # LIFO back to full precision
-        engine.morph.apply_now(MorphDecision("restore", (layer,), None, "prefix reuse quality"))
+        engine.resource_manager(MorphRuntime).apply_now(MorphDecision("restore", (layer,), None, "prefix reuse quality"))
     back = engine.generate([prefix + suffix], greedy)[0]["token_ids"]  # preserve: full precision on int4 KV
     return {"to_int4": {"preserve_vs_exact": match_rates(recomputed, reused),
                         "exact_vs_full": match_rates(full, recomputed), "preserve_vs_full": match_rates(full, reused)},
@@ -78,14 +81,14 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefix_reuse_quality", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "num_threads": 2})
     p.add_argument("--layers", default="4,8,16", help="numbers of layers at int4 (the swap order's first k)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prefix-tokens", type=int, default=256, help="the cached prefix (a multiple of 16)")
     p.add_argument("--suffix-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens compared per prompt")
     p.add_argument("--text-tokens", type=int, default=128, help="continuation tokens scored for perplexity")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -94,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = [int(k) for k in args.layers.split(",")]
     window = args.prefix_tokens + max(args.text_tokens, args.suffix_tokens + args.max_tokens)
-    ev = QualityEvaluator(args.model, window=window, num_threads=args.threads)
+    ev = QualityEvaluator(args.model, window=window, num_threads=args.num_threads)
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions="int8,int4",
                                     prefix_cache_across_morph="preserve", num_kv_blocks=2 * math.ceil(window / 16) + 8,
-                                    max_model_len=window + 16, num_threads=args.threads))
-    order = list(engine.morph.controller.swap_order)
+                                    max_model_len=window + 16, num_threads=args.num_threads))
+    order = list(engine.resource_manager(MorphRuntime).controller.swap_order)
     builder = PromptBuilder(engine.tokenizer, default_text_path().read_text(encoding="utf-8"))
     rng = random.Random(args.seed)
     samples = [builder.prompt(args.prefix_tokens + args.text_tokens, rng) for _ in range(args.prompts)]

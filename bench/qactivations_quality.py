@@ -23,6 +23,8 @@ from pathlib import Path
 from unittest import mock
 
 from bench.quality import QualityEvaluator
+from serve.config import EMBEDDED_MODEL
+from serve.config_flags import add_engine_flags
 from serve.model import kernels
 from serve.model.quantized_linear import SMALL_BATCH
 
@@ -52,12 +54,12 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.qactivations_quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name, .gguf, HF dir or engine dir")
+    add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "num_threads": 2})
     p.add_argument("--text", type=Path, default=None, help="held-out text (default: Botchan, as bench.quality)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the text evaluated")
     p.add_argument("--window", type=int, default=SMALL_BATCH,
                    help=f"tokens per window (<= {SMALL_BATCH}, so the int8-activation GEMVs run)")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if not 2 <= args.window <= SMALL_BATCH:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernels.ops() is None:
         print("the CPU kernels are unavailable here: int8 activations never run", file=sys.stderr)
         return 2
-    ev = QualityEvaluator(args.model, args.text, num_tokens=args.tokens, window=args.window, num_threads=args.threads)
+    ev = QualityEvaluator(args.model, args.text, num_tokens=args.tokens, window=args.window, num_threads=args.num_threads)
     try:
         n = ev.num_layers
         sigs = {"full precision": "f" * n, "all int8": "8" * n, "all int4": "4" * n}

@@ -6,7 +6,7 @@ Each mode gets its own engine (static modes quantize every layer at start, plain
 model is not an engine directory). Decode tok/s at batch B = B * (N - 1) / (time(N new tokens) - time(1
 new token)), so prefill is excluded; prefill tok/s = one 512-token prompt, one new token. Every metric is
 measured ``--repeats`` times with the modes interleaved (this VM is noisy); the median and the min..max
-spread are reported, and each mode's ratio against ``off`` from the medians. The kernel each quantized
+spread are reported (``median [min-max]``), and each mode's ratio against ``off`` from the medians. The kernel each quantized
 mode ran on (serve.model.kernels) is printed with the results.
 """
 
@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import make_prompts, ours_generate
-from serve.config import EngineConfig
+from bench.repeats import span
+from serve.config import EMBEDDED_MODEL, EngineConfig
+from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.model import kernels
 
@@ -33,8 +35,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _engine(mode: str, threads: int) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(morph_mode=mode, max_num_seqs=64, max_num_batched_tokens=512,
+def _engine(mode: str, threads: int, model: str) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=model, morph_mode=mode, max_num_seqs=64, max_num_batched_tokens=512,
                                     num_threads=threads))
     ours_generate(engine, [[100, 200, 300]], 2)  # static modes swap every layer before serving starts
     precisions = {layer.precision for layer in engine.model.layers}
@@ -48,19 +50,20 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], new: int) -> float:
     return len(prompts) * (new - 1) / max(t_full - t_one, 1e-9)
 
 
-def run(modes: list[str], batches: list[int], new: int, repeats: int, threads: int) -> dict:
+def run(modes: list[str], batches: list[int], new: int, repeats: int, threads: int, model: str = EMBEDDED_MODEL,
+        prefill_tokens: int = 512) -> dict:
     torch.set_num_threads(threads)
-    engines = {m: _engine(m, threads) for m in modes}
+    engines = {m: _engine(m, threads, model) for m in modes}
     vocab = next(iter(engines.values())).model_config.vocab_size
     rng = random.Random(0)
     work = {f"decode tok/s, batch {b}": (make_prompts(rng, b, 32, vocab), new) for b in batches}
-    work["prefill tok/s, 512-token prompt"] = (make_prompts(rng, 1, 512, vocab), None)
+    work[f"prefill tok/s, {prefill_tokens}-token prompt"] = (make_prompts(rng, 1, prefill_tokens, vocab), None)
     samples: dict[str, dict[str, list[float]]] = {k: {m: [] for m in modes} for k in work}
     for _ in range(repeats):
         for metric, (prompts, n) in work.items():
             for m, engine in engines.items():
                 if n is None:
-                    value = 512 / _timed(lambda: ours_generate(engine, prompts, 1))
+                    value = prefill_tokens / _timed(lambda: ours_generate(engine, prompts, 1))
                 else:
                     value = _decode(engine, prompts, n)
                 samples[metric][m].append(value)
@@ -83,11 +86,10 @@ def to_markdown(result: dict) -> str:
     for r in result["rows"]:
         cells = []
         for m in modes:
-            lo, hi = r["spread"][m]
             ratio = f", {r['vs_off'][m]:.2f}x" if r["vs_off"] and m != "off" else ""
-            cells.append(f"{r['median'][m]:.1f} ({lo:.1f}-{hi:.1f}{ratio})")
+            cells.append(span(r["median"][m], *r["spread"][m]) + ratio)
         lines.append(f"| {r['metric']} | " + " | ".join(cells) + " |")
-    lines.append(f"\nmedian (min-max) of {result['repeats']} interleaved runs, {result['threads']} threads; "
+    lines.append(f"\nmedian [min-max] of {result['repeats']} interleaved runs (x: against off), {result['threads']} threads; "
                  f"quantized kernels: {result['kernels']}")
     return "\n".join(lines)
 
@@ -99,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill row (default: %(default)s)")
+    add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "num_threads": 2})
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     result = run(args.modes.split(","), [int(b) for b in args.batches.split(",") if b], args.new_tokens,
-                 args.repeats, args.threads)
+                 args.repeats, args.num_threads, args.model, args.prefill_tokens)
     if args.json:  # written first: the table below is derived from it
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

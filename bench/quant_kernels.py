@@ -23,8 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.repeats import median_call_us
+from bench.repeats import median_call_us, span
 from serve.model import kernels
+from serve.model.embedded import EMBEDDED_MODEL
 from serve.model.linear import DenseLinear, onednn_available, onednn_linear
 from serve.model.quantized_linear import pack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
@@ -91,7 +92,7 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
     ops = kernels.ops()
     if ops is None:
         raise SystemExit(f"--head needs our kernels: {kernels.describe()}")
-    w = load_model("smollm2-135m").weights["model.embed_tokens.weight"]
+    w = load_model(EMBEDDED_MODEL).weights["model.embed_tokens.weight"]
     blocks = int8_blocks(w)
     if blocks is None:
         raise SystemExit("the embedded model's head is not int8 blocks")
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| rows | " + " | ".join(names) + " |")
     print("|---:|" + "---:|" * len(names))
     for m, cells in result.items():
-        print(f"| {m} | " + " | ".join(f"{cells[n][0]:.0f} ({cells[n][1]:.0f}-{cells[n][2]:.0f})" for n in names) + " |")
-    print(f"\nmicroseconds per {'LM head' if args.head else 'decoder layer'}, median (min-max) of {args.repeats}; {args.threads} threads; "
+        print(f"| {m} | " + " | ".join(span(*cells[n], 0) for n in names) + " |")
+    print(f"\nmicroseconds per {'LM head' if args.head else 'decoder layer'}, median [min-max] of {args.repeats}; {args.threads} threads; "
           f"{kernels.describe()}")
     return 0
 

@@ -1,4 +1,4 @@
-"""Repeated-run verdicts: each figure as the median of N runs with its spread (min-max).
+"""Repeated-run verdicts: each figure as the median of N runs with its spread, written ``median [min-max]``.
 
 A single run on a shared machine moves by more than the differences between modes (the README's P95 TTFT
 moved 0.3-0.5 s between two runs of one command), so the tools that compare modes run each N times,
@@ -49,12 +49,18 @@ def spread(values: Sequence[float]) -> dict[str, float | int | None]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def cell(values: Sequence[float], digits: int = 1) -> str:
-    """``median [min-max]`` (just the value for one run; n/a for none)."""
+def span(median: float, low: float, high: float, digits: int = 1, kind: str = "f") -> str:
+    """``median [low-high]``: the one way the bench tools write a figure with its spread over runs (``kind``: a
+    format type, ``"f"`` or ``"%"``)."""
+    return f"{median:.{digits}{kind}} [{low:.{digits}{kind}}-{high:.{digits}{kind}}]"
+
+
+def cell(values: Sequence[float], digits: int = 1, kind: str = "f") -> str:
+    """``median [min-max]`` of runs (just the value for one run; n/a for none)."""
     if not values:
         return "n/a"
     med = statistics.median(values)
-    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]" if len(values) > 1 else f"{med:.{digits}f}"
+    return span(med, min(values), max(values), digits, kind) if len(values) > 1 else f"{med:.{digits}{kind}}"
 
 
 def _get(result: Mapping[str, Any], path: Sequence[str]) -> float | None:

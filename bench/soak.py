@@ -30,8 +30,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from serve.config import EMBEDDED_MODEL
+from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.triton.client import GenerationError, GrpcStream, generate_http, metric_value, request_inputs, scrape_metrics
 from serve.triton.server import TritonServer
+
+SERVER_FIELDS = ("morph_mode", "device_memory", "num_threads", "max_num_waiting")
+"""The EngineConfig fields the soak sets on its server (config.pbtxt parameters of the same names)."""
 
 MODEL = "morphserve"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Tell me about the sea.",
@@ -113,10 +118,7 @@ def one_request(srv: TritonServer, rng: random.Random) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {"engine_dir": args.engine_dir, "morph_mode": args.morph_mode,
-                              "num_threads": args.num_threads, "max_num_waiting": args.max_num_waiting}
-    if args.device_memory:
-        params["device_memory"] = args.device_memory
+    params: dict[str, Any] = {"engine_dir": args.engine_dir, **engine_kwargs(args, SERVER_FIELDS)}
     outcomes: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
     with TritonServer(params=params) as srv:
@@ -189,11 +191,9 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--engine-dir", default="smollm2-135m")
-    p.add_argument("--morph-mode", default="default")
-    p.add_argument("--device-memory", default="")
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--max-num-waiting", type=int, default=16)
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="the server's engine directory or model (default: %(default)s)")
+    add_engine_flags(p, SERVER_FIELDS, defaults={"morph_mode": "default", "num_threads": 2, "max_num_waiting": 16},
+                     help_suffix=" (the server's parameter {field})")
     p.add_argument("--idle-timeout-s", type=float, default=300.0)
     p.add_argument("--rss-every-s", type=float, default=10.0,
                    help="sample the server process group's resident memory this often (default: %(default)s)")

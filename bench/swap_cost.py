@@ -14,21 +14,22 @@ import statistics
 import time
 
 from policy import FULL, MorphDecision
-from serve.config import EngineConfig
+from serve.config import EMBEDDED_MODEL, EngineConfig
+from serve.config_flags import add_engine_flags
 from serve.morph.runtime import MorphRuntime
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.swap_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="engine directory or model (default: %(default)s)")
+    add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": EMBEDDED_MODEL, "num_threads": 2})
     p.add_argument("--layers", type=int, default=8, help="layers swapped per precision (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     from serve.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions="int8,int4",
-                                    num_threads=args.threads, device_memory="2GiB"))
+                                    num_threads=args.num_threads, device_memory="2GiB"))
     m = engine.resource_manager(MorphRuntime)
     assert m is not None
     bpb = engine.bytes_per_block

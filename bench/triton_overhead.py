@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from serve.config import EngineConfig
+from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.engine.sampling_params import SamplingParams
 from serve.triton.client import GrpcStream
 from serve.triton.server import TritonServer
@@ -60,14 +60,45 @@ def via_ensemble(stream: GrpcStream, max_tokens: int) -> tuple[float, float]:
     return (first or time.perf_counter()) - t0, time.perf_counter() - t0
 
 
+PATHS = ("engine (in-process)", "triton gRPC stream", "ensemble (BLS) gRPC stream")
+
+
+def measure(grpc_url: str, engine, requests: int, max_tokens: int) -> dict[str, list[tuple[float, float]]]:
+    """(TTFT, end-to-end) seconds of ``requests`` sequential requests per path, interleaved (so drift on a noisy
+    machine hits all): ``engine`` in-process (its background loop started), the server's morphserve model and its
+    ``ensemble`` (BLS) model over gRPC streams; each path warmed with one 2-token request first."""
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in PATHS}
+    with GrpcStream(grpc_url) as stream, GrpcStream(grpc_url, model="ensemble") as ens:
+        via_triton(stream, 2)
+        via_ensemble(ens, 2)
+        engine_direct(engine, 2)
+        for _ in range(requests):
+            rows[PATHS[0]].append(engine_direct(engine, max_tokens))
+            rows[PATHS[1]].append(via_triton(stream, max_tokens))
+            rows[PATHS[2]].append(via_ensemble(ens, max_tokens))
+    return rows
+
+
+def to_markdown(rows: dict[str, list[tuple[float, float]]]) -> str:
+    """Medians per path in ms and the two differences: the Triton path's cost and the BLS hop's."""
+    med = {name: (statistics.median(v[0] for v in vals) * 1e3, statistics.median(v[1] for v in vals) * 1e3)
+           for name, vals in rows.items()}
+    lines = ["| path | TTFT ms | end-to-end ms |", "|---|---:|---:|"]
+    lines += [f"| {name} | {ttft:.1f} | {e2e:.1f} |" for name, (ttft, e2e) in med.items()]
+    a, b, c = (med[name] for name in PATHS)
+    lines.append(f"| overhead of the Triton path | {b[0] - a[0]:+.1f} | {b[1] - a[1]:+.1f} |")
+    lines.append(f"| overhead of the BLS hop (ensemble vs morphserve) | {c[0] - b[0]:+.1f} | {c[1] - b[1]:+.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.triton_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-dir", default="smollm2-135m")
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="engine directory or model (default: %(default)s)")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args(argv)
-    from serve.engine.engine import LLMEngine
+    from serve.engine.engine import LLMEngine  # noqa: PLC0415
 
     params = {"engine_dir": args.engine_dir, "morph_mode": "off", "num_threads": 1}
     t0 = time.perf_counter()
@@ -78,27 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(EngineConfig(model=args.engine_dir, num_threads=1))
         engine_load = time.perf_counter() - t1
         engine.start_background()
-        rows = {"engine (in-process)": [], "triton gRPC stream": [], "ensemble (BLS) gRPC stream": []}
-        with GrpcStream(server.grpc_url) as stream, GrpcStream(server.grpc_url, model="ensemble") as ens:
-            via_triton(stream, 2)
-            via_ensemble(ens, 2)
-            engine_direct(engine, 2)  # warm all
-            for _ in range(args.requests):  # interleaved, so drift on this noisy VM hits all
-                rows["engine (in-process)"].append(engine_direct(engine, args.max_tokens))
-                rows["triton gRPC stream"].append(via_triton(stream, args.max_tokens))
-                rows["ensemble (BLS) gRPC stream"].append(via_ensemble(ens, args.max_tokens))
-        engine.shutdown()
+        try:
+            rows = measure(server.grpc_url, engine, args.requests, args.max_tokens)
+        finally:
+            engine.shutdown()
     print(f"startup to ready: tritonserver + model {startup:.2f} s (engine alone loads in {engine_load:.2f} s)")
     print(f"{args.requests} sequential requests, {args.max_tokens} tokens each, medians:")
-    print("| path | TTFT ms | end-to-end ms |")
-    print("|---|---:|---:|")
-    med = {}
-    for name, vals in rows.items():
-        med[name] = (statistics.median(v[0] for v in vals) * 1e3, statistics.median(v[1] for v in vals) * 1e3)
-        print(f"| {name} | {med[name][0]:.1f} | {med[name][1]:.1f} |")
-    a, b, c = med["engine (in-process)"], med["triton gRPC stream"], med["ensemble (BLS) gRPC stream"]
-    print(f"| overhead of the Triton path | {b[0] - a[0]:+.1f} | {b[1] - a[1]:+.1f} |")
-    print(f"| overhead of the BLS hop (ensemble vs morphserve) | {c[0] - b[0]:+.1f} | {c[1] - b[1]:+.1f} |")
+    print(to_markdown(rows))
     return 0
 
 

@@ -10,6 +10,7 @@ import sys
 
 from builder import defaults, levels
 from builder.errors import BuildError
+from serve.config_flags import add_engine_flags
 
 PRECISIONS = defaults.PRECISIONS
 
@@ -50,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Build an engine directory: full-precision weights, per-layer int8 / int4-AWQ / fp8 variants "
         "(nvidia-modelopt), the MorphServe layer-importance swap order (LIS), a manifest, and TensorRT-LLM "
         "checkpoints. Idempotent and atomic."))
-    p.add_argument("--model", default=defaults.MODEL,
-                   help="embedded model name (smollm2-135m), a .gguf file or a Hugging Face directory (default: %(default)s)")
+    add_engine_flags(p, ("model",), defaults={"model": defaults.MODEL}, help_overrides={
+        "model": "the model to build from: embedded model name, a .gguf file or a Hugging Face directory"})
     p.add_argument("--output", default=None, help="engine directory to write (default: engines/<model name>)")
     p.add_argument("--precisions", type=_precisions, default=PRECISIONS,
                    help="comma-separated variants to build, from int8,int4,fp8 (default: int8,int4,fp8)")

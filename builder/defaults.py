@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS  # noqa: F401 - the CLI's default list (stdlib-only import)
+from serve.model.embedded import EMBEDDED_MODEL
 
-MODEL = "smollm2-135m"
+MODEL = EMBEDDED_MODEL
 CALIB_TOKENS = 512
 """modelopt calibration tokens (2 sequences of 256): int8 + int4 AWQ + fp8 take ~25 s for SmolLM2-135M."""
 PROFILE_TOKENS = 256

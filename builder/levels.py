@@ -17,8 +17,9 @@ ladder moves layers once the cap is reached). With today's modes: ``int8@25`` (a
 (performance). The static modes (every layer at one precision) are the whole-model checkpoints
 ``trtllm/int8`` and ``trtllm/int4``.
 
-This module is stdlib-only (the CLI parses specs without importing torch); the byte accounting takes a
-:class:`serve.model.model_config.ModelConfig`-like object.
+This module is stdlib-only at import (the CLI parses specs without importing torch): the precisions a level may
+use come from policy's modes, the byte accounting reads the format registry (which imports torch) when called and
+takes a :class:`serve.model.model_config.ModelConfig`-like object.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy.modes import MODES
-from policy.precisions import check_quantized_precision
+from policy.precisions import QUANTIZED_PRECISIONS
 
-LEVEL_PRECISIONS: tuple[str, ...] = ("int8", "int4")
-"""Precisions a level may use: the ladders' precisions. fp8 is in no mode's ladder, and modelopt's
-TensorRT-LLM fp8 export re-derives fused q/k/v and gate/up scales (max of the three), so an fp8 level
-would not hold the runtime's fp8 variants; the whole-model fp8 checkpoint stays at trtllm/fp8."""
+LEVEL_PRECISIONS: tuple[str, ...] = tuple(p for p in QUANTIZED_PRECISIONS if any(p in m.ladder for m in MODES.values()))
+"""Precisions a level may use: those of the modes' ladders (policy/modes.py; today int8 and int4), in policy's
+order. Each must be one a level checkpoint can hold (the format registry's ``TrtllmForm.level``; fp8's is not,
+tests/builder/test_trtllm_levels.py checks it); the whole-model fp8 checkpoint stays at trtllm/fp8."""
 QUARTILES: tuple[int, ...] = (25, 50, 75)
 DEFAULT = "default"
 NONE = "none"
-_SEGMENT = re.compile(r"^(int8|int4|fp8|[a-z0-9]+)@(\d+(?:\.\d+)?)$")
+_SEGMENT = re.compile(r"^([a-z0-9]+)@(\d+(?:\.\d+)?)$")
 
 
 class LevelSpecError(ValueError):
@@ -180,21 +181,26 @@ TRTLLM_LINEARS: dict[str, Any] = {
 not merged for weight-only formats)."""
 
 
+MODELOPT_SCALE_BYTES = 4
+"""modelopt writes every weights_scaling_factor in fp32."""
+
+
 def linear_bytes(out_features: int, in_features: int, precision: str, elt: int, group_size: int) -> int:
     """Bytes of one linear's tensors in a modelopt 0.47 TensorRT-LLM checkpoint (bias excluded).
 
-    full: weight [N, K] in the checkpoint dtype; int8 (W8A16): int8 [N, K] + fp32 weights_scaling_factor [N];
-    int4 (W4A16_AWQ): int4 packed two per int8 [N/2, K] + fp32 weights_scaling_factor [N, K/group] +
-    prequant_scaling_factor [K] in the checkpoint dtype."""
-    n, k = out_features, in_features
+    full: weight [N, K] in the checkpoint dtype; a level precision: the format registry's TensorRT-LLM tensors
+    with fp32 scaling factors (int8 W8A16: int8 [N, K] + weights_scaling_factor [N]; int4 W4A16_AWQ: int4 packed
+    two per int8 [N/2, K] + weights_scaling_factor [N, K/group] + prequant_scaling_factor [K] in the checkpoint
+    dtype)."""
     if precision == "full":
-        return n * k * elt
-    check_quantized_precision(precision)
-    if precision == "int8":
-        return n * k + 4 * n
-    if precision == "int4":
-        return n * k // 2 + 4 * n * (k // group_size) + elt * k
-    raise ValueError(f"no TensorRT-LLM byte accounting for {precision}")
+        return out_features * in_features * elt
+    if precision not in LEVEL_PRECISIONS:
+        raise ValueError(f"no TensorRT-LLM level byte accounting for {precision!r}; level precisions: "
+                         f"{', '.join(LEVEL_PRECISIONS)}")
+    from serve.model.quantized_linear.registry import trtllm_tensor_bytes  # noqa: PLC0415 - torch, only when counting
+
+    return sum(trtllm_tensor_bytes(precision, out_features, in_features, elt, group_size=group_size,
+                                   scale_bytes=MODELOPT_SCALE_BYTES))
 
 
 def layer_linear_bytes(config: Any, precision: str, elt: int, group_size: int) -> int:

@@ -62,14 +62,15 @@ from serve.logging_setup import get_logger
 from serve.model.engine_dir import file_record
 from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.model_config import ModelConfig
+from serve.model.quantized_linear.registry import REGISTRY
 
 log = get_logger("builder.trtllm")
 
 ENGINE_SUBDIR = "engine"
 LEVELS_SUBDIR = "trtllm/levels"
 MIXED_PRECISION = "MIXED_PRECISION"
-QUANT_ALGO_PRECISION = {"W8A16": "int8", "W4A16_AWQ": "int4"}
-"""TensorRT-LLM quant_algo of a level's quantized module -> our precision."""
+QUANT_ALGO_PRECISION = {REGISTRY[p].trtllm.quant_algo: p for p in lv.LEVEL_PRECISIONS}
+"""TensorRT-LLM quant_algo of a level's quantized module -> our precision (the format registry's names)."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_DIRS = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -260,7 +261,7 @@ def as_mixed_precision(out_dir: Path, expected: Mapping[str, str], group_size: i
         algo = layer_cfg.get("quant_algo")
         if algo not in QUANT_ALGO_PRECISION:
             raise ValueError(f"{module}: unexpected quant_algo {algo!r}")
-        if algo == "W4A16_AWQ" and layer_cfg.get("group_size") != group_size:
+        if REGISTRY[QUANT_ALGO_PRECISION[algo]].grouped and layer_cfg.get("group_size") != group_size:
             raise ValueError(f"{module}: group_size {layer_cfg.get('group_size')} != {group_size}")
         got[module] = QUANT_ALGO_PRECISION[algo]
     if got != dict(expected):

@@ -8,6 +8,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.model.embedded import EMBEDDED_MODEL  # also read from here by serve.triton (which may not import serve.model)
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -52,7 +54,7 @@ def check_device_memory(text: str | None) -> None:
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"        # embedded name, .gguf file, or Hugging Face directory
+    model: str = EMBEDDED_MODEL        # embedded name, .gguf file, or Hugging Face directory
     device: str = "cpu"                # cpu | cuda[:N] | auto (CUDA when available)
     dtype: str | None = None           # default: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16
@@ -167,6 +169,12 @@ class EngineConfig:
         if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
 
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The context an engine serves (prompt + output tokens): ``max_model_len`` capped at the model's
+        ``max_position_embeddings``, the model's own when unset. The one rule the engine's assembly, the memory
+        budget and the planner apply."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
 
     def policy_config(self):
         """The controller's PolicyConfig: the mode's preset, the TTFT SLO, --policy overrides, the memory floor."""

@@ -16,10 +16,10 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from serve.config import PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig, without_none
+from serve.config import EMBEDDED_MODEL, PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig, without_none
 
 ENGINE_FLAG_HELP: dict[str, str] = {
-    "model": "engine directory, embedded model name ('smollm2-135m'), .gguf file or Hugging Face directory",
+    "model": f"engine directory, embedded model name ({EMBEDDED_MODEL!r}), .gguf file or Hugging Face directory",
     "device": "cpu, cuda, cuda:N or auto (CUDA when available)",
     "dtype": "model dtype",
     "block_size": "tokens per KV block",

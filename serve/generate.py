@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from serve.config import EngineConfig
+from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    add_engine_flags(p, ENGINE_FIELDS, defaults={"model": "smollm2-135m", "device": "cpu"},
+    add_engine_flags(p, ENGINE_FIELDS, defaults={"model": EMBEDDED_MODEL, "device": "cpu"},
                      aliases={"num_threads": ["--threads"]})
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", timings} as JSON')
     return p

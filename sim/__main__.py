@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.default = None
             action.help = (f"GPU systems: a built-in model ({', '.join(builtin_names())}), an HF config.json or a "
                            f"directory with one (default {DEFAULT_TABLE_MODEL}); local: an engine directory or "
-                           "embedded model name as bench.replay takes (default smollm2-135m)")
+                           f"embedded model name as bench.replay takes (default {ENGINE_DEFAULTS.model})")
         if action.dest in ("max_num_seqs", "max_num_batched_tokens"):
             action.default = None
             action.help = (f"default: {GPU_MAX_NUM_SEQS if action.dest == 'max_num_seqs' else GPU_MAX_NUM_BATCHED_TOKENS} "
@@ -70,7 +70,7 @@ class Planner:
         if args.system == "local":
             from sim.local_target import local_target  # noqa: PLC0415 - loads a real engine
 
-            args.model = args.model or "smollm2-135m"
+            args.model = args.model or ENGINE_DEFAULTS.model
             args.max_num_seqs = args.max_num_seqs or ENGINE_DEFAULTS.max_num_seqs
             args.max_num_batched_tokens = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
             self.target: Target = local_target(args)

@@ -59,9 +59,10 @@ class Target:
 def prompt_tokenizer() -> Tokenizer:
     """The embedded model's tokenizer: the planner builds the replay's prompts from the same text, so prompt
     content (prefix-cache hits) is as in the real replay; lengths come from the trace."""
+    from serve.model.embedded import EMBEDDED_MODEL  # noqa: PLC0415
     from serve.model.loader import load_model  # noqa: PLC0415
 
-    return load_model("smollm2-135m").tokenizer
+    return load_model(EMBEDDED_MODEL).tokenizer
 
 
 def table_target(system: str, model: str, block_size: int, overhead_s: float) -> Target:
@@ -121,7 +122,7 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     engine_cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
     token_id = tokenizer.encode(" the")[-1]
     executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id)  # type: ignore[arg-type]
-    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    max_len = config.context_length(cfg.max_position_embeddings)
     parts = EngineParts(model_config=engine_cfg, tokenizer=tokenizer, max_model_len=max_len,
                         device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, resources=resources,
                         executor=executor)

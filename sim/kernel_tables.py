@@ -28,9 +28,10 @@ from pathlib import Path
 import yaml
 
 from policy import FULL
+from serve.model.quantized_linear.registry import REGISTRY
 
-GEMM_DTYPE = {FULL: "bfloat16", "int8": "int8_wo", "int4": "int4_wo", "fp8": "fp8"}
-"""Our layer precisions -> the GEMM table's dtypes (int4 AWQ / int8 weight-only, fp8 per-tensor)."""
+GEMM_DTYPE = {FULL: "bfloat16", **{p: f.trtllm.gemm_dtype for p, f in REGISTRY.items()}}
+"""Our layer precisions -> the GEMM table's dtypes (the format registry's: int8 / int4 AWQ weight-only, fp8)."""
 
 
 class TableError(ValueError):

@@ -5,12 +5,11 @@
 directory holding one.
 
 Bytes per decoder layer (what the arena holds; norms live outside it, as in the engine), per projection of
-``n x k`` weights, each tensor rounded up to the arena's 64-byte alignment:
-* full (bf16): ``2nk``;
-* int8 weight-only: ``nk`` + a bf16 scale per output channel (``2n``);
-* int4 AWQ, group 128: ``nk/2`` + a bf16 scale per group (``2nk/128``) + AWQ's bf16 pre-quant scale per
-  input channel (``2k``);
-* fp8 (per-tensor scale): ``nk`` + 4.
+``n x k`` weights, each tensor rounded up to the arena's 64-byte alignment: full precision (bf16) ``2nk``; a
+quantized precision its weights, scales and pre-quant scale as TensorRT-LLM holds them in a bf16 engine, from the
+format registry (serve/model/quantized_linear/registry.py, :func:`trtllm_tensor_bytes`): int8 weight-only
+``nk`` + a bf16 scale per output channel; int4 AWQ ``nk/2`` + a bf16 scale per group of 128 + a bf16 pre-quant
+scale per input channel; fp8 ``nk`` + one fp32 scale.
 """
 
 from __future__ import annotations
@@ -25,12 +24,13 @@ from policy import FULL
 from serve.memory.arena import align_up
 from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.model_config import ModelConfig
+from serve.model.quantized_linear.registry import trtllm_tensor_bytes
 from sim.kernel_tables import package_root
 
 HERE = Path(__file__).with_name("model_configs")
 PACKAGE_CONFIGS = {"llama-3.1-8b": "meta-llama--Meta-Llama-3.1-8B_config.json",
                    "llama-3.1-70b": "meta-llama--Meta-Llama-3.1-70B_config.json"}
-INT4_GROUP = 128
+BF16_BYTES = 2
 
 
 def builtin_names() -> list[str]:
@@ -79,16 +79,9 @@ def projections(cfg: ModelConfig) -> list[Projection]:
 
 
 def projection_nbytes(p: Projection, precision: str) -> int:
-    nk = p.n * p.k
     if precision == FULL:
-        return align_up(2 * nk)
-    if precision == "int8":
-        return align_up(nk) + align_up(2 * p.n)
-    if precision == "int4":
-        return align_up(nk // 2) + align_up(2 * nk // INT4_GROUP) + align_up(2 * p.k)
-    if precision == "fp8":
-        return align_up(nk) + align_up(4)
-    raise ValueError(f"unknown precision {precision!r}")
+        return align_up(BF16_BYTES * p.n * p.k)
+    return sum(align_up(b) for b in trtllm_tensor_bytes(precision, p.n, p.k, BF16_BYTES))
 
 
 def layer_nbytes(cfg: ModelConfig, precision: str) -> int:

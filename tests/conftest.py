@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tiny_model import make_tiny_model  # noqa: F401 - the tests' random Llama (shared with bench.gpu_check)
+from serve.model.random_model import make_tiny_model  # noqa: F401 - the tests' random Llama (shared with bench.gpu_check)
 
 torch.set_num_threads(int(os.environ.get("MORPHSERVE_TEST_THREADS", "2")))
 # Measured step costs (cost-aware morph modes) go to a per-user test cache, not ~/.cache; servers inherit it.

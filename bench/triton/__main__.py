@@ -38,15 +38,21 @@ from bench.triton.report import _num, _pct, check_targets, results_markdown, wri
 from bench.triton.requests import make_probes, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, add_quality, assemble_result, parse_params, run_mode
 from bench.workload import add_slo_arguments, add_trace_arguments, build_workload
+from serve.config_flags import add_engine_flags
+from serve.model.embedded import DEFAULT_ENGINE_DIR
 
 DEFAULT_MODES = ("off", "static-int4", "accuracy", "default", "performance")
+SERVER_FIELDS = ("slo_ttft_s", "device_memory", "device", "scheduler", "max_num_seqs", "max_num_batched_tokens",
+                 "max_model_len", "num_threads")
+"""The EngineConfig fields this benchmark sets on every mode's server (config.pbtxt parameters of the same names;
+serve/config_flags.py makes the flags)."""
 
 
 def default_engine_dir() -> str:
-    """engines/smollm2-135m when built (as `make serve` does), else the embedded model."""
+    """The embedded model's engine directory when built (as `make serve` does), else the embedded model."""
     from serve.model.engine_dir import is_engine_dir  # noqa: PLC0415 - torch only when needed
 
-    built = REPO_ROOT / "engines" / defaults.MODEL
+    built = REPO_ROOT / DEFAULT_ENGINE_DIR
     return str(built) if is_engine_dir(built) else defaults.MODEL
 
 
@@ -57,23 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated morph modes, each on a fresh server (default: %(default)s)")
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"),
                    help="where the per-mode JSON, results.md and the plots go (default: %(default)s)")
-    p.add_argument("--slo-ttft", type=float, default=defaults.ENGINE_DEFAULTS.slo_ttft_s, help="TTFT SLO in seconds, also given to the server's "
-                   "policy (default: %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=None, help="optional TPOT SLO in seconds (goodput and violations)")
     g = p.add_argument_group("server")
     g.add_argument("--engine-dir", default=None,
-                   help="engine directory or embedded model name (default: engines/smollm2-135m if built, "
-                        "else smollm2-135m)")
-    g.add_argument("--device-memory", default=defaults.DEVICE_MEMORY, help="memory budget: weights + KV + reserve (default: %(default)s)")
-    g.add_argument("--device", default=None, help="server device: cpu, cuda, cuda:N or auto (default: the model "
-                   "config's, auto)")
-    g.add_argument("--scheduler", default=defaults.ENGINE_DEFAULTS.scheduler, choices=["fcfs", "slai"],
-                   help="the server's scheduling policy (default: %(default)s)")
-    g.add_argument("--max-num-seqs", type=int, default=defaults.ENGINE_DEFAULTS.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.ENGINE_DEFAULTS.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--server-threads", type=int, default=1,
-                   help="torch threads in the server (1 is fastest on a shared 2-core machine; default: %(default)s)")
+                   help=f"engine directory or embedded model name (default: {DEFAULT_ENGINE_DIR} if built, "
+                        f"else {defaults.MODEL})")
+    add_engine_flags(g, SERVER_FIELDS, aliases={"slo_ttft_s": ["--slo-ttft"], "num_threads": ["--server-threads"]},
+                     defaults={"slo_ttft_s": defaults.ENGINE_DEFAULTS.slo_ttft_s, "device_memory": defaults.DEVICE_MEMORY,
+                               "scheduler": defaults.ENGINE_DEFAULTS.scheduler,
+                               "max_num_seqs": defaults.ENGINE_DEFAULTS.max_num_seqs,
+                               "max_num_batched_tokens": defaults.ENGINE_DEFAULTS.max_num_batched_tokens,
+                               "num_threads": 1},
+                     help_overrides={"slo_ttft_s": "TTFT SLO in seconds: the server's policy target and the "
+                                                   "benchmark's SLO",
+                                     "device": "server device: cpu, cuda, cuda:N or auto (default: config.pbtxt's, auto)",
+                                     "num_threads": "torch threads in the server (1 is fastest on a shared 2-core machine)"})
     g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config.pbtxt parameter for every mode (repeatable)")
     g.add_argument("--server-start-timeout", type=float, default=300.0, help="seconds to wait for readiness")
@@ -192,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             from bench.plots import make_plots  # noqa: PLC0415
 
-            plots = make_plots(results, out_dir, slo_ttft_s=args.slo_ttft)
+            plots = make_plots(results, out_dir, slo_ttft_s=args.slo_ttft_s)
         except Exception as exc:  # noqa: BLE001
             log(f"plots: failed: {type(exc).__name__}: {exc}")
     md = results_markdown(results, args, command, desc, retok, plots)

@@ -99,14 +99,14 @@ def results_markdown(results: Mapping[str, Mapping], args: argparse.Namespace, c
         f"- command: `{command}`",
         f"- date (UTC): {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M')}",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}; server torch threads {args.server_threads}",
+        f"Python {platform.python_version()}; server torch threads {args.num_threads}",
         f"- model: {args.engine_dir}; device memory {args.device_memory}; max_num_seqs {args.max_num_seqs}; "
         f"max_num_batched_tokens {args.max_num_batched_tokens}",
         f"- workload: {desc}",
         f"- prompts sent as text: {retok.get('exact')}/{retok.get('requests')} re-tokenize to the requested length "
         f"(mean |diff| {retok.get('mean_abs_diff', 0):.2f}, max {retok.get('max_abs_diff')} tokens; "
         f"{retok.get('sent_tokens')} sent vs {retok.get('requested_tokens')} requested)",
-        f"- SLO: TTFT <= {args.slo_ttft} s" + (f", TPOT <= {args.slo_tpot} s" if args.slo_tpot else ""),
+        f"- SLO: TTFT <= {args.slo_ttft_s} s" + (f", TPOT <= {args.slo_tpot} s" if args.slo_tpot else ""),
         "- metric definitions: vLLM's (`vllm bench serve`): TTFT from the scheduled send time, TPOT = (E2EL - TTFT)"
         " / (tokens - 1), ITL = gaps between streamed chunks; failed requests count as SLO violations.",
         "",

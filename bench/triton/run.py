@@ -56,8 +56,8 @@ def parse_params(pairs: Sequence[str]) -> dict[str, str]:
 def server_params(args: argparse.Namespace, mode: str, max_tokens: int) -> dict[str, object]:
     params: dict[str, object] = {
         "engine_dir": args.engine_dir, "morph_mode": mode, "device_memory": args.device_memory,
-        "slo_ttft_s": args.slo_ttft, "max_num_seqs": args.max_num_seqs, "scheduler": args.scheduler,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.server_threads,
+        "slo_ttft_s": args.slo_ttft_s, "max_num_seqs": args.max_num_seqs, "scheduler": args.scheduler,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.num_threads,
         "seed": args.seed, "max_tokens_limit": max(4096, max_tokens), "log_level": "info",
         "queue_timeout_s": 0,  # replays measure queueing as it is: no default queue deadline
     }
@@ -250,7 +250,7 @@ def assemble_result(mode: str, desc: str, records: Sequence[RequestRecord], info
         reqs_dur = max((r.end_s or t0) for r in reqs) - t0 if reqs else 0.0
     else:
         duration = reqs_dur = 0.0
-    summary = summarize([r.timing() for r in reqs], max(0.0, reqs_dur), args.slo_ttft, args.slo_tpot)
+    summary = summarize([r.timing() for r in reqs], max(0.0, reqs_dur), args.slo_ttft_s, args.slo_tpot)
     engine_defaults = defaults.ENGINE_DEFAULTS
     summary["tiers"] = by_tier(
         [r.timing() for r in reqs],

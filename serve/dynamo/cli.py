@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.config import EngineConfig, parse_policy_overrides, parse_size
+from serve.model.embedded import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags, engine_kwargs
 
 DEFAULT_MODEL_NAME = "morphserve"
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.dynamo",
                                 description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids out).")
     e = p.add_argument_group("engine")
-    add_engine_flags(e, ENGINE_FIELDS, defaults={"model": "smollm2-135m", "morph_mode": "default"})
+    add_engine_flags(e, ENGINE_FIELDS, defaults={"model": EMBEDDED_MODEL, "morph_mode": "default"})
     e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
     e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")

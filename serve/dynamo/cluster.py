@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.dynamo.http import get_json, get_text
+from serve.model.embedded import EMBEDDED_MODEL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -96,7 +97,7 @@ class Proc:
 @dataclass
 class ClusterConfig:
     replicas: int = 2
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     http_port: int = 8080
     system_port_base: int = 8180          # worker i listens on base + i (0 = free ports; all < 32768)
     router_mode: str = "least-loaded"

@@ -12,7 +12,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from serve.config_flags import add_engine_flags
 from serve.dynamo.cluster import Cluster, ClusterConfig
+from serve.model.embedded import EMBEDDED_MODEL
 
 ROUTER_MODES = ("least-loaded", "kv", "round-robin", "random", "power-of-two")
 
@@ -21,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.dynamo.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2, help="workers on this machine (default: %(default)s)")
-    p.add_argument("--model", default="smollm2-135m", help="engine directory or embedded model name")
+    add_engine_flags(p, ("model",), defaults={"model": EMBEDDED_MODEL}, help_suffix=" for every worker")
     p.add_argument("--http-port", type=int, default=8080, help="frontend port on 127.0.0.1 (default: %(default)s)")
     p.add_argument("--system-port-base", type=int, default=8180,
                    help="worker i's /metrics and /engine/control port is BASE+i (default: %(default)s)")

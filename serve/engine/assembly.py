@@ -69,8 +69,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
     plan = None
     if loaded is None:
         loaded, plan = load_model_and_plan(config)
-    max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                        loaded.config.max_position_embeddings)
+    max_model_len = config.context_length(loaded.config.max_position_embeddings)
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, max_model_len)
     policy = config.policy_config()
     plan = resolve_plan(config, policy, loaded.weights, loaded.config.num_layers, plan)

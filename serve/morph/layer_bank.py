@@ -26,7 +26,7 @@ from serve.memory.arena import Arena, SlotRange
 from serve.model.layers import PROJECTIONS
 from serve.model.linear import ConcatLinear, LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
-from serve.model.omp_threads import serial_torch_here
+from serve.process.omp_threads import serial_torch_here
 from serve.model.quantized_linear import fuse_quantized, host_packed
 from serve.morph.placement import arena_nbytes, remap, weight_tensors
 

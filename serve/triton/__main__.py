@@ -18,7 +18,7 @@ from serve.logging_setup import configure_logging, get_logger
 from serve.triton.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH
 from serve.triton.http_front import FrontOptions
 from serve.triton.install import TritonLaunchError
-from serve.config import parse_policy_overrides
+from serve.config import EMBEDDED_MODEL, parse_policy_overrides
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.triton.model_params import validate_params
 from serve.triton.repository import (
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-dir",
         default=None,
-        help="engine directory, GGUF file, HF directory, or 'smollm2-135m' (embedded default); "
+        help=f"engine directory, GGUF file, HF directory, or {EMBEDDED_MODEL!r} (embedded default); "
         "overrides the engine_dir parameter of config.pbtxt",
     )
     p.add_argument("--http-port", type=int, default=_env_port("HTTP_PORT", 8000), help="HTTP port")

@@ -329,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", default=None, help="generate exactly --max-tokens tokens")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--url", default=None, help=f"host:port (default {DEFAULT_GRPC_URL} for gRPC, {DEFAULT_HTTP_URL} for HTTP)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model name on the server")
+    p.add_argument("--model-name", "--model", dest="model_name", default=DEFAULT_MODEL,
+                   help="the model's name on the server, as serve.triton's --model-name (default: %(default)s). "
+                        "--model is a deprecated alias kept for old scripts: every other command's --model names an "
+                        "engine source")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a response")
     p.add_argument("--json", action="store_true", help="print the completion and timings as one JSON object")
     return p
@@ -350,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     cb = on_text if streaming_print else None
     try:
         if args.protocol == "grpc":
-            c = generate_grpc(args.prompt, url=args.url or DEFAULT_GRPC_URL, model=args.model, on_text=cb,
+            c = generate_grpc(args.prompt, url=args.url or DEFAULT_GRPC_URL, model=args.model_name, on_text=cb,
                               timeout=args.timeout, stream=args.stream, **options)
         else:
-            c = generate_http(args.prompt, url=args.url or DEFAULT_HTTP_URL, model=args.model, stream=args.stream,
+            c = generate_http(args.prompt, url=args.url or DEFAULT_HTTP_URL, model=args.model_name, stream=args.stream,
                               on_text=cb, timeout=args.timeout, **options)
     except (GenerationError, TimeoutError, OSError) as e:
         sys.stderr.write(f"error: {e}\n")

@@ -204,6 +204,22 @@ def test_default_levels_are_the_ladders_of_the_modes() -> None:
             assert all(f"{rung}@{cap}" in lv.default_levels() for rung in mode.ladder[1:]), mode.mode
 
 
+def test_level_precisions_are_the_ladders_precisions_a_level_checkpoint_can_hold() -> None:
+    """The modes' ladders (policy/modes.py) name what a level may use, the format registry what a level checkpoint
+    can hold (fp8's modelopt export re-derives fused scales) and how its modules' quant_algo reads; a checkpoint's
+    bytes are the registry's TensorRT-LLM tensors with fp32 scaling factors."""
+    from builder.trtllm_export import QUANT_ALGO_PRECISION
+    from serve.model.quantized_linear import REGISTRY
+
+    assert lv.LEVEL_PRECISIONS == tuple(p for p in REGISTRY if any(p in m.ladder for m in MODES.values())) == ("int8", "int4")
+    assert all(REGISTRY[p].trtllm.level for p in lv.LEVEL_PRECISIONS) and not REGISTRY["fp8"].trtllm.level
+    assert QUANT_ALGO_PRECISION == {"W8A16": "int8", "W4A16_AWQ": "int4"}
+    assert lv.linear_bytes(576, 1536, "int4", 2, 64) == 576 * 1536 // 2 + 4 * 576 * (1536 // 64) + 2 * 1536
+    assert lv.linear_bytes(576, 1536, "int8", 2, 64) == 576 * 1536 + 4 * 576
+    with pytest.raises(ValueError, match="no TensorRT-LLM level byte accounting for 'fp8'"):
+        lv.linear_bytes(576, 1536, "fp8", 2, 64)
+
+
 def test_parse_levels() -> None:
     assert lv.parse_levels("default") is None and lv.parse_levels("none") == ()
     assert lv.parse_levels(" int4@50 ,int8@25.0, int4@12.5+int8@25") == ("int4@50", "int8@25", "int4@12.5+int8@25")

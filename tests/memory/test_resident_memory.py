@@ -27,8 +27,8 @@ from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.executor import HEAP_RELEASE_INTERVAL_S
 from serve.engine.sampling_params import SamplingParams
-from serve.model.heap import release_free_heap
-from serve.model.omp_threads import on_short_lived_thread
+from serve.process.heap import release_free_heap
+from serve.process.omp_threads import on_short_lived_thread
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 linux_glibc = pytest.mark.skipif(not Path("/proc/self/status").is_file() or not release_free_heap(),

@@ -1,6 +1,6 @@
 """The CUDA path, run where a GPU is present (``make gpu-check``); skipped everywhere else.
 
-Random models built in place (bench/tiny_model.py), so nothing needs the embedded GGUF: greedy tokens against
+Random models built in place (serve/model/random_model.py), so nothing needs the embedded GGUF: greedy tokens against
 transformers on the same GPU, the quantized kernels against their dequantized weights, int4 layouts across
 devices, seeded sampling on device generators, NVML, and the morphing engine in bfloat16 with the arena's
 device memory flat across swaps.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.tiny_model import make_tiny_model
+from serve.model.random_model import make_tiny_model
 from policy import FULL
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine

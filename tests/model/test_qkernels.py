@@ -224,7 +224,7 @@ def test_engine_attends_prompt_chunks_with_the_kernel_and_generates_like_sdpa(ti
     """Every prompt chunk goes through the kernel once per layer (whole prompts, the later chunk of a prompt the
     token budget splits, and the uncached tail of a prompt whose prefix is cached), and greedy tokens equal those
     of the SDPA path."""
-    from bench.tiny_model import make_tiny_model
+    from serve.model.random_model import make_tiny_model
     from serve.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams

@@ -4,6 +4,8 @@ CUDA capability)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,6 +58,27 @@ def test_unknown_precisions_are_refused() -> None:
         quant_format("int3")
     with pytest.raises(ValueError, match="unknown precision"):
         quantize_linear_rtn(_weight(), "int3")
+
+
+def test_trtllm_tensor_bytes_are_the_deployment_formats() -> None:
+    """Weights, scales and AWQ pre-quant scale of one [4096, 11008] linear as TensorRT-LLM holds it in a bf16 engine
+    (the planner's) and in modelopt's checkpoint (fp32 scaling factors, the builder's), per format."""
+    n, k = 4096, 11008
+    assert registry.trtllm_tensor_bytes("int8", n, k, 2) == (n * k, 2 * n, 0)
+    assert registry.trtllm_tensor_bytes("int4", n, k, 2) == (n * k // 2, 2 * n * (k // 128), 2 * k)
+    assert registry.trtllm_tensor_bytes("fp8", n, k, 2) == (n * k, 4, 0)
+    assert registry.trtllm_tensor_bytes("int4", n, k, 2, group_size=64, scale_bytes=4) == (n * k // 2, 4 * n * (k // 64), 2 * k)
+    assert registry.trtllm_tensor_bytes("int8", n, k, 2, scale_bytes=4) == (n * k, 4 * n, 0)
+    assert [f.trtllm.quant_algo for f in REGISTRY.values()] == ["W8A16", "W4A16_AWQ", "FP8"]
+    with pytest.raises(ValueError, match="unknown precision"):
+        registry.trtllm_tensor_bytes("int3", n, k, 2)
+
+
+def test_the_registry_check_catches_grouping_that_disagrees_with_the_trtllm_scales(monkeypatch) -> None:
+    int8 = REGISTRY["int8"]
+    monkeypatch.setitem(REGISTRY, "int8", dataclasses.replace(int8, trtllm=dataclasses.replace(int8.trtllm, scales="group")))
+    with pytest.raises(RuntimeError, match="TensorRT-LLM scales"):
+        registry.check_registry()
 
 
 def test_cuda_capabilities_come_from_the_registry() -> None:

@@ -116,6 +116,21 @@ def test_auto_budget_on_cpu_holds_one_full_context_request(tiny) -> None:
     assert engine.pool.num_blocks == math.ceil(tiny.config.max_position_embeddings / 16)
 
 
+def test_one_context_length_rule_for_the_engine_and_the_budget(tiny) -> None:
+    """``EngineConfig.context_length``: max_model_len capped at the model's context, the model's when unset; the
+    engine's assembly serves it (the planner's: tests/sim) and auto_budget sizes its one request by it."""
+    assert EngineConfig(max_model_len=1000).context_length(8192) == 1000
+    assert EngineConfig(max_model_len=1000).context_length(512) == 512
+    assert EngineConfig().context_length(512) == 512
+    for configured in (100, 100000, None):
+        engine = LLMEngine(EngineConfig(max_model_len=configured, num_kv_blocks=8), loaded=tiny)
+        try:
+            assert engine.max_model_len == EngineConfig(max_model_len=configured).context_length(512) == min(configured or 512, 512)
+        finally:
+            engine.shutdown()
+    assert auto_budget(EngineConfig(device_memory="auto", max_model_len=100000), "cpu", 512).num_kv_blocks == 512 // 16
+
+
 def test_auto_budget_rule() -> None:
     auto = EngineConfig(device_memory="auto", max_model_len=1000, block_size=16)
     assert auto_budget(auto, "cpu", 8192).num_kv_blocks == 63 and auto_budget(auto, "cpu", 8192).device_memory is None

@@ -4,6 +4,9 @@ to the EngineConfig it builds, with the field's type, choices and the entry poin
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +61,49 @@ def test_the_dynamo_worker_reaches_cuda_and_slai_through_its_flags() -> None:
 
     opts = parse_worker_args(["--device", "cuda:1", "--dtype", "bfloat16", "--scheduler", "slai"])
     assert (opts.engine.device, opts.engine.dtype, opts.engine.scheduler) == ("cuda:1", "bfloat16", "slai")
+
+
+# ------------------------------------------------------------------------- no engine flag written by hand
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FLAG_EXEMPT = {("serve/triton/client.py", "--model"): "deprecated alias of --model-name (the served model's name)"}
+"""(file, flag) pairs that spell an EngineConfig field's flag without meaning the field, each with its reason."""
+
+
+def hand_written_engine_flags(paths: list[Path]) -> list[str]:
+    """``add_argument("--max-num-seqs", ...)``-style calls spelling an EngineConfig field's flag (``--model`` included:
+    an engine source everywhere) outside serve/config_flags.py; bench/peers/ runs in the peers' venvs, without ours.
+    ``--seed`` is left out: every command's seeds what it draws (a request's sampling, a workload, a calibration);
+    EngineConfig.seed is no command's flag."""
+    flags = {flag_name(f.name) for f in dataclasses.fields(EngineConfig) if f.name != "seed"}
+    found = []
+    for path in paths:
+        rel = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+                for arg in node.args:
+                    if isinstance(arg, ast.Constant) and arg.value in flags and (rel, arg.value) not in FLAG_EXEMPT:
+                        found.append(f"{rel}:{node.lineno}: {arg.value}")
+    return found
+
+
+def test_every_cli_takes_its_engine_flags_from_config_flags() -> None:
+    """One meaning, name, type and help per engine flag: every command line adds them with add_engine_flags."""
+    paths = [p for top in ("serve", "bench", "builder", "sim", "policy") for p in (REPO_ROOT / top).rglob("*.py")
+             if "__pycache__" not in p.parts and "peers" not in p.parts and p.name != "config_flags.py"]
+    assert hand_written_engine_flags(paths) == []
+
+
+def test_the_flag_check_finds_a_hand_written_engine_flag(tmp_path: Path) -> None:
+    f = tmp_path / "cli.py"
+    f.write_text('import argparse\np = argparse.ArgumentParser()\np.add_argument("--threads")\n'
+                 'p.add_argument("--max-num-seqs", type=int)\ng = p.add_argument_group("x")\ng.add_argument("--model")\n')
+    assert hand_written_engine_flags([f]) == ["cli.py:4: --max-num-seqs", "cli.py:6: --model"]
+
+
+def test_the_clients_served_model_name_is_model_name_and_model_an_alias() -> None:
+    from serve.triton.client import build_parser
+
+    assert build_parser().parse_args(["--prompt", "x", "--model-name", "ensemble"]).model_name == "ensemble"
+    assert build_parser().parse_args(["--prompt", "x", "--model", "ensemble"]).model_name == "ensemble"
+    assert "deprecated alias" in build_parser().format_help()

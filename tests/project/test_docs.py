@@ -42,7 +42,7 @@ ENTRY_POINTS = ("serve.triton", "serve.dynamo", "serve.dynamo.launch", "bench.re
 # itself (only its own venv has it); its command line lives in serve/dynamo/cli.py, which does not.
 PARSER_MODULES = {"serve.dynamo": "serve.dynamo.cli"}
 # make variables that carry flags of one module (Makefile: WORKER_ARGS goes to every Dynamo worker, ...).
-MAKE_ARG_VARS = {"WORKER_ARGS": "serve.dynamo", "BUILD_ARGS": "builder", "COSTS_ARGS": "bench.step_costs",
+MAKE_ARG_VARS = {"WORKER_ARGS": "serve.dynamo", "BUILD_ARGS": "builder", "COSTS_ARGS": "builder.step_costs",
                  "BENCH_ARGS": "bench.triton", "AIPERF_ARGS": "bench.aiperf", "PEER_ARGS": "bench.peer",
                  "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak", "GPU_CHECK_ARGS": "bench.gpu_check",
                  "PLAN_ARGS": "sim"}

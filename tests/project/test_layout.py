@@ -25,20 +25,25 @@ ALLOWED: dict[str, set[str]] = {
     "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
     # per-request TTFT / ITL / finish accounting for every front end; reads RequestOutput by duck type (no engine)
     "serve.request_tracker": {"serve.metrics_catalogue"},
-    "serve.config": {"policy"},
+    "serve.config": {"serve.model", "policy"},  # serve.model.embedded: the embedded model's name (stdlib only)
     "serve.config_flags": {"serve.config", "policy"},  # EngineConfig fields as command-line flags (every CLI)
     "serve.model": {"policy"},
+    # process tuning: the C heap's free pages back to the OS, one OpenMP team per process (stdlib + torch)
+    "serve.process": set(),
     "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
-    "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
+    "serve.morph": {"serve.memory", "serve.model", "serve.process", "serve.config", "serve.logging_setup", "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
-    "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
+    "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.process", "serve.config",
+                     "serve.logging_setup", "policy"},
     "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue", "policy"},
     "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
                      "serve.request_tracker", "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.config_flags", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "serve.request_tracker",
                       "policy"},
-    "builder": {"serve.model", "serve.logging_setup", "policy"},
+    # builder.step_costs (make build-engines' second step) times the layers as an engine's layer bank serves them
+    "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config",
+                "serve.config_flags"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
     "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
             "serve.logging_setup", "policy"},
@@ -208,7 +213,8 @@ def test_the_length_check_finds_a_long_file(tmp_path: Path) -> None:
     assert long_files_without_reason([plain, reasoned]) == [f"{plain}: {MAX_LINES + 1} lines"]
 
 
-TEST_ROOMS = {"policy", "model", "memory", "morph", "engine", "triton", "dynamo", "builder", "bench", "project"}
+TEST_ROOMS = {"policy", "model", "process", "memory", "morph", "engine", "triton", "dynamo", "builder", "bench", "sim",
+              "project"}
 
 
 def test_tests_live_in_the_room_of_what_they_test() -> None:

@@ -11,7 +11,7 @@ teams of two threads on two CPUs.
 So the serving process keeps exactly one team, the stepping thread's:
 - :func:`on_short_lived_thread` runs heavy setup (loading and packing the weights) on a thread that exits after,
   and libgomp frees a thread's team when the thread exits (the setup's freed temporaries go back to the OS
-  then too: serve/model/heap.py);
+  then too: serve/process/heap.py);
 - :func:`serial_torch_here` makes a long-lived helper thread (the morph runtime's copy worker) run its torch ops
   without a team of its own.
 """
@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from serve.model.heap import release_free_heap
+from serve.process.heap import release_free_heap
 
 T = TypeVar("T")
 

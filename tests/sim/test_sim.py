@@ -18,8 +18,9 @@ from serve.engine.engine import LLMEngine
 from sim.__main__ import main as plan_main
 from sim.assemble import build_engine, table_target
 from sim.clock import VirtualClock
-from sim.kernel_tables import KernelTables, TableError, package_root
-from sim.model_specs import load_model_config, projections
+from serve.model.quantized_linear import REGISTRY
+from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError, package_root
+from sim.model_specs import layer_nbytes, load_model_config, projections
 from sim.step_model import BatchShape, TableStepModel
 from tests.conftest import SHARED_DATA
 from serve.morph.runtime import MorphRuntime
@@ -72,6 +73,35 @@ def test_step_time_at_measured_points_is_the_sum_of_table_values(a100: KernelTab
     assert len(row) == 1 and attn == pytest.approx(row[0]["latency"] / 1e3)
     quantized = model.step_s(batch, ["int4"] * 16 + [FULL] * 16)
     assert quantized == pytest.approx(expected + 16 * (model.layer_linears_s("int4", 32) - model.layer_linears_s(FULL, 32)))
+
+
+def test_layer_bytes_and_kernel_names_are_the_format_registrys(a100: KernelTables) -> None:
+    """A llama-2-7b layer per precision as the planner sizes it (a bf16 TensorRT-LLM engine, each tensor 64-byte
+    aligned), written out here: bf16 weights; int8 + a bf16 scale per channel; int4 + a bf16 scale per 128-group +
+    AWQ's bf16 pre-quant scale; fp8 + one fp32 scale. The bytes and the GEMM kernels looked up come from the
+    registry's TensorRT-LLM forms, and every kernel name is one the tables measured (on some GPU)."""
+    cfg = load_model_config("llama-2-7b")
+    shapes = [(3 * 4096, 4096), (4096, 4096), (2 * 11008, 4096), (4096, 11008)]  # qkv, o, gate_up, down
+
+    def a(nbytes: int) -> int:
+        return -(-nbytes // 64) * 64
+
+    expected = {FULL: sum(a(2 * n * k) for n, k in shapes),
+                "int8": sum(a(n * k) + a(2 * n) for n, k in shapes),
+                "int4": sum(a(n * k // 2) + a(2 * n * k // 128) + a(2 * k) for n, k in shapes),
+                "fp8": sum(a(n * k) + a(4) for n, k in shapes)}
+    assert {p: layer_nbytes(cfg, p) for p in expected} == expected
+    assert GEMM_DTYPE == {FULL: "bfloat16", **{p: f.trtllm.gemm_dtype for p, f in REGISTRY.items()}}
+    assert set(GEMM_DTYPE.values()) <= set(a100.gemm_dtypes) | set(KernelTables("h200_sxm").gemm_dtypes)  # A100: no fp8
+
+
+def test_the_planners_engine_serves_the_configs_context_length() -> None:
+    """The plan's engine takes EngineConfig.context_length, as the server's assembly does: capped at the model's."""
+    target = table_target("a100_sxm", "llama-2-7b", 16, 0.001)
+    model_max = target.model_config.max_position_embeddings
+    for configured in (1024, 10 * model_max, None):
+        engine = build_engine(EngineConfig(max_model_len=configured, device_memory="24GiB"), target, VirtualClock())
+        assert engine.max_model_len == min(configured or model_max, model_max)
 
 
 def test_a_precision_the_tables_lack_is_refused_not_invented() -> None:

@@ -1,5 +1,6 @@
-"""A random Llama and a byte-level tokenizer built in place: models for tests and device checks that must
-not depend on downloaded or embedded weights (the GPU check runs where the embedded GGUF is absent)."""
+"""A random Llama and a byte-level tokenizer built in place: models for tests, smoke checks of the bench tools and
+device checks that must not depend on downloaded or embedded weights (the GPU check runs where the embedded GGUF is
+absent). In serve/model so that tests and bench/ share it without the tests importing bench."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One OpenMP team per serving process (serve/model/omp_threads.py): loading leaves no team behind, the stepping
+"""One OpenMP team per serving process (serve/process/omp_threads.py): loading leaves no team behind, the stepping
 thread has the only one, and the morph runtime's copy worker runs its torch ops without one. Threads are counted
 in /proc, so these tests see the real libgomp workers."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve.model.omp_threads import _libgomp, on_short_lived_thread, serial_torch_here
+from serve.process.omp_threads import _libgomp, on_short_lived_thread, serial_torch_here
 from tests.morph_support import morph
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,75 @@
+"""Per-precision step cost of a decoder layer on this machine, into the engine directory: the second step of
+``make build-engines`` (after ``python -m builder``).
+
+  .venv/bin/python -m builder.step_costs --model engines/smollm2-135m [--force] [--repeats 7] [--threads 2]
+
+Times one decoder layer's linears at full precision and at every quantized variant the engine holds, at
+decode batch sizes 1 / 8 / 32 and prefill chunks of 128 / 512 tokens (serve/model/step_costs.py), prints
+the table, and stores it in ``<engine dir>/step_costs.json`` and the per-machine cache under this machine's
+key, where the cost-aware morph modes find it at start. An entry already there for this machine is reused
+(printed) unless ``--force``. The layers are timed as an engine serves them (its layer bank: fused and packed as
+the engine fuses and packs them), so this step starts one; ``python -m bench.step_costs`` is the older spelling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from policy import FULL
+from serve.config import EngineConfig
+from serve.config_flags import add_engine_flags
+from serve.model.embedded import DEFAULT_ENGINE_DIR
+from serve.model.quantized_linear import REGISTRY
+from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure, store
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m builder.step_costs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(p, ("model", "num_threads", "device"), aliases={"num_threads": ["--threads"]},
+                     defaults={"model": DEFAULT_ENGINE_DIR, "num_threads": 2, "device": "cpu"},
+                     help_overrides={"num_threads": "torch threads, as the server runs them"})
+    p.add_argument("--precisions", default=None, help="quantized precisions (default: int8,int4; fp8 too on CUDA)")
+    p.add_argument("--repeats", type=int, default=7, help="repetitions, fastest kept (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="measure even if this machine's entry exists")
+    args = p.parse_args(argv)
+    from serve.engine.engine import LLMEngine  # noqa: PLC0415
+    from serve.morph.runtime import MorphRuntime  # noqa: PLC0415
+    from serve.morph.setup import cost_inputs  # noqa: PLC0415
+
+    cuda = args.device.startswith("cuda") or args.device == "auto"
+    precisions = args.precisions or ",".join(p for p, fmt in REGISTRY.items() if cuda or fmt.cpu_kernel)
+    engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions=precisions,
+                                    policy_overrides={"cost_aware": False}, num_threads=args.num_threads,
+                                    device=args.device, num_kv_blocks=8))
+    try:
+        runtime = engine.resource_manager(MorphRuntime)
+        assert runtime is not None
+        layers, shape, head = cost_inputs(engine.model, runtime.bank)
+        model = engine.model
+        key = machine_key(model.device, model.dtype, shape)
+        engine_dir = Path(args.model) if (Path(args.model) / "manifest.json").is_file() else None
+        targets = ([engine_dir / COSTS_FILE] if engine_dir else []) + [cache_path()]
+        costs = None if args.force else lookup(targets[0], key, list(layers))
+        if costs is not None:
+            print(f"step costs for this machine already in {targets[0]} (--force re-measures)")
+        else:
+            costs = measure(layers, shape, model.device, model.dtype, head=head, repeats=args.repeats)
+        for path in targets:
+            store(path, key, costs)
+        print(costs.table())
+        quantized = [q for q in costs.precisions if q != FULL]
+        slower = [q for q in quantized if all(costs.ratio(q, n) > 1 for n in costs.token_counts)]
+        print(f"\nkey {key}\nstored in {', '.join(map(str, targets))}")
+        if slower:
+            print(f"slower than full precision at every size here: {', '.join(slower)} (the cost-aware modes "
+                  "quantize them only when the KV they free pays for it)")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""``make build-engines``' second step (builder/step_costs.py): this machine's per-precision step costs measured on
+the layers an engine serves, stored beside the manifest and read back by an engine started on that directory."""
+
+from __future__ import annotations
+
+import shutil
+
+from builder import step_costs as cli
+from serve.config import EngineConfig
+from serve.engine.engine import LLMEngine
+from serve.model import step_costs as sc
+from tests.morph_support import morph
+
+
+def test_build_step_costs_into_the_engine_dir_and_the_engine_reads_them(built, tmp_path, monkeypatch, capsys) -> None:
+    """``make build-engines``' second step: the table printed, step_costs.json beside the manifest; an engine
+    started on that directory takes its costs from there (nothing measured, nothing cached)."""
+    eng = tmp_path / "eng"
+    shutil.copytree(built.path, eng)
+    monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["--model", str(eng), "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| full |" in out and "| int4 |" in out and "| int8 |" in out
+    assert (eng / sc.COSTS_FILE).is_file()
+    assert cli.main(["--model", str(eng)]) == 0 and "already in" in capsys.readouterr().out
+    sc.cache_path().unlink()
+    e = LLMEngine(EngineConfig(model=str(eng), morph_mode="default", num_kv_blocks=8, max_model_len=64))
+    try:
+        assert morph(e).controller.costs is not None and not sc.cache_path().exists()
+    finally:
+        e.shutdown()
+
+
+def test_the_older_spelling_runs_the_same_command() -> None:
+    """``python -m bench.step_costs`` (named by dated reports) is the builder's command, not a copy of it."""
+    from bench import step_costs as old
+
+    assert old.main is cli.main
