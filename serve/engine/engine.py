@@ -66,7 +66,7 @@ class LLMEngine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
-            # thread's OpenMP team stays the only one in the process (serve/model/omp_threads.py says why that matters).
+            # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
             parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
         self._assemble(config, parts)
         # structured output: built or assembled alike (compiles nothing until a guided request arrives)

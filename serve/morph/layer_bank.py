@@ -108,7 +108,7 @@ class LayerBank:
         # the full-precision layers as views into their regions (valid whenever the region holds full weights)
         self.full_views = [model.layers[i] for i in range(len(model.layers))]
         # The copy worker runs its copies serially: a team of its own would throttle the stepping thread's
-        # (serve/model/omp_threads.py), and a layer's memcpy needs no second core.
+        # (serve/process/omp_threads.py), and a layer's memcpy needs no second core.
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morphserve-swap",
                                            initializer=serial_torch_here)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
