@@ -23,21 +23,24 @@ ALLOWED: dict[str, set[str]] = {
     "serve": set(),  # the package itself (its __init__ sets OpenMP defaults, stdlib only)
     "serve.logging_setup": set(),
     "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
+    "serve.error_kinds": set(),  # why a request was refused or ended early: the engine's and every front end's words
     # per-request TTFT / ITL / finish accounting for every front end; reads RequestOutput by duck type (no engine)
-    "serve.request_tracker": {"serve.metrics_catalogue"},
+    "serve.request_tracker": {"serve.metrics_catalogue", "serve.error_kinds"},
     "serve.config": {"policy"},
     "serve.config_flags": {"serve.config", "policy"},  # EngineConfig fields as command-line flags (every CLI)
     "serve.model": {"policy"},
     "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
     "serve.morph": {"serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
-    "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup", "policy"},
-    "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue", "policy"},
+    "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.logging_setup",
+                     "serve.error_kinds", "policy"},
+    "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
+                     "serve.error_kinds", "policy"},
     "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
-                     "serve.request_tracker", "policy"},
+                     "serve.request_tracker", "serve.error_kinds", "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.config_flags", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "serve.request_tracker",
-                      "policy"},
+                      "serve.error_kinds", "policy"},
     "builder": {"serve.model", "serve.logging_setup", "policy"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
     "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
