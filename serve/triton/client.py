@@ -161,10 +161,12 @@ class GrpcStream:
             self.client.stop_stream(cancel_requests=True)
             self._open = False
 
-    def send(self, arrays: dict[str, np.ndarray], request_id: str | None = None) -> str:
+    def send(self, arrays: dict[str, np.ndarray], request_id: str | None = None,
+             parameters: dict[str, Any] | None = None) -> str:
+        """Send one request (``parameters``: request parameters, e.g. any input by name)."""
         rid = request_id or uuid.uuid4().hex
         self.client.async_stream_infer(self.model, grpc_inputs(arrays), request_id=rid,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, parameters=parameters)
         return rid
 
     def responses(self, timeout: float = 120.0) -> Iterator[dict[str, Any]]:
