@@ -23,7 +23,8 @@ pytest.importorskip("tritonclient.grpc")
 from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 from serve.error_kinds import ErrorKind  # noqa: E402
-from serve.triton.client import GenerationError, GrpcStream, metric_value, request_inputs, scrape_metrics  # noqa: E402
+from serve.triton.client import (GenerationError, GrpcStream, generate_http, metric_value, request_inputs,  # noqa: E402
+                                 scrape_metrics)
 from serve.triton.controls import new_inner_request_id  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
@@ -79,16 +80,11 @@ def wait_for(cond, what: str, timeout: float = 90.0) -> None:
 
 
 def stream(srv: TritonServer, i: int, started: threading.Event, out: dict[int, Any]) -> None:
+    """One client streaming over HTTP (through the door, whose requests all carry Triton request id "")."""
     try:
-        with GrpcStream(srv.grpc_url, MODEL) as s:
-            s.send(request_inputs(f"Client {i}: count slowly: 1, 2,", max_tokens=TOKENS, ignore_eos=True,
-                                  stream=True, temperature=0.0))
-            n, last = 0, {}
-            for item in s.responses(timeout=300):
-                n += bool(item.get("text_output"))
-                started.set()
-                last = item
-            out[i] = (last.get("num_output_tokens"), last.get("finish_reason"))
+        c = generate_http(f"Client {i}: count slowly: 1, 2,", url=srv.http_url, stream=True, max_tokens=TOKENS,
+                          ignore_eos=True, temperature=0.0, timeout=300, on_text=lambda _t: started.set())
+        out[i] = (c.num_output_tokens, c.finish_reason)
     except Exception as e:  # noqa: BLE001 - reported by the assertion
         out[i] = f"{type(e).__name__}: {e}"
 
