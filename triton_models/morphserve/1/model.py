@@ -321,7 +321,7 @@ class TritonPythonModel:
             message = out.error or ("request cancelled by the client" if kind is ErrorKind.CANCELLED else kind.value)
             if kind is ErrorKind.INTERNAL:
                 message = f"generation failed: {message}"
-            inflight.sender.send(_error_response(kind, message, out.retry_after_s), flags=FINAL)
+            _send_quietly(inflight.sender, _error_response(kind, message, out.retry_after_s))  # its client may be gone
             self._finished(inflight, error=message)
             return
         reason = out.finish_reason.value if out.finish_reason is not None else ""
