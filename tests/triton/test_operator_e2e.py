@@ -127,4 +127,4 @@ def test_a_client_cannot_cancel_others_or_yield_memory_and_the_operator_can(serv
     wait_for(lambda: metric(server, "morphserve_memory_yielded_bytes") == 0
              and metric(server, "morphserve_memory_reclaims_total") >= 1, "the reclaim")
     refused = post_control(server.operator_port, "memory_yield", {"size": "lots"})
-    assert refused["status"] == "error" and "cannot parse size" in refused["message"]
+    assert refused["status"] == "error" and "must be a size" in refused["message"]
