@@ -150,8 +150,10 @@ class TritonPythonModel:
                         reason="not a field of this engine's EngineConfig")
         t0 = time.perf_counter()
         self.engine = LLMEngine(config)
+        morph = self.engine.morph
         log.info("engine_loaded", model=self.model_name, config=kwargs, load_s=round(time.perf_counter() - t0, 3),
                  max_model_len=self.engine.max_model_len, budget=self.engine.ledger.as_dict(),
+                 policy=None if morph is None else dataclasses.asdict(morph.controller.config),
                  package=str(Path(parse_request.__code__.co_filename).parents[2]))  # where morphserve was imported from
 
         self.metrics = Metrics(pb_utils, self.model_name, self.model_version)
