@@ -90,7 +90,7 @@ def test_each_kind_reaches_the_openai_client_as_its_status() -> None:
             waiting: list[Any] = []
             waiter = threading.Thread(target=lambda: waiting.append(completion(base, False, max_tokens=2)))
             waiter.start()
-            wait_for(lambda: worker_metric(worker, "morphserve_num_requests_waiting") == 1, 60, 0.05, "one waiting")
+            wait_for(lambda: post_json(f"{control}/state", {})["num_waiting"] == 1, 60, 0.05, "one waiting")
             status, answer = completion(base, stream, max_tokens=2)
             assert error_code(status, answer) == 503, answer
             running.close()  # its client leaves: the waiting one runs

@@ -178,7 +178,8 @@ def check_every_kind(srv: TritonServer, words: dict[str, str] | None) -> None:
         waiting: list[Any] = []
         waiter = threading.Thread(target=lambda: waiting.append(http(srv, {"text_input": "Hi", "max_tokens": 2})))
         waiter.start()
-        wait_for(lambda: gauge(srv, "morphserve_num_requests_waiting") == 1, "a waiting request")
+        # the engine's own count (the operator's state control), not a gauge that may still show the long one waiting
+        wait_for(lambda: post_control(srv.operator_port, "state")["num_waiting"] == 1, "a waiting request")
         status, message, retry = http(srv, {"text_input": "Hi", "max_tokens": 2})
         assert status == 503 and retry is not None and int(retry) >= 1, message
         said(ErrorKind.OVERLOADED, message)
