@@ -4,7 +4,8 @@
 
 1. Starts the server (mode ``default``, ``memory_floor`` = --floor, reclaim mark = floor + --margin) and two
    clients sending requests for the whole run. After --baseline-s the operator's control yields --manual and
-   then reclaims it (the ``morphserve_memory`` request parameter through the HTTP front).
+   then reclaims it (the ``memory_yield`` / ``memory_reclaim`` controls on the operator port, loopback only;
+   an inference client cannot send them).
 2. Then a second process allocates (and touches) what the host's MemAvailable is above floor - --shortfall
    (once more if other processes freed memory meanwhile and nothing was yielded): the engine yields layers and
    gives their pages back.
@@ -34,6 +35,7 @@ from policy.precisions import QUANTIZED_PRECISIONS
 from serve.config import EMBEDDED_MODEL, parse_size
 from serve.memory.pressure import meminfo_available
 from serve.triton.client import GenerationError, generate_http, metric_value, scrape_metrics
+from serve.triton.operator_port import post_control
 from serve.triton.server import TritonServer
 
 MODEL = "morphserve"
@@ -78,13 +80,17 @@ def clients(srv: TritonServer, stop: threading.Event, counts: dict[str, int], n:
 
 
 def control(srv: TritonServer, command: str) -> dict[str, Any]:
-    """The memory control request: its text_output is the engine's memory state as JSON."""
-    import urllib.request  # noqa: PLC0415
-
-    body = json.dumps({"text_input": "", "morphserve_memory": command}).encode()
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{MODEL}/generate", data=body, method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - loopback
-        return json.loads(json.loads(r.read())["text_output"])
+    """The operator's memory control on the server's operator port (serve/triton/operator_port.py): ``yield SIZE``
+    or ``reclaim``. Returns the engine's answer (its memory state); RuntimeError when the control is refused."""
+    if command == "reclaim":
+        answer = post_control(srv.operator_port, "memory_reclaim")
+    elif command.startswith("yield "):
+        answer = post_control(srv.operator_port, "memory_yield", {"size": command.removeprefix("yield ").strip()})
+    else:
+        raise ValueError(f"control must be 'yield SIZE' or 'reclaim', got {command!r}")
+    if answer.get("status") == "error":
+        raise RuntimeError(f"operator control {command!r} refused: {answer}")
+    return answer
 
 
 class reached(threading.Event):  # noqa: N801 - reads as a condition

@@ -79,6 +79,12 @@ class StartRateMeter:
         return rate
 
 
+def queue_deadline_retry_after(queue_timeout_s: float) -> int:
+    """Retry-After of a request shed at its queue deadline: a third of the deadline, at least 1 s (the queue ahead
+    of it has had a whole deadline to drain and did not; a client that comes back a third later finds it shorter)."""
+    return max(1, round(queue_timeout_s / 3))
+
+
 def shed_on_arrival(waiting: int, rate: float | None, queue_timeout_s: float) -> ShedDecision:
     """Refuse a request arriving behind ``waiting`` others when ``rate`` starts/s cannot reach it in time.
 

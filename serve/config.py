@@ -70,6 +70,14 @@ class EngineConfig:
     max_model_len: int | None = None   # default: the model's context length
     max_num_waiting: int | None = None  # admitted, not yet running; past it add_request raises EngineOverloaded
                                         # (None: unbounded, for offline replays; the Triton model sets 256)
+    # The request lifecycle (serve/engine/lifecycle.py, docs/hardening.md). queue_timeout_s: a request with no first
+    # token this many seconds after arrival is shed, ErrorKind.OVERLOADED (HTTP 503 + Retry-After); 0: no queue
+    # deadline (offline replays; the Triton model's config.pbtxt and the Dynamo worker set 30). shed_on_arrival: with
+    # a queue deadline, refuse at once a request the measured start rate says cannot start within it.
+    # request_timeout_s: the deadline of a request that names no timeout_s (None: none).
+    queue_timeout_s: float = 0.0
+    shed_on_arrival: bool = True
+    request_timeout_s: float | None = None
     num_threads: int | None = None     # torch intra-op threads; default: torch's choice
     guided_compile_timeout_s: float = 10.0  # structured output: a guide that does not compile in time is refused
     guided_backend: str = "xgrammar"   # structured output's grammar engine: xgrammar | llguidance
@@ -107,6 +115,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_waiting is not None and self.max_num_waiting <= 0:
             raise ValueError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
+        if not 0 <= self.queue_timeout_s < float("inf"):
+            raise ValueError(f"queue_timeout_s must be >= 0 seconds (0: no queue deadline), got {self.queue_timeout_s!r}")
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
+            raise ValueError(f"request_timeout_s must be > 0 seconds (or unset), got {self.request_timeout_s!r}")
+        if not isinstance(self.shed_on_arrival, bool):
+            raise ValueError(f"shed_on_arrival must be true or false, got {self.shed_on_arrival!r}")
         if self.prefix_cache_across_morph not in PREFIX_CACHE_ACROSS_MORPH:
             raise ValueError(f"prefix_cache_across_morph must be one of {PREFIX_CACHE_ACROSS_MORPH}, "
                              f"got {self.prefix_cache_across_morph!r}")

@@ -36,15 +36,22 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "device_memory": "memory budget for weights + KV cache + reserve: a size (600MiB), on CUDA a fraction of the "
                      "device (0.9), or auto; sizes the KV pool with morphing",
     "memory_floor": "yield: below this much free memory outside the engine (NVML on CUDA, the host on CPU) quantize "
-                    "layers and give the bytes back; 0 arms only the operator's yield control (Triton: the "
-                    "morphserve_memory request parameter; Dynamo: the system port's /engine/control/memory_yield) "
-                    "(docs/memory-yield.md)",
+                    "layers and give the bytes back; 0 arms only the operator's yield control (Triton: the operator "
+                    "port's /engine/control/memory_yield; Dynamo: the system port's) (docs/memory-yield.md)",
     "memory_reclaim_mark": "take yielded bytes back only while this much stays free after",
     "memory_pressure_source": "where outside free memory is read (auto: NVML on CUDA, the host on CPU)",
     "slo_ttft_s": "TTFT service-level objective in seconds (the morph controller's target and the default "
                   "per-request target)",
     "scheduler": "scheduling policy: fcfs (vLLM-style) or slai (SLO-aware)",
     "slai_theta": "fixed theta for slai",
+    "max_num_waiting": "admitted requests not yet running; past it a new one is refused at once: 503 + Retry-After "
+                       "\"overloaded ... retry later\"",
+    "queue_timeout_s": "a request without its first token this many seconds after arrival is shed: 503 + Retry-After "
+                       "\"overloaded ... retry later\" (0: no queue deadline)",
+    "shed_on_arrival": "with a queue deadline, refuse at once (503 + Retry-After) a request that the measured start "
+                       "rate says cannot start within it",
+    "request_timeout_s": "deadline in seconds of a request that names no timeout_s: past it the request ends with "
+                         "deadline exceeded (HTTP 504)",
 }
 
 UNSET_MEANS: dict[str, str] = {
@@ -57,6 +64,9 @@ UNSET_MEANS: dict[str, str] = {
     "memory_reclaim_mark": "the floor",
     "memory_pressure_source": "auto",
     "slai_theta": "dynamic, slai_theta_low / slai_theta_high",
+    "shed_on_arrival": "on",
+    "max_num_waiting": "unbounded",
+    "request_timeout_s": "none",
 }
 """What leaving a flag out means, where the entry point has no default of its own (EngineConfig's, or the
 model config's for serve.triton)."""

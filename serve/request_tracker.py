@@ -2,7 +2,8 @@
 
 A front end (the Triton model, the Dynamo worker) starts a record when a request arrives, hands the tracker
 each of the engine's outputs for it with the time the front end saw it, and tells it when it ends a request
-itself (the client cancelled, the request's deadline passed, it waited too long for a first token). The
+itself (the client went away before the engine's final output). A request the engine ended early (cancelled,
+its deadline passed, shed at its queue deadline) is counted by its final output's ``error_kind``. The
 tracker turns that into the request metrics of serve/metrics_catalogue.py: time to first token, inter-token
 latency, end-to-end latency, queue time, and the finish-reason and prompt-token counters, through a sink
 the front end provides (Triton's custom-metrics API, the Dynamo worker's exposition text).
@@ -11,7 +12,8 @@ A request is finished exactly once: its record leaves the tracker with its first
 racing the engine's final output, or a timeout noticed twice, is counted once.
 
 Transport-neutral and engine-neutral: it reads the engine's ``RequestOutput`` by duck type and imports
-nothing but the catalogue, so any front end (and serve.triton, which never imports the engine) may use it.
+nothing but the catalogue and the error kinds, so any front end (and serve.triton, which never imports the
+engine) may use it.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from serve.error_kinds import ErrorKind
 from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
                                      TIME_TO_FIRST_TOKEN, RequestHistogram)
 
-# Finish reasons the front ends decide (the engine's own are stop, length, error; its abort counts as cancelled).
+# Finish reasons besides the engine's own stop, length and error: a request ended before its answer.
 CANCELLED = "cancelled"
 TIMEOUT = "timeout"
 OVERLOADED = "overloaded"
 _ENGINE_REASONS = {"abort": CANCELLED}
+KIND_REASONS = {ErrorKind.CANCELLED: CANCELLED, ErrorKind.DEADLINE_EXCEEDED: TIMEOUT, ErrorKind.OVERLOADED: OVERLOADED}
+"""The finish reason a request ended with this error kind counts as; other kinds count as "error"."""
+_UNANSWERED = frozenset(KIND_REASONS.values())  # ended before their answer: no end-to-end latency observed
 
 
 class RequestMetricsSink(Protocol):
@@ -50,6 +56,7 @@ class EngineOutput(Protocol):
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None
+    error_kind: ErrorKind | None
     arrival_time: float
     first_scheduled_time: float | None
 
@@ -60,7 +67,6 @@ class TrackedRequest:
 
     request_id: str
     arrival: float
-    deadline: float | None = None  # past it the front end aborts the request (finish reason "timeout")
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_prompt_tokens: int = 0
@@ -73,19 +79,16 @@ class TrackedRequest:
         return None if self.first_token_time is None else self.first_token_time - self.arrival
 
     @property
-    def timeout_s(self) -> float | None:
-        return None if self.deadline is None else self.deadline - self.arrival
-
-    @property
     def e2e_s(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival
 
-    def expired(self, now: float) -> bool:
-        return self.deadline is not None and now > self.deadline
-
 
 def engine_finish_reason(out: EngineOutput) -> str:
-    """The finish reason of a final output in the metrics' vocabulary ("error" when it failed without one)."""
+    """The finish reason of a final output in the metrics' vocabulary: by its error kind when the engine ended it
+    early ("error" when it failed without a reason)."""
+    kind = getattr(out, "error_kind", None)
+    if kind in KIND_REASONS:
+        return KIND_REASONS[kind]
     reason = getattr(out.finish_reason, "value", out.finish_reason) or ""
     if not reason:
         return "error" if out.error else "unknown"
@@ -104,9 +107,9 @@ class RequestTracker:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def start(self, request_id: str, arrival: float | None = None, timeout_s: float | None = None) -> TrackedRequest:
+    def start(self, request_id: str, arrival: float | None = None) -> TrackedRequest:
         arrival = self._clock() if arrival is None else arrival
-        record = TrackedRequest(request_id, arrival, None if timeout_s is None else arrival + timeout_s)
+        record = TrackedRequest(request_id, arrival)
         with self._lock:
             self._requests[request_id] = record
         return record
@@ -133,15 +136,17 @@ class RequestTracker:
             record.num_prompt_tokens = out.num_prompt_tokens
             record.num_output_tokens = out.num_output_tokens
             if out.finished:
+                reason = engine_finish_reason(out)
                 first = out.first_scheduled_time
-                if first is not None:  # the engine's own clock, both ends
-                    self._sink.observe(REQUEST_QUEUE_TIME, max(0.0, first - out.arrival_time))
-                self._sink.observe(E2E_REQUEST_LATENCY, t - record.arrival)
-                self._finish_locked(record, engine_finish_reason(out), t)
+                if reason not in _UNANSWERED:  # a cancelled, timed-out or shed request has no e2e latency
+                    if first is not None:  # the engine's own clock, both ends
+                        self._sink.observe(REQUEST_QUEUE_TIME, max(0.0, first - out.arrival_time))
+                    self._sink.observe(E2E_REQUEST_LATENCY, t - record.arrival)
+                self._finish_locked(record, reason, t)
             return record
 
     def finish(self, request_id: str, reason: str, t: float | None = None) -> TrackedRequest | None:
-        """End a request the front end answers itself (``CANCELLED``, ``TIMEOUT``, ``OVERLOADED``, ...): its
+        """End a request the front end answers itself (``CANCELLED`` when its client left): its
         finish reason is counted, no end-to-end latency is observed (only the engine completes a request).
         None when it had finished already (then nothing is counted again)."""
         t = self._clock() if t is None else t
@@ -161,12 +166,6 @@ class RequestTracker:
         """A request turned away on arrival, before it was tracked (say, shed as ``OVERLOADED``)."""
         with self._lock:
             self._sink.count_finished(reason, 0)
-
-    def expired(self, now: float | None = None) -> list[TrackedRequest]:
-        """The tracked requests whose deadline has passed (the front end aborts them and calls ``finish``)."""
-        now = self._clock() if now is None else now
-        with self._lock:
-            return [r for r in self._requests.values() if r.expired(now)]
 
     def _finish_locked(self, record: TrackedRequest, reason: str, t: float) -> None:
         del self._requests[record.request_id]

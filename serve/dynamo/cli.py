@@ -8,17 +8,19 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from serve.config import EngineConfig, parse_policy_overrides, parse_size
 from serve.model.embedded import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags, engine_kwargs
 
 DEFAULT_MODEL_NAME = "morphserve"
+DEFAULT_QUEUE_TIMEOUT_S = 30.0  # as the Triton model's config.pbtxt: load is shed at the defaults (docs/hardening.md)
+DEFAULT_MAX_NUM_WAITING = 256
 ENGINE_FIELDS = ("model", "morph_mode", "device", "dtype", "device_memory", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
                  "scheduler", "enable_prefix_caching", "prefix_cache_across_morph", "memory_floor",
-                 "memory_reclaim_mark", "memory_pressure_source")
+                 "memory_reclaim_mark", "memory_pressure_source", "queue_timeout_s", "shed_on_arrival",
+                 "request_timeout_s", "max_num_waiting")
 """The EngineConfig fields a worker's command line sets (serve/config_flags.py turns them into flags)."""
 
 
@@ -41,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.dynamo",
                                 description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids out).")
     e = p.add_argument_group("engine")
-    add_engine_flags(e, ENGINE_FIELDS, defaults={"model": EMBEDDED_MODEL, "morph_mode": "default"})
+    add_engine_flags(e, ENGINE_FIELDS, defaults={"model": EMBEDDED_MODEL, "morph_mode": "default",
+                                                 "queue_timeout_s": DEFAULT_QUEUE_TIMEOUT_S,
+                                                 "max_num_waiting": DEFAULT_MAX_NUM_WAITING})
     e.add_argument("--policy", action="append", default=[], metavar="KEY=VALUE",
                    help="override a morph policy field, e.g. --policy kv_high=0.8 (repeatable)")
     e.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -75,17 +79,3 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerOptions:
         request_plane=args.request_plane, event_plane=args.event_plane, model_card_dir=args.model_card_dir,
         default_max_tokens=args.default_max_tokens, log_level=args.log_level,
     )
-
-
-def yield_request_bytes(body: dict[str, Any]) -> int:
-    """``{"size": "512MiB"}`` or ``{"bytes": 536870912}`` -> bytes; ValueError naming what is wrong."""
-    if not isinstance(body, dict) or ("size" in body) == ("bytes" in body):
-        raise ValueError('memory_yield takes exactly one of {"size": "512MiB"} or {"bytes": N}')
-    if "size" in body:
-        if not isinstance(body["size"], str):
-            raise ValueError(f'memory_yield "size" must be a string such as "512MiB", got {body["size"]!r}')
-        return parse_size(body["size"])
-    value = body["bytes"]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f'memory_yield "bytes" must be an integer >= 0, got {value!r}')
-    return value

@@ -8,7 +8,15 @@ go to Dynamo's snapshot publisher after every engine step that changed them (so 
 as a new ``dynamo_component_total_blocks``); the prefix cache's blocks go to the KV-aware router as KV events
 (serve/dynamo/kv_events.py); the engine's metrics and the request tracker's latency histograms and finish
 reasons (serve/request_tracker.py, shared with the Triton model) are bridged into the worker's ``/metrics``;
-``POST /engine/control/morph_state`` on the worker's system port returns the engine's state.
+``POST /engine/control/morph_state`` on the worker's system port returns the engine's state, and the operator's
+controls (serve/engine/controls.py: memory_yield, memory_reclaim, drain, resume, state) are served there too,
+never through the inference path.
+
+The engine decides each request's life (the queue deadline, shedding, timeouts, draining:
+serve/engine/lifecycle.py, from the same EngineConfig fields as the Triton model) and says how a request ended
+as an ErrorKind; ``dynamo_error`` maps kinds to the exceptions Dynamo 1.6.1's frontend answers with the right
+status (checked against it: InvalidArgument 400, HttpError(503) 503 without migrating the request,
+ConnectionTimeout 504, which the frontend also migrates, hence serve/dynamo/deadlines.py).
 """
 
 from __future__ import annotations
@@ -25,23 +33,38 @@ from dynamo.common.backend import EngineConfig as DynamoEngineConfig
 from dynamo.common.backend import LLMEngine as DynamoLLMEngine
 from dynamo.common.backend import LlmRegistration, WorkerConfig
 from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
-from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+from dynamo.llm.exceptions import Cancelled, ConnectionTimeout, EngineShutdown, HttpError, InvalidArgument, Unknown
 
 from serve.dynamo.bridge import OutputStream
-from serve.dynamo.cli import WorkerOptions, parse_worker_args, yield_request_bytes
+from serve.dynamo.cli import WorkerOptions, parse_worker_args
+from serve.dynamo.deadlines import ExpiredContexts
 from serve.dynamo.kv_events import KvEventBridge
 from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, RequestMetrics, exposition
 from serve.dynamo.model_card import write_model_card_dir
 from serve.dynamo.requests import RequestError, chunk, to_engine_request
 from serve.engine import LLMEngine
+from serve.engine.controls import CONTROLS, ControlError, run_control
+from serve.engine.errors import error_kind, retry_after_of
 from serve.engine.stats import EngineStats
+from serve.error_kinds import ErrorKind
 from serve.logging_setup import configure_logging, get_logger
-from serve.request_tracker import CANCELLED, RequestTracker
+from serve.request_tracker import CANCELLED, OVERLOADED, RequestTracker
 
 log = get_logger("morphserve.dynamo.worker")
-MORPH_STATE_CONTROL = "morph_state"
-MEMORY_YIELD_CONTROL = "memory_yield"      # body {"size": "512MiB"} (or {"bytes": N}): keep that much given back
-MEMORY_RECLAIM_CONTROL = "memory_reclaim"  # body {}: clear the request; yielded bytes return under the reclaim rule
+MORPH_STATE_CONTROL = "morph_state"  # the engine's stats and what the worker published (the others: CONTROLS)
+
+
+def dynamo_error(kind: ErrorKind, message: str) -> Exception:
+    """The exception Dynamo's frontend answers with this kind's status (OpenAI-style error object)."""
+    if kind is ErrorKind.INVALID_INPUT:
+        return InvalidArgument(message)                    # 400, the message kept
+    if kind in (ErrorKind.OVERLOADED, ErrorKind.DRAINING, ErrorKind.UNAVAILABLE):
+        return HttpError(503, message)                     # 503 (1.6.1 drops the message and any Retry-After)
+    if kind is ErrorKind.DEADLINE_EXCEEDED:
+        return ConnectionTimeout(message)                  # 504 "Request deadline exceeded"
+    if kind is ErrorKind.CANCELLED:
+        return Cancelled(message)                          # 499
+    return Unknown(message)                                # 500
 
 
 class MorphServeWorker(DynamoLLMEngine):
@@ -55,6 +78,7 @@ class MorphServeWorker(DynamoLLMEngine):
         self._inflight: dict[str, str] = {}  # Dynamo context id -> engine request id
         self.request_metrics = RequestMetrics()
         self.tracker = RequestTracker(self.request_metrics)  # TTFT, ITL, e2e, finish reasons per request
+        self.expired = ExpiredContexts()  # contexts past their deadline: the frontend's retries of them fail at once
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @classmethod
@@ -114,6 +138,9 @@ class MorphServeWorker(DynamoLLMEngine):
         if engine is None:
             raise EngineShutdown("the engine is not running")
         eos = set(engine.model_config.eos_token_ids) | set(request.get("eos_token_ids") or [])
+        expired = self.expired.get(context.id())
+        if expired is not None:  # the frontend migrating a request whose deadline passed here: no new deadline
+            raise dynamo_error(ErrorKind.DEADLINE_EXCEEDED, expired)
         try:
             mapped = to_engine_request(request, eos, self.options.default_max_tokens)
         except (RequestError, ValueError, TypeError) as exc:
@@ -121,14 +148,20 @@ class MorphServeWorker(DynamoLLMEngine):
         stream = OutputStream(asyncio.get_running_loop())
         rid = f"{context.id()}-{uuid.uuid4().hex[:8]}"
         self.tracker.start(rid, arrival)
-        try:  # add_request waits for the engine lock (held for a whole step): off the event loop
+        try:  # the engine decides admission (draining, shedding, its queue bound) and the deadlines
             await asyncio.to_thread(engine.add_request, mapped.prompt_token_ids, mapped.params, request_id=rid,
-                                    callback=stream.push)
-        except BaseException as exc:
+                                    callback=stream.push,
+                                    arrival_time=engine.clock() - (time.perf_counter() - arrival))
+        except BaseException as exc:  # every refusal is answered by its kind
             self.tracker.forget(rid)  # never admitted: an error answer, not a finished request
-            if isinstance(exc, (ValueError, TypeError)):  # prompt longer than the context, pool too small, ...
-                raise InvalidArgument(str(exc)) from None
-            raise
+            if not isinstance(exc, Exception):  # the generator is being cancelled
+                raise
+            kind = error_kind(exc)
+            if kind is ErrorKind.OVERLOADED:
+                self.tracker.refused(OVERLOADED)
+            log.info("request_refused", request_id=rid, kind=kind.value, error=str(exc),
+                     retry_after_s=retry_after_of(exc))
+            raise dynamo_error(kind, str(exc)) from None
         self._inflight[context.id()] = rid
         try:
             async for out in stream:
@@ -138,8 +171,13 @@ class MorphServeWorker(DynamoLLMEngine):
                         yield chunk(out.new_token_ids)
                     continue
                 reason = out.finish_reason.value if out.finish_reason is not None else None
-                if reason == "error":
-                    raise Unknown(f"generation failed: {out.error or 'unknown error'}")
+                kind = out.error_kind
+                if kind is not None and kind is not ErrorKind.CANCELLED:  # ended early by the engine: by its kind
+                    if kind is ErrorKind.DEADLINE_EXCEEDED:
+                        self.expired.add(context.id(), out.error or "deadline exceeded")
+                    message = out.error or kind.value
+                    log.info("request_ended", request_id=rid, kind=kind.value, error=message)
+                    raise dynamo_error(kind, f"generation failed: {message}" if kind is ErrorKind.INTERNAL else message)
                 yield chunk(out.new_token_ids, reason, out.num_prompt_tokens, out.num_output_tokens)
         finally:
             self._inflight.pop(context.id(), None)
@@ -188,11 +226,11 @@ class MorphServeWorker(DynamoLLMEngine):
         metrics.register_prometheus_expfmt_callback(render)
 
     def supported_controls(self) -> set[str]:
-        return {MORPH_STATE_CONTROL, MEMORY_YIELD_CONTROL, MEMORY_RECLAIM_CONTROL}
+        return {MORPH_STATE_CONTROL, *CONTROLS}
 
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
-        if control in (MEMORY_YIELD_CONTROL, MEMORY_RECLAIM_CONTROL):
-            return await self._memory_control(control, body)
+        if control in CONTROLS:
+            return await self._operator_control(control, body)
         if control != MORPH_STATE_CONTROL:
             return {"status": "error", "message": f"unsupported engine control: {control}"}
         stats = await asyncio.to_thread(self._stats_or_none)
@@ -208,17 +246,17 @@ class MorphServeWorker(DynamoLLMEngine):
         }
 
 
-    async def _memory_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _operator_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The operator's controls (serve/engine/controls.py), on the system port only."""
         engine = self.engine
         if engine is None:
             return {"status": "error", "message": "the engine is not running"}
         try:
-            nbytes = yield_request_bytes(body) if control == MEMORY_YIELD_CONTROL else None
-            state = await asyncio.to_thread(engine.request_memory_yield, nbytes)
-        except ValueError as exc:
+            answer = await asyncio.to_thread(run_control, engine, control, body)
+        except ControlError as exc:
             return {"status": "error", "message": str(exc)}
-        log.info("memory_control", control=control, yield_request_bytes=nbytes)
-        return {"status": "ok", "memory_yield": state}
+        log.info("operator_control", control=control, body=body)
+        return answer
 
 
 def card_dir(options: WorkerOptions) -> Path:

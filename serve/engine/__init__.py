@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serve.engine.admission import EngineOverloaded
+    from serve.engine.errors import EngineOverloaded
     from serve.engine.engine import LLMEngine
     from serve.engine.outputs import FinishReason, RequestOutput
     from serve.engine.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["EngineOverloaded", "FinishReason", "LLMEngine", "RequestOutput", "RequestSLO", "SamplingParams"]
 
 _HOMES = {
-    "EngineOverloaded": "serve.engine.admission",
+    "EngineOverloaded": "serve.engine.errors",
     "LLMEngine": "serve.engine.engine",
     "FinishReason": "serve.engine.outputs",
     "RequestOutput": "serve.engine.outputs",

@@ -10,11 +10,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from serve.engine.errors import EngineOverloaded, InvalidRequest
 from serve.engine.sequence import Sequence
+from serve.error_kinds import DEFAULT_RETRY_AFTER_S
 
-
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full; the caller should retry later."""
+__all__ = ["EngineOverloaded", "Handoff"]  # EngineOverloaded lives in serve/engine/errors.py with the other kinds
 
 
 class Handoff:
@@ -31,14 +31,18 @@ class Handoff:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, seq: Sequence, waiting_in_scheduler: Callable[[], int], register: Callable[[Sequence], None]) -> None:
-        """Queue ``seq`` (``register`` runs under this queue's lock, e.g. to claim its request id)."""
+    def put(self, seq: Sequence, waiting_in_scheduler: Callable[[], int], requests: dict[str, Sequence]) -> None:
+        """Queue ``seq`` and claim its id in ``requests`` (the engine's live requests; under this queue's lock, so
+        ids are claimed one at a time). EngineOverloaded when the queue is full, InvalidRequest for an id in use."""
         with self._lock:
             waiting = waiting_in_scheduler() + len(self._items)
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise EngineOverloaded(
-                    f"overloaded: {waiting} requests already waiting (max_num_waiting={self.max_waiting}); retry later")
-            register(seq)
+                    f"overloaded: {waiting} requests already waiting (max_num_waiting={self.max_waiting}); retry later",
+                    DEFAULT_RETRY_AFTER_S)
+            if seq.request_id in requests:
+                raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
+            requests[seq.request_id] = seq
             self._items.append(seq)
         self.work.set()
 

@@ -16,11 +16,12 @@ from typing import Callable, Iterable, TypeVar
 
 import torch
 
-from policy.shedding import StartRateMeter
 from serve.config import EngineConfig
 from serve.engine.admission import Handoff
 from serve.engine.assembly import EngineParts, build_parts, make_scheduler
+from serve.engine.errors import EngineError, RequestCancelled
 from serve.engine.faults import FaultTracker
+from serve.engine.lifecycle import Lifecycle
 from serve.engine.outputs import FinishReason, OutputCollector, RequestOutput
 from serve.engine.sampler import sample_isolated
 from serve.engine.sampling_params import SamplingParams
@@ -86,7 +87,8 @@ class LLMEngine:
         self.last_step_error: str | None = None
         self._resources_ok = True     # no resource-manager failure in this iteration (a boundary's or a shortfall's)
         self._step_listeners: list[Callable[[], None]] = []
-        self.start_rate = StartRateMeter()  # waiting requests started per busy second (load shedding on arrival)
+        self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)  # deadlines
+        self.start_rate = self.lifecycle.start_rate
 
     def _assemble(self, config: EngineConfig, parts: EngineParts) -> None:
         """The loop's state from its parts (built by serve/engine/assembly.py, or simulated by the planner)."""
@@ -124,19 +126,19 @@ class LLMEngine:
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, callback: Callback | None = None,
-                    arrival_time: float | None = None, slo: RequestSLO | None = None) -> str:
-        """Validate and tokenize in the caller's thread, then hand over to the loop without waiting for
-        the running forward. Raises ValueError/TypeError for bad input, EngineOverloaded (a RuntimeError)
-        when max_num_waiting requests already wait, RuntimeError when unhealthy; the engine is unaffected.
+                    arrival_time: float | None = None, slo: RequestSLO | None = None,
+                    timeout_s: float | None = None) -> str:
+        """Validate and tokenize in the caller's thread, then hand over to the loop without waiting for the running
+        forward. Raises ValueError/TypeError for bad input, the typed errors of serve/engine/errors.py otherwise
+        (overloaded, draining, unhealthy: serve/engine/lifecycle.py decides); the engine is unaffected.
 
-        arrival_time (on the engine's clock) lets a replay count queueing from the request's scheduled
-        arrival rather than from when its loop got round to adding it. slo: the request's TTFT/TBT targets
-        and tier; unset ones come from the config (slo_ttft_s, slo_tbt_s, default_priority).
-        """
+        arrival_time (engine clock): count queueing from the request's arrival (a replay's schedule, a front end's
+        door). slo: its TTFT/TBT targets and tier (unset: slo_ttft_s, slo_tbt_s, default_priority from the config).
+        timeout_s: its deadline from arrival (default: the config's request_timeout_s)."""
         params = params or SamplingParams()
-        if not self.healthy:
-            raise RuntimeError(f"the engine failed {self.consecutive_step_failures} iterations in a row (last: "
-                               f"{self.last_step_error}); it refuses new requests until restarted")
+        arrival = arrival_time if arrival_time is not None else self.clock()
+        self.lifecycle.admit(self.clock(), self.num_waiting(), self.faults)
+        deadline = self.lifecycle.deadline(arrival, timeout_s)
         if slo is not None and not isinstance(slo, RequestSLO):
             raise TypeError("slo must be a RequestSLO")
         targets = (slo or RequestSLO()).resolved(self.config.slo_ttft_s, self.config.slo_tbt_s,
@@ -147,16 +149,10 @@ class LLMEngine:
         # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, ids, params, arrival_time if arrival_time is not None else self.clock(),
-                       IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                       callback, gen, slo=targets, bad_words_ids=bad_words, guide=guide)
-
-        def register(s: Sequence) -> None:  # under the handoff lock: ids are claimed one at a time
-            if rid in self._requests:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self._requests[rid] = s
-
-        self._handoff.put(seq, lambda: len(self.scheduler.waiting), register)
+        seq = Sequence(rid, ids, params, arrival, IncrementalDetokenizer(self.tokenizer, params.stop,
+                       params.include_stop_str_in_output), callback, gen, slo=targets, bad_words_ids=bad_words,
+                       guide=guide, deadline=deadline)
+        self._handoff.put(seq, lambda: len(self.scheduler.waiting), self._requests)  # claims the id, or raises
         if self._lock.acquire(blocking=False):  # engine idle between iterations: admit now, never wait
             try:
                 self._admit_handoff()
@@ -177,24 +173,26 @@ class LLMEngine:
         Failures pinned to single requests do not count (serve/engine/faults.py)."""
         return self.faults.healthy
 
-    @property
-    def consecutive_step_failures(self) -> int:
-        return self.faults.consecutive
-
     def num_waiting(self) -> int:
         """Requests admitted but not running yet (lock-free: for admission decisions and gauges)."""
         return len(self.scheduler.waiting) + len(self._handoff)
 
     def abort_request(self, request_id: str) -> bool:
-        """Cancel a request; its KV blocks are freed before this returns. False if it is unknown/finished."""
+        """Cancel a request (final output: abort, kind cancelled); its KV blocks are freed before this returns.
+        False if it is unknown/finished."""
         with self._lock:
             self._admit_handoff()
             seq = self._requests.get(request_id)
             if seq is None:
                 return False
             out = self._finish(seq, FinishReason.ABORT)
+            out.error_kind = RequestCancelled.kind
         self._deliver([(seq, out)])
         return True
+
+    def drain(self, draining: bool = True) -> None:
+        """Refuse new requests (EngineDraining) while those in flight finish; ``drain(False)`` admits again."""
+        self.lifecycle.draining = draining
 
     # ---- the loop --------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -205,27 +203,28 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             self._admit_handoff()
+            produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py)
+                        self.lifecycle.expired(list(self._requests.values()), self.clock())]
             self._resources_ok = self.resources.before_schedule(self.scheduler, self.faults.record)
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not c.is_decode)
             self.resources.after_schedule(sum(c.num_tokens for c in sched.chunks))
-            produced: list[tuple[Sequence, RequestOutput]] = []
             now = self.clock()
             started = 0
             for c in sched.chunks:
                 if c.seq.first_scheduled_time is None:
                     c.seq.first_scheduled_time = now
                     started += 1
-            self.start_rate.observe(now, started, self.num_waiting())
+            self.lifecycle.observe_step(now, started, self.num_waiting())
             if sched.chunks:
                 try:
                     logits, sampled = self.executor.execute(sched.chunks)
                 except Exception as exc:  # noqa: BLE001 - fail this batch's requests only
-                    produced = self._fail_seqs([c.seq for c in sched.chunks], "forward", exc)
+                    produced += self._fail_seqs([c.seq for c in sched.chunks], "forward", exc)
                 else:
                     self.scheduler.on_executed(sched)
-                    produced = self._append_tokens(sampled, logits)
+                    produced += self._append_tokens(sampled, logits)
                     if self._resources_ok:
                         self.faults.iteration_ok()
                 self.num_steps += 1
@@ -275,12 +274,13 @@ class LLMEngine:
 
     def _finish_with_error(self, seqs: list[Sequence], message: str) -> list[tuple[Sequence, RequestOutput]]:
         self.last_step_error = message
-        produced = []
-        for seq in seqs:
-            out = self._finish(seq, FinishReason.ERROR)
-            out.error = message
-            produced.append((seq, out))
-        return produced
+        return [(seq, self._finish_with(seq, EngineError(message))) for seq in seqs]
+
+    def _finish_with(self, seq: Sequence, err: EngineError) -> RequestOutput:
+        """End ``seq`` with a typed error (its KV blocks are freed): the final output carries its kind."""
+        out = self._finish(seq, FinishReason.ERROR)
+        out.error, out.error_kind, out.retry_after_s = err.message, err.kind, err.retry_after_s
+        return out
 
     def _accept_token(self, seq: Sequence, tok: int, now: float) -> tuple[Sequence, RequestOutput]:
         if seq.guide is not None:

@@ -45,6 +45,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: hashes of its full blocks so far
     hash_root: bytes | None = None     # the pool's cache root its KV is being computed under (None: not caching)
     guide: GuideState | None = None    # structured output: the grammar's state, advanced on every accepted token
+    deadline: float | None = None      # engine clock: past it the request ends as deadline exceeded (lifecycle.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -34,7 +34,7 @@ from serve.triton.supervisor import EXIT_GAVE_UP, RestartPolicy, supervise
 log = get_logger("triton_launcher")
 
 ENGINE_FIELDS = ("morph_mode", "device", "dtype", "device_memory", "max_num_seqs", "max_num_batched_tokens",
-                 "slo_ttft_s", "scheduler")
+                 "slo_ttft_s", "scheduler", "queue_timeout_s", "shed_on_arrival", "request_timeout_s")
 """EngineConfig fields with a flag of their own (serve/config_flags.py); they land in config.pbtxt parameters.
 Any other field: --param KEY=VALUE."""
 _DEVICE_MEMORY_HELP = (
@@ -42,13 +42,11 @@ _DEVICE_MEMORY_HELP = (
     "config.pbtxt's default: on CPU the full-precision weights + 16MiB reserve + a KV pool for ONE request of "
     "max_model_len tokens (the dynamic morph modes act once long requests overlap; SmolLM2-135M fp32: ~940MiB), on "
     "CUDA 0.9 of the device; with auto, a num_kv_blocks or kv_cache_memory parameter fixes the KV pool instead")
+_QUEUE_TIMEOUT_HELP = ("a request without its first token this many seconds after arrival at the HTTP door (or at "
+                       "the model, over gRPC) is shed: 503 + Retry-After \"overloaded ... retry later\" (default: 30, "
+                       "config.pbtxt's; 0: no queue deadline)")
 _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "max_tokens_limit": ("--max-tokens-limit", int, "largest max_tokens a request may ask for"),
-    "queue_timeout_s": ("--queue-timeout-s", float, "a request without its first token this many seconds after "
-                        "arrival is refused with 503 + Retry-After, \"overloaded ... retry later\" (config.pbtxt default 30; "
-                        "0: no deadline)"),
-    "shed_on_arrival": ("--shed-on-arrival", str, "true (default) or false: with a queue deadline, refuse at once "
-                        "(503 + Retry-After) a request that the measured start rate says cannot start within it"),
 }
 """The Triton model's own parameters (ServerParams) with a flag."""
 
@@ -80,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
             "([1, 1] tensors, TensorRT-LLM's meanings); gRPC streaming "
             "(python -m serve.triton.client); Prometheus text on the metrics port (/metrics, morphserve_* "
             "and nv_* families). Ports default to $HTTP_PORT, $GRPC_PORT, $METRICS_PORT, then "
-            "8000/8001/8002; 0 picks a free port."
+            "8000/8001/8002, and the operator port ($OPERATOR_PORT, 8003; loopback only) serves the engine's "
+            "controls (memory yield / reclaim, drain); 0 picks a free port."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -95,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=_env_port("HTTP_PORT", 8000), help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=_env_port("GRPC_PORT", 8001), help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=_env_port("METRICS_PORT", 8002), help="metrics port")
+    p.add_argument("--operator-port", type=int, default=_env_port("OPERATOR_PORT", 8003),
+                   help="operator port, 127.0.0.1 only: POST /engine/control/{memory_yield,memory_reclaim,drain,"
+                        "resume,state}, what the inference ports refuse (docs/memory-yield.md, docs/hardening.md)")
     add_engine_flags(p, ENGINE_FIELDS, help_suffix=" (parameter {field})",
-                     help_overrides={"device_memory": _DEVICE_MEMORY_HELP})
+                     help_overrides={"device_memory": _DEVICE_MEMORY_HELP, "queue_timeout_s": _QUEUE_TIMEOUT_HELP})
     for key, (flag, typ, help_) in _PARAM_FLAGS.items():
         p.add_argument(flag, dest=key, type=typ, default=None, help=f"{help_} (parameter {key})")
     p.add_argument(
@@ -242,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http_port=args.http_port or None,
         grpc_port=args.grpc_port or None,
         metrics_port=args.metrics_port or None,
+        operator_port=args.operator_port or None,
         log_path=args.server_log,
         log_verbose=args.log_verbose,
         use_gpu={"auto": None, "yes": True, "no": False}[args.gpu],
@@ -274,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             announced.append(True)
             sys.stdout.write(
                 f"morphserve ready in {s.ready_after_s or 0:.1f}s: http={s.http_url} grpc={s.grpc_url} "
-                f"metrics={s.metrics_url} log={s.log_path} | try: {curl_example(s)}\n"
+                f"metrics={s.metrics_url} operator=127.0.0.1:{s.operator_port} log={s.log_path} | try: "
+                f"{curl_example(s)}\n"
             )
             sys.stdout.flush()
 

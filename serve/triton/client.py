@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from serve.error_kinds import ErrorKind
 from serve.logging_setup import configure_logging, get_logger
+from serve.triton.errors import read_tag
 
 DEFAULT_MODEL = "morphserve"
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
@@ -35,7 +37,21 @@ log = get_logger("client")
 
 
 class GenerationError(RuntimeError):
-    """The server answered with an error (bad input, cancellation, server failure)."""
+    """The server answered with an error (bad input, cancellation, server failure).
+
+    ``kind``: what kind of error (serve/error_kinds.py), read from a gRPC stream's message tag; ``status`` and
+    ``retry_after``: the HTTP status and Retry-After header (HTTP), or the tag's Retry-After (gRPC)."""
+
+    def __init__(self, message: str, kind: ErrorKind | None = None, status: int | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.status, self.retry_after = kind, status, retry_after
+
+    @classmethod
+    def from_stream(cls, message: str) -> GenerationError:
+        """A gRPC stream's error message: its kind and Retry-After from the tag, the words without it."""
+        tag = read_tag(message)
+        return cls(tag.text, tag.kind, retry_after=tag.retry_after_s)
 
 
 @dataclass
@@ -145,10 +161,12 @@ class GrpcStream:
             self.client.stop_stream(cancel_requests=True)
             self._open = False
 
-    def send(self, arrays: dict[str, np.ndarray], request_id: str | None = None) -> str:
+    def send(self, arrays: dict[str, np.ndarray], request_id: str | None = None,
+             parameters: dict[str, Any] | None = None) -> str:
+        """Send one request (``parameters``: request parameters, e.g. any input by name)."""
         rid = request_id or uuid.uuid4().hex
         self.client.async_stream_infer(self.model, grpc_inputs(arrays), request_id=rid,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, parameters=parameters)
         return rid
 
     def responses(self, timeout: float = 120.0) -> Iterator[dict[str, Any]]:
@@ -162,7 +180,8 @@ class GrpcStream:
             except queue.Empty:
                 raise TimeoutError(f"no response from {self.url} within {timeout} s") from None
             if error is not None:
-                raise GenerationError(str(error))
+                message = error.message() if callable(getattr(error, "message", None)) else None
+                raise GenerationError.from_stream(message or str(error))
             resp = result.get_response()
             final = bool(resp.parameters["triton_final_response"].bool_param) if (
                 "triton_final_response" in resp.parameters) else True
@@ -229,14 +248,16 @@ def _http_body(prompt: str, **options: Any) -> bytes:
 
 def _http_error(e: urllib.error.HTTPError) -> GenerationError:
     raw = e.read().decode("utf-8", errors="replace")
+    retry = e.headers.get("Retry-After")
+    answer = {"status": e.code, "retry_after": int(retry) if retry and retry.isdigit() else None}
     for line in raw.splitlines():
         line = line.removeprefix("data:").strip()
         if line:
             try:
-                return GenerationError(json.loads(line).get("error", line))
+                return GenerationError(json.loads(line).get("error", line), **answer)
             except json.JSONDecodeError:
-                return GenerationError(line)
-    return GenerationError(f"HTTP {e.code}")
+                return GenerationError(line, **answer)
+    return GenerationError(f"HTTP {e.code}", **answer)
 
 
 def generate_http(prompt: str, url: str = DEFAULT_HTTP_URL, model: str = DEFAULT_MODEL, stream: bool = False,

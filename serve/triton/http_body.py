@@ -1,5 +1,6 @@
 """The HTTP front's bounds and answers: body size and JSON depth limits, the error it answers with
-(:class:`FrontError`), and how a model's or Triton's error message maps to an HTTP status (docs/hardening.md).
+(:class:`FrontError`), and the status of a transport failure between the front and tritonserver
+(docs/hardening.md). A model's errors are answered by their kind (serve/triton/errors.py).
 
 Kept apart from the server (serve/triton/http_front.py) so that the checks every body meets first read in one place.
 """
@@ -7,12 +8,13 @@ Kept apart from the server (serve/triton/http_front.py) so that the checks every
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
+
+from serve.error_kinds import DEFAULT_RETRY_AFTER_S, ErrorKind, retry_after
+from serve.triton.errors import HTTP_STATUS
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20   # 1 MiB: a 256 KiB prompt + 64 x 4 KiB list items fit with room to spare
 DEFAULT_MAX_JSON_DEPTH = 32        # generate needs 2 ({} and []); infer a rank-8 tensor about 11
-DEFAULT_RETRY_AFTER_S = 1
 
 
 class FrontError(Exception):
@@ -23,6 +25,11 @@ class FrontError(Exception):
         self.status = status
         self.message = message
         self.retry_after = retry_after
+
+    @classmethod
+    def of(cls, kind: ErrorKind, message: str, retry_after_s: int | None = None) -> FrontError:
+        """The answer for an error of ``kind`` (its status; Retry-After for a retryable kind)."""
+        return cls(HTTP_STATUS[kind], message, retry_after(kind, retry_after_s))
 
 
 # ---- bounded JSON -----------------------------------------------------------------------------------
@@ -102,32 +109,7 @@ def _check_depth_only(json_part: bytes, max_depth: int) -> None:
             depth -= 1
 
 
-# ---- status codes ---------------------------------------------------------------------------------------
-
-_RETRY_RE = re.compile(r"retry (?:later, )?after (\d+)")
-
-
-def classify(message: str) -> tuple[int, int | None]:
-    """An error message from the model or Triton -> (HTTP status, Retry-After seconds or None).
-
-    The gRPC stream carries only the message (no code), so the model's own phrases are matched: the table
-    in docs/hardening.md lists them."""
-    m = message.lower()
-    retry = _RETRY_RE.search(m)
-    if "overloaded" in m or "retry later" in m or retry:
-        return 503, int(retry.group(1)) if retry else DEFAULT_RETRY_AFTER_S
-    if "timed out" in m:
-        return 504, None
-    if "shutting down" in m or "refuses new requests" in m or "draining" in m:
-        return 503, DEFAULT_RETRY_AFTER_S
-    if m.startswith("internal error") or m.startswith("generation failed"):
-        return 500, None
-    if "cancelled" in m:
-        return 499, None  # the client left; nobody reads this status
-    if "unknown model" in m or "is not found" in m:
-        return 404, None
-    return 400, None
-
+# ---- transport failures -------------------------------------------------------------------------------
 
 def grpc_error(exc: Exception) -> FrontError:
     """A transport failure between the front and tritonserver -> 503 (down or restarting), 504 or 500."""

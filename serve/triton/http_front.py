@@ -10,8 +10,12 @@ leaves. This front (aiohttp, asyncio, in a thread of the launcher) takes the cli
 - generate and generate_stream are served over gRPC on loopback: JSON values are checked against the
   model's declared inputs (type and range, 400 naming the field) and sent as typed tensors; a client that
   disconnects cancels its gRPC stream, which the model sees as ``request.is_cancelled()``;
-- errors map to the status codes of docs/hardening.md (400 bad input, 504 deadline, 503 + Retry-After
-  overloaded / draining / restarting, 500 internal);
+- errors map to the status codes of docs/hardening.md by their kind (serve/triton/errors.py: the tag the model
+  puts in front of its message, never its words): 400 bad input, 504 deadline, 503 + Retry-After overloaded /
+  draining / restarting, 500 internal;
+- the request carries the door's arrival time (``morphserve_arrival_s``, serve/triton/controls.py), so the
+  engine's queue deadline counts from the client's arrival here, Triton's queue and the model's admission
+  included;
 - every other KServe v2 path (health, metadata, config, infer, statistics, repository, ...) is forwarded
   to tritonserver's own HTTP server, which listens on an internal loopback port, with the same bounds.
 
@@ -30,17 +34,19 @@ import dataclasses
 import itertools
 import json
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from serve.error_kinds import DEFAULT_RETRY_AFTER_S, ErrorKind
 from serve.logging_setup import get_logger
+from serve.triton.controls import ARRIVAL_PARAMETER
+from serve.triton.errors import http_answer
 from serve.triton.http_body import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_JSON_DEPTH,
-    DEFAULT_RETRY_AFTER_S,
     FrontError,
     check_json_part,
-    classify,
     grpc_error,
     load_json,
 )
@@ -184,8 +190,8 @@ class FrontApp:
 
     def refuse_if_draining(self) -> None:
         if self.draining:
-            raise FrontError(503, "the server is draining (shutting down); retry after "
-                                  f"{DEFAULT_RETRY_AFTER_S} s on another replica", DEFAULT_RETRY_AFTER_S)
+            raise FrontError.of(ErrorKind.DRAINING, "the server is draining (shutting down); retry after "
+                                                    f"{DEFAULT_RETRY_AFTER_S} s on another replica")
 
     # -- generate -------------------------------------------------------------------------------------
     async def generate(self, request: Any) -> Any:
@@ -199,7 +205,7 @@ class FrontApp:
 
         model = request.match_info["model"]
         version = request.match_info.get("version", "")
-        arrived = asyncio.get_running_loop().time()
+        arrived = time.monotonic()  # CLOCK_MONOTONIC: the model reads it in its own process
         call = None
         resp: Any = None
         self.inflight += 1
@@ -208,28 +214,17 @@ class FrontApp:
             body = load_json(await self.read_body(request), self.options.max_json_depth)
             spec = await self.backend.model_spec(model, version)
             req = build_request(spec, version, body)
+            if spec.limits is not None:  # a morphserve engine model: its queue deadline counts from here
+                req.parameters[ARRIVAL_PARAMETER].double_param = arrived
             call = self.backend.open_stream()
             await call.write(req)
             result: dict[str, Any] | None = None
-            # The queue deadline counted from the client's arrival at the door: time spent before the model
-            # sees the request (Triton's queue, admission under load) counts too.
-            qt = spec.limits.queue_timeout_s if spec.limits is not None else 0.0
-            first_by = arrived + qt if qt else None
             while True:
-                if first_by is not None:
-                    try:
-                        msg = await asyncio.wait_for(call.read(), max(0.0, first_by - asyncio.get_running_loop().time()))
-                    except asyncio.TimeoutError:
-                        retry = max(1, round(qt / 3))
-                        raise FrontError(503, f"overloaded: no token within queue_timeout_s={qt:g} s of arrival; "
-                                              f"retry later, after {retry} s", retry) from None
-                    first_by = None
-                else:
-                    msg = await call.read()
+                msg = await call.read()
                 if msg is None or not hasattr(msg, "infer_response"):  # grpc.aio.EOF
                     raise FrontError(500, "internal error: tritonserver closed the stream before the final response")
-                if msg.error_message:
-                    err = FrontError(*_with_message(classify(msg.error_message), msg.error_message))
+                if msg.error_message:  # answered by the kind in its tag (serve/triton/errors.py), not its words
+                    err = FrontError(*http_answer(msg.error_message))
                     if resp is None:
                         raise err
                     await resp.write(_sse({"error": err.message}))
@@ -293,7 +288,7 @@ class FrontApp:
         path = request.path
         try:
             if self.draining and (path.endswith("/ready") or path == "/v2/health/ready"):
-                raise FrontError(503, "the server is draining (shutting down)", DEFAULT_RETRY_AFTER_S)
+                raise FrontError.of(ErrorKind.DRAINING, "the server is draining (shutting down)")
             body = await self.read_body(request) if request.can_read_body else b""
             if body:
                 if request.method == "POST" and path.endswith(("/infer", "/generate", "/generate_stream")):
@@ -322,10 +317,6 @@ class FrontApp:
             return self.error_response(FrontError(
                 503, f"tritonserver is not reachable (restarting?); retry after {DEFAULT_RETRY_AFTER_S} s",
                 DEFAULT_RETRY_AFTER_S))
-
-
-def _with_message(code: tuple[int, int | None], message: str) -> tuple[int, str, int | None]:
-    return code[0], message, code[1]
 
 
 def _dumps(obj: Any) -> str:

@@ -44,7 +44,6 @@ class RequestLimits:
     max_list_items: int
     max_item_bytes: int
     max_tokens_limit: int
-    queue_timeout_s: float = 0.0  # the model's queue deadline; the door enforces it from the HTTP arrival too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +67,7 @@ def _limits_from_parameters(params: Mapping[str, Any]) -> RequestLimits | None:
     except ValueError:
         return None  # the model refused to load with these; nothing to mirror
     return RequestLimits(server.max_prompt_bytes, server.max_list_items, InputLimits.max_item_bytes,
-                         server.max_tokens_limit, server.queue_timeout_s)
+                         server.max_tokens_limit)
 
 
 def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:

@@ -21,12 +21,10 @@ class ServerParams:
     log_level: str = "info"
     max_prompt_bytes: int = 256 * 1024  # InputLimits (serve/triton/request_inputs.py)
     max_list_items: int = 64
-    # A request with no first token this long after arrival is refused with UNAVAILABLE "overloaded ...
-    # retry after N s" (HTTP 503): load is shed at the defaults. 0: no deadline (offline replays).
-    queue_timeout_s: float = 30.0
-    # With a queue deadline: refuse at once (same 503) a request that the engine's measured start rate says
-    # cannot start within it (policy/shedding.py), instead of holding it until the deadline passes.
-    shed_on_arrival: bool = True
+    # The operator's controls (memory yield / reclaim, drain) on this loopback port, served by the model
+    # (serve/triton/operator_port.py); 0: none. The request lifecycle's knobs (queue_timeout_s, shed_on_arrival,
+    # request_timeout_s, max_num_waiting) are EngineConfig fields: the engine decides them.
+    operator_port: int = 0
 
     @classmethod
     def from_params(cls, params: dict[str, str], default_max_tokens: int) -> ServerParams:
@@ -42,15 +40,14 @@ class ServerParams:
                out.max_list_items) <= 0:
             raise ValueError(f"max_tokens_limit, default_max_tokens, poll_interval_s, max_prompt_bytes and "
                              f"max_list_items must be positive, got {out}")
-        if not 0 <= out.queue_timeout_s < float("inf"):
-            raise ValueError(f"model parameter queue_timeout_s={out.queue_timeout_s!r} must be >= 0 seconds "
-                             "(0: no queue deadline)")
+        if not 0 <= out.operator_port < 65536:
+            raise ValueError(f"model parameter operator_port={out.operator_port!r} must be a port number (0: none)")
         return out
 
 
 # Parameters the Triton model consumes itself rather than passing to EngineConfig.
 MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
-                     "max_prompt_bytes", "max_list_items", "queue_timeout_s", "shed_on_arrival"}
+                     "max_prompt_bytes", "max_list_items", "operator_port"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
 # enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching; policy is a JSON object of
 # PolicyConfig fields (e.g. {"kv_high": 0.7}), the same overrides as --policy KEY=VALUE.

@@ -42,11 +42,13 @@ from serve.triton.install import (
     make_backend_dir,
     server_env,
 )
+from serve.triton.operator_port import post_control
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
     REPO_ROOT,
     TRTLLM_MODEL_NAMES,
+    read_config_parameters,
     render_model_repository,
 )
 
@@ -92,6 +94,10 @@ class TritonServer:
     ``http_port`` is served by the project's HTTP front (serve/triton/http_front.py: bounded bodies, typed
     inputs, gRPC to tritonserver so disconnects cancel; ``front_options`` sets its limits), tritonserver's
     own HTTP server by ``triton_http_port`` (internal, loopback; ``http_front=False`` puts it on http_port).
+
+    ``operator_port`` (a free one by default) is where the model serves the operator's controls (memory yield,
+    drain; serve/triton/operator_port.py), loopback only, when its config.pbtxt declares an ``operator_port``
+    parameter; ``drain()`` asks the engine there to admit nothing new.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class TritonServer:
         http_front: bool = True,
         front_options: FrontOptions | None = None,
         triton_http_port: int | None = None,
+        operator_port: int | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -138,6 +145,12 @@ class TritonServer:
         self.front_options = front_options
         self.front: HttpFront | None = None
         self.triton_http_port = (triton_http_port or free_port()) if http_front else self.http_port
+        cfg = self.model_repository / model_name / "config.pbtxt"
+        declared = cfg.is_file() and "operator_port" in read_config_parameters(cfg.read_text())
+        given = str(self.params.get("operator_port", "")).strip()
+        self.operator_port: int | None = (int(given) or None) if declared and given else None  # given 0: none
+        if declared and not given:
+            self.operator_port = self.params["operator_port"] = operator_port or free_port()
         if len({self.http_port, self.grpc_port, self.metrics_port, self.triton_http_port}) != 3 + http_front:
             raise TritonLaunchError(
                 f"HTTP, gRPC and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}"
@@ -228,6 +241,8 @@ class TritonServer:
         ports = [self.http_port, self.grpc_port, self.metrics_port]
         if self.http_front:
             ports.append(self.triton_http_port)
+        if self.operator_port is not None:
+            ports.append(self.operator_port)
         if self.front is not None:  # the front keeps its port across restarts of tritonserver
             ports.remove(self.http_port)
         for port in ports:
@@ -307,10 +322,16 @@ class TritonServer:
         return self
 
     def drain(self) -> None:
-        """Refuse new requests (503) and report not ready on the HTTP front; in-flight requests go on."""
+        """Refuse new requests (503) and report not ready on the HTTP front, and tell the engine to admit nothing
+        new (gRPC clients get 503 draining too); in-flight requests go on."""
         if self.front is not None:
             self.front.drain()
             log.info("draining", http_port=self.http_port)
+        if self.operator_port is not None and self.proc is not None and self.proc.poll() is None:
+            try:
+                post_control(self.operator_port, "drain", timeout=5.0)
+            except (OSError, ValueError) as e:  # the model is not up (or never bound its port): nothing to drain
+                log.warning("engine_drain_failed", operator_port=self.operator_port, error=str(e))
 
     def log_tail(self, n_lines: int = 40) -> str:
         """The last lines of the server log (for error messages)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from serve.triton.controls import INTERNAL_PARAMETERS, refuse_operator_controls
 from serve.triton.input_error import InputError as ContractError
 
 InputGetter = Callable[[str], "np.ndarray | None"]
@@ -49,8 +50,6 @@ MORPHSERVE_INPUTS: dict[str, str] = {
 # The morphserve-only inputs; every other name is TensorRT-LLM's (what the BLS models declare).
 MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority", "timeout_s")
 TRTLLM_INPUTS = [n for n in MORPHSERVE_INPUTS if n not in MORPHSERVE_ONLY]
-# Control request from the BLS models to the engine model: abort the request with this client request id.
-CANCEL_PARAMETER = "morphserve_cancel"
 # Request-parameter names that mean an input (other names: see MORPHSERVE_INPUTS).
 PARAMETER_ALIASES = {"min_tokens": "min_length", "logprobs": "return_log_probs", "max_new_tokens": "max_tokens"}
 
@@ -126,49 +125,18 @@ def kind_text(kind: str) -> str:
             "int": "an integer", "uint": "an integer >= 0", "float": "a number"}.get(kind, "a tensor")
 
 
-def cancel_target(parameters: str | Mapping[str, Any] | None) -> str | None:
-    """The request id a control request asks to cancel, or None for an ordinary request."""
-    if not parameters:
-        return None
-    params = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
-    value = params.get(CANCEL_PARAMETER)
-    return None if value is None else str(value)
-
-
-MEMORY_PARAMETER = "morphserve_memory"
-"""A control request's parameter: ``"yield 512MiB"`` (keep that much given back to the device or host) or
-``"reclaim"`` (clear the request); the response's ``text_output`` is the engine's memory state as JSON."""
-
-
-def memory_control(parameters: str | Mapping[str, Any] | None) -> int | None | str:
-    """What a memory control request asks: bytes to keep yielded, 0 for reclaim; ``"none"`` for an ordinary
-    request. ValueError on a malformed control."""
-    if not parameters:
-        return "none"
-    params = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
-    value = params.get(MEMORY_PARAMETER)
-    if value is None:
-        return "none"
-    words = str(value).split()
-    if words == ["reclaim"]:
-        return 0
-    if len(words) == 2 and words[0] == "yield":
-        from serve.config import parse_size  # noqa: PLC0415
-
-        return parse_size(words[1])
-    raise ValueError(f'{MEMORY_PARAMETER} must be "yield SIZE" (e.g. "yield 512MiB") or "reclaim", got {value!r}')
-
-
 def parse_parameters(parameters: str | Mapping[str, Any] | None) -> dict[str, np.ndarray]:
-    """A request's parameters -> input arrays, by input name. Unknown names are refused; Triton's own
-    (``triton_*``, e.g. triton_enable_empty_final_response) are ignored."""
+    """A request's parameters -> input arrays, by input name. Unknown names and operator controls are refused;
+    Triton's own (``triton_*``, e.g. triton_enable_empty_final_response) and the model's internal controls
+    (serve/triton/controls.py) are not inputs and are skipped."""
     if not parameters:
         return {}
     params = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
+    refuse_operator_controls(params)
     out: dict[str, np.ndarray] = {}
     unknown = []
     for key, value in params.items():
-        if key.startswith("triton_"):
+        if key.startswith("triton_") or key in INTERNAL_PARAMETERS:
             continue
         name = PARAMETER_ALIASES.get(key, key)
         if name not in MORPHSERVE_INPUTS:

@@ -313,3 +313,20 @@ def test_launcher_keeps_serving_while_one_worker_is_left(capsys) -> None:
     assert watch(cluster, reported) is True  # nothing left to serve
     cluster = SimpleNamespace(frontend=proc("frontend", 1), workers=[proc("worker-0", None)])
     assert watch(cluster, set()) is True
+
+
+def test_expired_contexts_refuse_the_frontends_retries_for_a_while() -> None:
+    """Dynamo's frontend migrates a request that ended with ConnectionTimeout under the same context id: the worker
+    refuses each retry of a context past its deadline at once, for ttl_s, keeping at most max_entries ids."""
+    from serve.dynamo.deadlines import ExpiredContexts
+
+    now = [0.0]
+    expired = ExpiredContexts(ttl_s=10.0, max_entries=2, clock=lambda: now[0])
+    expired.add("a", "request timed out after timeout_s=4 s (9 tokens generated)")
+    assert expired.get("a") == "request timed out after timeout_s=4 s (9 tokens generated)" and expired.get("b") is None
+    now[0] = 5.0
+    expired.add("b", "b's")
+    expired.add("c", "c's")  # a third id: the oldest goes
+    assert expired.get("a") is None and expired.get("b") == "b's" and len(expired) == 2
+    now[0] = 15.5  # b is 10.5 s old, c too: both forgotten
+    assert expired.get("c") is None and len(expired) == 0

@@ -422,11 +422,22 @@ def test_supervisor_budget_is_a_rate_over_a_window():
     assert supervise(srv, policy, stop, poll_s=0.01) == 0 and srv.starts == 6
 
 
-def test_queue_timeout_parameter():
-    from serve.triton.model_params import ServerParams
+def test_lifecycle_parameters_reach_the_engine_config():
+    """queue_timeout_s, shed_on_arrival and request_timeout_s are EngineConfig fields (the engine decides them):
+    config.pbtxt's values reach it, bad ones fail the load naming the parameter; the model's own knob is the
+    operator port."""
+    from serve.config import EngineConfig
+    from serve.triton.model_params import ServerParams, engine_config_kwargs, validate_params
 
-    assert ServerParams.from_params({}, default_max_tokens=16).queue_timeout_s == 30.0  # load shed at the defaults
-    assert ServerParams.from_params({"queue_timeout_s": "0"}, default_max_tokens=16).queue_timeout_s == 0.0
-    for bad in ("-1", "inf", "soon"):
-        with pytest.raises(ValueError, match="queue_timeout_s"):
-            ServerParams.from_params({"queue_timeout_s": bad}, default_max_tokens=16)
+    kwargs, _ = engine_config_kwargs({"queue_timeout_s": "30", "shed_on_arrival": "false", "request_timeout_s": "9"},
+                                     EngineConfig, Path.cwd())
+    config = EngineConfig(**kwargs)
+    assert (config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s) == (30.0, False, 9.0)
+    assert EngineConfig().queue_timeout_s == 0.0  # offline replays: no queue deadline unless asked for
+    for key, bad in (("queue_timeout_s", "-1"), ("queue_timeout_s", "inf"), ("queue_timeout_s", "soon"),
+                     ("request_timeout_s", "0"), ("shed_on_arrival", "maybe")):
+        with pytest.raises(ValueError, match=key):
+            validate_params({"engine_dir": "x", key: bad})
+    assert ServerParams.from_params({"operator_port": "8003"}, default_max_tokens=16).operator_port == 8003
+    with pytest.raises(ValueError, match="operator_port"):
+        ServerParams.from_params({"operator_port": "70000"}, default_max_tokens=16)

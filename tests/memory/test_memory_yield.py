@@ -308,19 +308,8 @@ def test_vmm_buffer_releases_only_whole_segments_inside_a_range_and_maps_them_ba
 
 # ---- the controls' parsing -------------------------------------------------------------------------------------
 
-def test_triton_memory_control_parameter() -> None:
-    from serve.triton.trtllm import memory_control
-
-    assert memory_control(None) == "none" and memory_control('{"max_tokens": 4}') == "none"
-    assert memory_control('{"morphserve_memory": "yield 512MiB"}') == 512 * MiB
-    assert memory_control({"morphserve_memory": "reclaim"}) == 0
-    for bad in ("yield", "yield lots", "give 5MiB", 7):
-        with pytest.raises(ValueError):
-            memory_control({"morphserve_memory": bad})
-
-
-def test_dynamo_memory_control_body() -> None:
-    from serve.dynamo.cli import yield_request_bytes
+def test_operator_memory_control_body() -> None:
+    from serve.engine.controls import yield_request_bytes
 
     assert yield_request_bytes({"size": "2GiB"}) == 2 * 2**30 and yield_request_bytes({"bytes": 5}) == 5
     for bad in ({}, {"size": "2GiB", "bytes": 1}, {"bytes": -1}, {"bytes": True}, {"size": 5}):

@@ -23,8 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "serve": set(),  # the package itself (its __init__ sets OpenMP defaults, stdlib only)
     "serve.logging_setup": set(),
     "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
+    "serve.error_kinds": set(),  # why a request was refused or ended early: the engine's and every front end's words
     # per-request TTFT / ITL / finish accounting for every front end; reads RequestOutput by duck type (no engine)
-    "serve.request_tracker": {"serve.metrics_catalogue"},
+    "serve.request_tracker": {"serve.metrics_catalogue", "serve.error_kinds"},
     "serve.config": {"serve.model", "policy"},  # serve.model.embedded: the embedded model's name (stdlib only)
     "serve.config_flags": {"serve.config", "policy"},  # EngineConfig fields as command-line flags (every CLI)
     "serve.model": {"policy"},
@@ -34,13 +35,14 @@ ALLOWED: dict[str, set[str]] = {
     "serve.morph": {"serve.memory", "serve.model", "serve.process", "serve.config", "serve.logging_setup", "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
     "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.process", "serve.config",
-                     "serve.logging_setup", "policy"},
-    "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue", "policy"},
+                     "serve.logging_setup", "serve.error_kinds", "policy"},
+    "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
+                     "serve.error_kinds", "policy"},
     "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
-                     "serve.request_tracker", "policy"},
+                     "serve.request_tracker", "serve.error_kinds", "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.config_flags", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "serve.request_tracker",
-                      "policy"},
+                      "serve.error_kinds", "policy"},
     # builder.step_costs (make build-engines' second step) times the layers as an engine's layer bank serves them
     "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config",
                 "serve.config_flags"},

@@ -56,7 +56,7 @@ def test_quickstart_start_one_generate_stop() -> None:
     path, body = readme_generate_request()
     http, grpc, metrics = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "serve.triton", "--engine-dir", "smollm2-135m", "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--operator-port", "0"]  # 0: a free one
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # noqa: S603
     try:
         line: list[str] = []

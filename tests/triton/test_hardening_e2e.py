@@ -52,7 +52,7 @@ PARAMS: dict[str, Any] = {
     "queue_timeout_s": QUEUE_TIMEOUT_S,
 }
 CLI_PARAMS = ["--morph-mode", "off", "--param", "num_threads=1", "--param", "max_model_len=256",
-              "--param", "num_kv_blocks=64"]
+              "--param", "num_kv_blocks=64", "--operator-port", "0"]  # 0: a free operator port, not 8003
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The HTTP front (serve/triton/http_front.py) without a tritonserver: bounded bodies, typed inputs,
-status codes, Triton's JSON and SSE formats, cancellation of a request whose client left, draining, and
-the forwarding of the other KServe v2 paths. A fake gRPC backend stands in for tritonserver."""
+status codes by error kind (never by the words of a message), Triton's JSON and SSE formats, cancellation of a
+request whose client left, the door's arrival passed to the engine, draining, and the forwarding of the other
+KServe v2 paths. A fake gRPC backend stands in for tritonserver."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import gzip
 import json
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,10 @@ from aiohttp import ClientTimeout, web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from tritonclient.grpc import service_pb2  # noqa: E402
 
-from serve.triton.http_body import FrontError, check_json_part, classify, load_json  # noqa: E402
+from serve.error_kinds import ErrorKind  # noqa: E402
+from serve.triton.controls import ARRIVAL_PARAMETER  # noqa: E402
+from serve.triton.errors import HTTP_STATUS, http_answer, read_tag, tagged  # noqa: E402
+from serve.triton.http_body import FrontError, check_json_part, load_json  # noqa: E402
 from serve.triton.http_front import FrontApp, FrontOptions  # noqa: E402
 from serve.triton.http_tensors import (  # noqa: E402
     InputSpec,
@@ -134,19 +139,38 @@ def test_spec_from_triton_config_json() -> None:
     assert spec.inputs["max_tokens"].datatype == "INT32"
 
 
-@pytest.mark.parametrize("message, status, retry", [
-    ("text_input is empty", 400, None),
-    ("max_tokens=65 exceeds this server's limit (max_tokens_limit=64)", 400, None),
-    ("overloaded: 4 requests already waiting (max_num_waiting=4); retry later", 503, 1),
-    ("overloaded: no token within queue_timeout_s=30 s of arrival; retry later, after 10 s", 503, 10),
-    ("request timed out after timeout_s=0.3 s (2 tokens generated)", 504, None),
-    ("the engine failed 3 iterations in a row (last: x); it refuses new requests until restarted", 503, 1),
-    ("server shutting down", 503, 1),
-    ("internal error: KeyError: 'x'", 500, None),
-    ("generation failed: boom", 500, None),
+@pytest.mark.parametrize("kind, retry, status, retry_after", [
+    (ErrorKind.INVALID_INPUT, None, 400, None),
+    (ErrorKind.OVERLOADED, 10, 503, 10),
+    (ErrorKind.OVERLOADED, None, 503, 1),
+    (ErrorKind.DEADLINE_EXCEEDED, None, 504, None),
+    (ErrorKind.DRAINING, None, 503, 1),
+    (ErrorKind.UNAVAILABLE, None, 503, 1),
+    (ErrorKind.CANCELLED, None, 499, None),
+    (ErrorKind.INTERNAL, None, 500, None),
 ])
-def test_status_codes(message: str, status: int, retry: int | None) -> None:
-    assert classify(message) == (status, retry)
+@pytest.mark.parametrize("words", [
+    "overloaded: 4 requests already waiting (max_num_waiting=4); retry later",
+    "request timed out after timeout_s=0.3 s (2 tokens generated)",
+    "the server is draining; it refuses new requests",
+    "text_input is empty",
+    "something else entirely",
+])
+def test_status_codes_come_from_the_kind_never_from_the_words(kind, retry, status, retry_after, words) -> None:
+    """Every kind with every engine message: the words (even another kind's) change nothing but the body."""
+    assert http_answer(tagged(kind, words, retry)) == (status, words, retry_after)
+    assert HTTP_STATUS[kind] == status
+
+
+@pytest.mark.parametrize("message", [
+    "overloaded: retry later, after 10 s",                       # the old phrases, untagged: internal now
+    "request timed out after timeout_s=1 s",
+    "unknown request parameter(s) ['[overloaded retry_after=3] x']",  # a client's text echoed: not a tag
+    "[nosuchkind] something",
+    "Stub process 'morphserve_0_0' is not healthy.",
+])
+def test_untagged_messages_are_internal(message: str) -> None:
+    assert http_answer(message) == (500, message, None) and read_tag(message).kind is None
 
 
 # ---- the application with a fake backend -------------------------------------------------------------------------
@@ -267,15 +291,18 @@ def _final_empty() -> Any:
 
 def test_errors_map_to_status_codes_with_retry_after() -> None:
     async def scenario(client: TestClient, backend: FakeBackend, front: FrontApp) -> None:
-        backend.script = [[_error("overloaded: no token within queue_timeout_s=30 s of arrival; retry later, after 10 s")],
-                          [_error("request timed out after timeout_s=0.3 s (0 tokens generated)")],
-                          [_error("text_input is empty")], [_error("internal error: boom")],
-                          [_response("a", False), _error("request timed out after timeout_s=1 s")]]
+        overloaded = "overloaded: no token within queue_timeout_s=30 s of arrival; retry later, after 10 s"
+        backend.script = [[_error(tagged(ErrorKind.OVERLOADED, overloaded, 10))],
+                          [_error(tagged(ErrorKind.DEADLINE_EXCEEDED, "request timed out after timeout_s=0.3 s"))],
+                          [_error(tagged(ErrorKind.INVALID_INPUT, "text_input is empty"))],
+                          [_error(tagged(ErrorKind.INTERNAL, "generation failed: boom"))],
+                          [_response("a", False), _error(tagged(ErrorKind.DEADLINE_EXCEEDED, "request timed out"))]]
         r = await client.post("/v2/models/morphserve/generate", data=b'{"text_input": "x"}')
-        assert r.status == 503 and r.headers["Retry-After"] == "10" and "overloaded" in (await r.json())["error"]
+        assert r.status == 503 and r.headers["Retry-After"] == "10" and (await r.json())["error"] == overloaded
         r = await client.post("/v2/models/morphserve/generate_stream", data=b'{"text_input": "x"}')
         text = await r.text()  # Triton's format on generate_stream: the error as one event
         assert r.status == 504 and text.startswith("data: ") and "timed out" in json.loads(text[6:])["error"]
+        assert "Retry-After" not in r.headers
         r = await client.post("/v2/models/morphserve/generate", data=b'{"text_input": ""}')
         assert r.status == 400
         r = await client.post("/v2/models/morphserve/generate", data=b'{"text_input": "x"}')
@@ -334,23 +361,27 @@ def test_a_client_that_leaves_cancels_its_request() -> None:
     _run(scenario)
 
 
-def test_the_queue_deadline_is_enforced_from_the_arrival_at_the_door() -> None:
-    limited = ModelSpec("morphserve", "", 0, dict(MORPHSERVE.inputs), RequestLimits(1 << 20, 64, 4096, 4096, 0.3))
+def test_the_door_passes_its_arrival_to_the_engine_model() -> None:
+    """The engine's queue deadline counts from the client's arrival at the door: the request carries it (a
+    client's own value is overwritten); the door itself keeps no deadline (the engine decides)."""
+    limited = ModelSpec("morphserve", "", 0, dict(MORPHSERVE.inputs), RequestLimits(1 << 20, 64, 4096, 4096))
 
     async def scenario(client: TestClient, backend: FakeBackend, front: FrontApp) -> None:
         async def spec(model: str, version: str) -> ModelSpec:
             return limited
 
         backend.model_spec = spec  # type: ignore[method-assign]
-        backend.script = [[], [_response("a", False)]]  # nothing at all; then a first token and no more
+        backend.script = [[_response("a", True)]]
+        before = time.monotonic()
+        r = await client.post("/v2/models/morphserve/generate", data=json.dumps(
+            {"text_input": "x", ARRIVAL_PARAMETER: before + 1000}).encode())
+        assert r.status == 200
+        (req,) = backend.calls[0].written
+        assert before <= req.parameters[ARRIVAL_PARAMETER].double_param <= time.monotonic()
+        backend.model_spec = FakeBackend().model_spec  # type: ignore[method-assign]  # a BLS model: no limits
+        backend.script = [[_response("a", True)]]
         r = await client.post("/v2/models/morphserve/generate", data=b'{"text_input": "x"}')
-        assert r.status == 503 and r.headers["Retry-After"] == "1" and "queue_timeout_s=0.3" in (await r.json())["error"]
-        assert backend.calls[0].cancelled  # the request is cancelled in the model too
-        with pytest.raises(asyncio.TimeoutError):  # started in time: no deadline afterwards
-            r = await client.post("/v2/models/morphserve/generate_stream", data=b'{"text_input": "x"}',
-                                  timeout=ClientTimeout(total=0.8))
-            assert r.status == 200
-            await r.read()
+        assert r.status == 200 and ARRIVAL_PARAMETER not in backend.calls[1].written[0].parameters
 
     _run(scenario)
 

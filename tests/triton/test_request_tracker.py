@@ -3,7 +3,9 @@
 The tracker's numbers come from given timestamps (no clock is read). The Triton side runs the real model file
 (triton_models/morphserve/1/model.py) against a fake ``triton_python_backend_utils`` that records what the
 custom-metrics API would export, so the histograms' bucket counts are checked exactly from a scripted
-sequence of the engine's outputs, and a cancellation or a timeout is counted once however often it is seen.
+sequence of the engine's outputs, and a cancellation or a timeout is counted once however often it is seen; the
+engine decides timeouts and cancellations (serve/engine/lifecycle.py), the tracker counts them by the final
+output's error kind and the model answers them by kind (serve/triton/errors.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from serve.engine.outputs import FinishReason, RequestOutput
+from serve.error_kinds import ErrorKind
 from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
                                      TIME_TO_FIRST_TOKEN, RequestHistogram)
 from serve.request_tracker import CANCELLED, OVERLOADED, TIMEOUT, RequestTracker
@@ -41,12 +44,13 @@ class RecordingSink:
 
 
 def out(rid: str, tokens: int, reason: FinishReason | None = None, *, prompt: int = 7, error: str | None = None,
-        queued: tuple[float, float] | None = None) -> RequestOutput:
+        queued: tuple[float, float] | None = None, kind: ErrorKind | None = None, retry: int | None = None) -> RequestOutput:
     """An engine output with ``tokens`` new tokens; ``reason`` makes it the final one; ``queued`` = (the engine's
-    arrival, first scheduling) in the engine's clock."""
+    arrival, first scheduling) in the engine's clock; ``kind``: the error kind the engine ended it with."""
     arrival, first = queued or (0.0, None)
     return RequestOutput(rid, list(range(tokens)), "t" * tokens, reason is not None, reason, num_prompt_tokens=prompt,
-                         num_output_tokens=tokens, error=error, arrival_time=arrival, first_scheduled_time=first)
+                         num_output_tokens=tokens, error=error, arrival_time=arrival, first_scheduled_time=first,
+                         error_kind=kind, retry_after_s=retry)
 
 
 # ---- the tracker -----------------------------------------------------------------------------------------
@@ -75,13 +79,18 @@ def test_cancellation_and_timeout_are_counted_once() -> None:
     assert tracker.finish("c", CANCELLED, t=1.1) is None  # the client's cancel seen twice
     assert tracker.on_output(out("c", 0, FinishReason.ABORT, prompt=3), t=1.2) is None  # the engine's abort output
 
-    timed = tracker.start("t", arrival=10.0, timeout_s=2.0)
-    assert timed.timeout_s == 2.0 and tracker.expired(now=12.0) == [] and tracker.expired(now=12.5) == [timed]
-    for rec in tracker.expired(now=13.0) + tracker.expired(now=13.0):  # noticed on two polls
-        tracker.finish(rec.request_id, TIMEOUT, t=13.0)
-    assert tracker.expired(now=20.0) == []
-    assert sink.finished == [(CANCELLED, 3), (TIMEOUT, 0)]
-    assert E2E_REQUEST_LATENCY.name not in sink.observed  # only the engine completes a request
+    tracker.start("t", arrival=10.0)
+    timed_out = out("t", 0, FinishReason.ERROR, prompt=2, error="request timed out", kind=ErrorKind.DEADLINE_EXCEEDED,
+                    queued=(1.0, 1.5))
+    assert tracker.on_output(timed_out, t=13.0).finish_reason == TIMEOUT
+    assert tracker.on_output(timed_out, t=13.5) is None  # counted once
+    tracker.start("s", arrival=20.0)
+    tracker.on_output(out("s", 0, FinishReason.ERROR, prompt=4, kind=ErrorKind.OVERLOADED, retry=1), t=50.0)
+    tracker.start("x", arrival=20.0)
+    tracker.on_output(out("x", 0, FinishReason.ABORT, prompt=5, kind=ErrorKind.CANCELLED), t=21.0)
+    assert sink.finished == [(CANCELLED, 3), (TIMEOUT, 2), (OVERLOADED, 4), (CANCELLED, 5)]
+    assert E2E_REQUEST_LATENCY.name not in sink.observed  # only an answered request has an end-to-end latency
+    assert REQUEST_QUEUE_TIME.name not in sink.observed
 
 
 def test_engine_reasons_refusals_and_forgotten_requests() -> None:
@@ -180,14 +189,13 @@ def triton_model(monkeypatch: pytest.MonkeyPatch) -> Any:
     model.metrics = Metrics(sys.modules["triton_python_backend_utils"], "morphserve", "1")
     model.tracker = RequestTracker(model.metrics)
     model._inflight, model._lock, model._stats_dirty = {}, threading.Lock(), threading.Event()
-    model.queue_timeout_s = 0.0
     model.aborted = []
     model.engine = types.SimpleNamespace(abort_request=lambda rid: model.aborted.append(rid) or True)
 
-    def admit(rid: str, arrival: float, timeout_s: float | None = None) -> FakeRequest:
+    def admit(rid: str, arrival: float, client_id: str | None = None) -> FakeRequest:
         request = FakeRequest()
-        model._inflight[rid] = module._InFlight(rid, f"client-{rid}", request, request, True,
-                                                model.tracker.start(rid, arrival, timeout_s))
+        model._inflight[rid] = module._InFlight(rid, client_id or f"client-{rid}", request, request, True,
+                                                model.tracker.start(rid, arrival))
         return request
     model.admit = admit
     return model
@@ -226,22 +234,46 @@ def test_triton_histograms_from_a_scripted_output_sequence(triton_model) -> None
 
 
 def test_triton_cancellation_and_timeout_are_counted_once(triton_model) -> None:
+    from serve.triton.controls import new_inner_request_id
+
     now = time.perf_counter()
-    cancelled = triton_model.admit("c", arrival=now)
+    inner = new_inner_request_id()
+    cancelled = triton_model.admit("c", arrival=now, client_id=inner)
     triton_model._handle(out("c", 1), now)
-    timed = triton_model.admit("t", arrival=now - 100.0, timeout_s=1.0)  # its deadline passed long ago
+    timed = triton_model.admit("t", arrival=now - 100.0)
     cancelled.cancelled = True
     triton_model._check_cancellations()
-    triton_model._check_cancellations()  # a second poll finds nothing left to answer
-    triton_model._cancel_client_request("client-c")  # a BLS model passing the same cancellation on
-    triton_model._handle(out("c", 0, FinishReason.ABORT), now)  # the engine's abort output, after the answer
+    triton_model._check_cancellations()  # a second poll asks the engine nothing more
+    triton_model._cancel_inner_request(inner)  # a BLS model passing the same cancellation on
+    assert triton_model.aborted == ["c"]
+    triton_model._handle(out("c", 0, FinishReason.ABORT, kind=ErrorKind.CANCELLED), now)  # the engine's abort output
+    triton_model._handle(out("c", 0, FinishReason.ABORT, kind=ErrorKind.CANCELLED), now)  # seen twice: nothing more
+    triton_model._handle(out("t", 0, FinishReason.ERROR, kind=ErrorKind.DEADLINE_EXCEEDED,
+                             error="request timed out after timeout_s=1 s (0 tokens generated)"), now)
     assert finished_counts() == {CANCELLED: 1, TIMEOUT: 1}
-    assert sorted(triton_model.aborted) == ["c", "t"]
-    assert [(r.error.code, flags) for r, flags in cancelled.sent[1:]] == [("cancelled", 1)]
-    assert [(r.error.code, flags) for r, flags in timed.sent] == [("cancelled", 1)]
-    assert "timeout_s=1 s" in timed.sent[0][0].error.message
+    assert [(r.error.code, r.error.message, flags) for r, flags in cancelled.sent[1:]] == [
+        ("cancelled", "[cancelled] request cancelled by the client", 1)]
+    assert [(r.error.code, r.error.message, flags) for r, flags in timed.sent] == [
+        ("cancelled", "[deadline_exceeded] request timed out after timeout_s=1 s (0 tokens generated)", 1)]
+    with pytest.raises(ValueError, match="no request in flight"):  # finished: an unknown id is refused
+        triton_model._cancel_inner_request(inner)
     assert histogram(E2E_REQUEST_LATENCY.name).observed == []
     assert histogram(TIME_TO_FIRST_TOKEN.name).observed == [0.0]
+
+
+def test_triton_errors_are_answered_by_kind_not_by_words(triton_model) -> None:
+    """The engine's message is passed on as it is; the code and the tag come from its kind alone."""
+    now = time.perf_counter()
+    for rid, kind, retry, words, code in [
+            ("o", ErrorKind.OVERLOADED, 10, "queue full, come back soon", "unavailable"),
+            ("d", ErrorKind.DRAINING, None, "request timed out (not really)", "unavailable"),
+            ("i", ErrorKind.INTERNAL, None, "overloaded? no: a failed forward", "internal")]:
+        sent = triton_model.admit(rid, arrival=now)
+        triton_model._handle(out(rid, 0, FinishReason.ERROR, kind=kind, retry=retry, error=words), now)
+        (response, flags), = sent.sent
+        tag = f"[{kind.value} retry_after={retry or 1}] " if kind is not ErrorKind.INTERNAL else "[internal] "
+        prefix = "generation failed: " if kind is ErrorKind.INTERNAL else ""
+        assert (response.error.code, response.error.message, flags) == (code, tag + prefix + words, 1)
 
 
 def test_triton_gauges_read_engine_stats(triton_model, tiny) -> None:

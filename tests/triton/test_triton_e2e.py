@@ -349,14 +349,17 @@ def test_bad_http_input_answered_with_error(triton_server: TritonServer, body: d
     assert expected.lower() in json.loads(raw)["error"].lower(), raw
 
 
-def test_memory_control_reaches_the_engine(triton_server: TritonServer) -> None:
-    """The operator's yield control (docs/memory-yield.md) through the HTTP front and the model: this server's
-    mode (off) holds no quantized layers, so the engine's own refusal comes back as a 400; a malformed control
-    is refused before the engine."""
+def test_memory_control_is_the_operators_not_the_clients(triton_server: TritonServer) -> None:
+    """The yield control (docs/memory-yield.md) is refused on the inference port and reaches the engine through the
+    operator port: this server's mode (off) holds no quantized layers, so the engine's own refusal comes back."""
+    from serve.triton.operator_port import post_control
+
     status, raw = _post(triton_server, "generate", {"text_input": "", "morphserve_memory": "yield 1MiB"})
-    assert status == 400 and "cannot yield memory" in json.loads(raw)["error"], raw
-    status, raw = _post(triton_server, "generate", {"text_input": "", "morphserve_memory": "give 1MiB"})
-    assert status == 400 and "yield SIZE" in json.loads(raw)["error"], raw
+    assert status == 400 and "operator control" in json.loads(raw)["error"], raw
+    answer = post_control(triton_server.operator_port, "memory_yield", {"size": "1MiB"})
+    assert answer["status"] == "error" and "cannot yield memory" in answer["message"], answer
+    answer = post_control(triton_server.operator_port, "memory_yield", {"size": "give 1MiB"})
+    assert answer["status"] == "error" and "must be a size" in answer["message"], answer
 
 
 def test_server_keeps_serving_after_bad_inputs(triton_server: TritonServer) -> None:

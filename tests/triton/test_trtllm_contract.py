@@ -14,7 +14,6 @@ from serve.triton.trtllm import (
     TRTLLM_INPUTS,
     UNSUPPORTED,
     batched,
-    cancel_target,
     parse_parameters,
     trtllm_to_morphserve,
 )
@@ -126,4 +125,26 @@ def test_batched_outputs_have_trtllm_shapes() -> None:
                    "output_log_probs": np.array([-0.5, -0.5])})
     assert out["text_output"].shape == (1,) and out["cum_log_probs"].shape == (1, 1)
     assert out["output_log_probs"].shape == (1, 1, 2) and out["batch_index"].shape == (1, 1)
-    assert cancel_target('{"morphserve_cancel": "bls-1"}') == "bls-1" and cancel_target(None) is None
+
+
+def test_controls_no_client_can_use() -> None:
+    """Cancellation only of a server-made inner id (an empty, malformed or client-chosen id is refused); memory
+    control refused on the inference path; the internal parameters are never inputs (serve/triton/controls.py)."""
+    from serve.triton.controls import cancel_target, door_arrival, new_inner_request_id
+    from serve.triton.input_error import InputError
+
+    inner = new_inner_request_id()
+    assert cancel_target({"morphserve_cancel": inner}) == inner and cancel_target(None) is None
+    assert cancel_target('{"max_tokens": 4}') is None and new_inner_request_id() != inner
+    for bad in ("", "bls-1", "client-7", inner.upper(), inner + "0", 5, [inner]):
+        with pytest.raises(InputError, match="morphserve_cancel"):
+            cancel_target({"morphserve_cancel": bad})
+    for memory in ("yield 512MiB", "reclaim", "yield 999999999999999999999B"):
+        with pytest.raises(InputError, match="operator control"):
+            parse_parameters({"morphserve_memory": memory, "max_tokens": 4})
+    assert set(parse_parameters({"morphserve_cancel": inner, "morphserve_arrival_s": 5.0, "max_tokens": 4})) == {
+        "max_tokens"}
+    assert door_arrival({"morphserve_arrival_s": 12.5}) == 12.5 and door_arrival({}) is None
+    for bad in ("now", True, float("nan")):
+        with pytest.raises(InputError, match="morphserve_arrival_s"):
+            door_arrival({"morphserve_arrival_s": bad})

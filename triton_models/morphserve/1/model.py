@@ -1,16 +1,24 @@
-"""Triton Python-backend model hosting one MorphServe engine (decoupled, streaming).
+"""Triton Python-backend model hosting one MorphServe engine (decoupled, streaming): glue only.
+
+The engine decides each request's life (admission bound, shedding on arrival, the queue deadline, timeout_s,
+cancellation, draining: serve/engine/lifecycle.py) and says how a request ended as an ErrorKind; this file maps
+kinds to Triton's error codes and the message tag the HTTP door and gRPC clients read (serve/triton/errors.py).
 
 Threads in this stub process:
-- Triton's execute() thread: validates each request, registers it, hands it to the engine, returns.
+- Triton's execute() thread: validates each request, hands it to the engine with its arrival (the HTTP door's,
+  when it came through the door), returns.
 - the engine loop thread (``engine.start_background()``): runs steps; its per-request callback only
   enqueues ``(RequestOutput, timestamp)`` so the loop never waits on IPC to the server.
 - ``morphserve-responder``: drains that queue and sends responses through each request's
   ``response_sender`` (one per token group with stream=true, one in all otherwise; the last carries
-  TRITONSERVER_RESPONSE_COMPLETE_FINAL), hands each output to the request tracker (TTFT, ITL, finish
-  reasons: serve/request_tracker.py, shared with the Dynamo worker), and polls ``request.is_cancelled()``
-  to abort cancelled requests in the engine at once (which frees their KV blocks).
+  TRITONSERVER_RESPONSE_COMPLETE_FINAL, an error one when the engine ended the request early), hands each
+  output to the request tracker (TTFT, ITL, finish reasons: serve/request_tracker.py, shared with the Dynamo
+  worker), and polls ``request.is_cancelled()`` to abort cancelled requests in the engine at once (which frees
+  their KV blocks).
 - ``morphserve-metrics``: refreshes the gauges from ``engine.stats()`` (which waits for the engine
   lock, so it must not run on the responder thread).
+- ``morphserve-operator`` (with an ``operator_port``): the operator's controls, loopback only
+  (serve/triton/operator_port.py); the inference ports refuse them (serve/triton/controls.py).
 
 Every bad input is answered with a TritonError response carrying the FINAL flag; nothing in
 execute() is allowed to raise, so one bad request never takes the model down.
@@ -35,13 +43,17 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkout-fallback: a plain checkout
     sys.path.append(str(REPO_ROOT))  # checkout-fallback (python -m serve.triton --write-repository drops these)
 
-from policy.shedding import shed_on_arrival  # noqa: E402
+from serve.engine.errors import error_kind, retry_after_of  # noqa: E402 - light (no torch)
+from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
-from serve.request_tracker import CANCELLED, OVERLOADED, TIMEOUT, RequestTracker, TrackedRequest  # noqa: E402
+from serve.request_tracker import OVERLOADED, RequestTracker, TrackedRequest  # noqa: E402
+from serve.triton.controls import cancel_target, door_arrival  # noqa: E402
+from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
+from serve.triton.operator_port import OperatorPort  # noqa: E402
 from serve.triton.request_inputs import InputError, InputLimits, parse_request, parse_slo_inputs  # noqa: E402
-from serve.triton.trtllm import cancel_target, memory_control, with_parameters  # noqa: E402
+from serve.triton.trtllm import with_parameters  # noqa: E402
 
 log = get_logger("triton_model")
 
@@ -60,11 +72,12 @@ class _InFlight:
     request: Any
     sender: Any
     stream: bool
-    timing: TrackedRequest      # arrival, deadline (timeout_s), first token, token counts: the tracker's record
+    timing: TrackedRequest      # arrival, first token, token counts: the tracker's record
     parts: list[str] = dataclasses.field(default_factory=list)
     prefix: str = ""            # the prompt, when a non-streaming answer must start with it
     sent_logprobs: int = 0      # streaming: log-probabilities already sent
     logprobs: list[float] | None = None  # return_log_probs: every generated token's log-probability
+    abort_sent: bool = False    # the engine was asked to abort it (its final output is on its way)
 
 
 def _input_array(request: Any, name: str) -> np.ndarray | None:
@@ -87,9 +100,17 @@ def _response(text: str, num_input: int, num_output: int, finish_reason: str,
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _error_response(message: str, code: Any = None) -> Any:
-    code = pb_utils.TritonError.INVALID_ARG if code is None else code
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+def _error_response(kind: ErrorKind, message: str, retry_after_s: int | None = None) -> Any:
+    """An error response of ``kind``: Triton's code for it, and the message with the kind's tag in front."""
+    code = getattr(pb_utils.TritonError, TRITON_CODE[kind])
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged(kind, message, retry_after_s), code))
+
+
+def _send_quietly(sender: Any, response: Any) -> None:
+    try:
+        sender.send(response, flags=FINAL)
+    except Exception:  # noqa: BLE001 - the stream may be gone already
+        pass
 
 
 class TritonPythonModel:
@@ -113,8 +134,6 @@ class TritonPythonModel:
         self.default_max_tokens = server.default_max_tokens
         self.poll_interval_s = server.poll_interval_s
         self.limits = InputLimits(max_prompt_bytes=server.max_prompt_bytes, max_list_items=server.max_list_items)
-        self.queue_timeout_s = server.queue_timeout_s
-        self.shed_on_arrival = server.shed_on_arrival
 
         from serve.config import EngineConfig  # noqa: PLC0415 - heavy imports after logging is set up
         from serve.engine import LLMEngine  # noqa: PLC0415
@@ -149,6 +168,12 @@ class TritonPythonModel:
         self._metrics_thread = threading.Thread(target=self._metrics_loop, name="morphserve-metrics", daemon=True)
         self._responder.start()
         self._metrics_thread.start()
+        self.operator: OperatorPort | None = None
+        if server.operator_port:
+            try:
+                self.operator = OperatorPort(server.operator_port, self._control).start()
+            except OSError as exc:  # the model serves; only the operator's controls are out of reach
+                log.error("operator_port_unavailable", port=server.operator_port, error=str(exc))
 
     # ---- execute -------------------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -158,12 +183,8 @@ class TritonPythonModel:
                 self._admit(request)
             except Exception as exc:  # noqa: BLE001 - never let one request take the model down
                 log.exception("execute_failed", error=str(exc))
-                try:
-                    request.get_response_sender().send(
-                        _error_response(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL),
-                        flags=FINAL)
-                except Exception:  # noqa: BLE001 - sender already closed
-                    pass
+                _send_quietly(request.get_response_sender(),
+                              _error_response(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
         return None
 
     def _admit(self, request: Any) -> None:
@@ -171,66 +192,79 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         request_id = uuid.uuid4().hex
         client_id = request.request_id() or ""
-        target = cancel_target(request.parameters())
-        if target is not None:  # a BLS model passing on its client's cancellation
-            self._cancel_client_request(target)
-            sender.send(flags=FINAL)
-            return
+        parameters = request.parameters()
         try:
-            memory = memory_control(request.parameters())
-            if memory != "none":  # the operator's yield/reclaim control (docs/memory-yield.md)
-                state = self.engine.request_memory_yield(memory or None)
-                log.info("memory_control", yield_request_bytes=memory, client_request_id=client_id)
-                sender.send(_response(json.dumps(state), 0, 0, "stop"), flags=FINAL)
+            target = cancel_target(parameters)
+            if target is not None:  # a BLS model passing on its client's cancellation
+                self._cancel_inner_request(target)
+                sender.send(flags=FINAL)
                 return
-        except ValueError as exc:
-            self._reject(sender, request_id, client_id, str(exc))
-            return
-        try:
+            door = door_arrival(parameters)
+            waited = 0.0 if door is None else max(0.0, time.monotonic() - door)  # at the HTTP door and in Triton
             get_input = lambda name: _input_array(request, name)  # noqa: E731
             parsed = parse_request(get_input, self.max_tokens_limit, self.default_max_tokens,
-                                   parameters=request.parameters(), limits=self.limits)
+                                   parameters=parameters, limits=self.limits)
             params = self._SamplingParams(**parsed.sampling_kwargs())
-            slo_inputs = parse_slo_inputs(with_parameters(get_input, request.parameters()))
-            slo = self._RequestSLO(**dataclasses.asdict(slo_inputs))
+            slo = self._RequestSLO(**dataclasses.asdict(parse_slo_inputs(with_parameters(get_input, parameters))))
         except (InputError, ValueError, TypeError) as exc:
-            self._reject(sender, request_id, client_id, str(exc))
-            return
-        # refuse at once what the measured start rate says cannot start within queue_timeout_s
-        shed = shed_on_arrival(self.engine.num_waiting(), self.engine.start_rate.rate_at(self.engine.clock()),
-                               self.queue_timeout_s) if self.shed_on_arrival else None
-        if shed is not None and shed.shed:
-            self.tracker.refused(OVERLOADED)
-            log.info("request_shed", request_id=request_id, client_request_id=client_id, on_arrival=True,
-                     predicted_wait_s=round(shed.predicted_wait_s or 0.0, 3), queue_timeout_s=self.queue_timeout_s)
-            self._reject(sender, request_id, client_id, shed.reason, pb_utils.TritonError.UNAVAILABLE)
+            self._reject(sender, request_id, client_id, ErrorKind.INVALID_INPUT, str(exc))
             return
         inflight = _InFlight(request_id, client_id, request, sender, parsed.stream,
-                             self.tracker.start(request_id, arrival, parsed.timeout_s))
+                             self.tracker.start(request_id, arrival - waited))
         if not parsed.stream and not parsed.exclude_input_in_output:
             inflight.prefix = parsed.prompt  # TensorRT-LLM: the answer repeats the prompt unless excluded
         if parsed.return_log_probs:
             inflight.logprobs = []
         with self._lock:
             self._inflight[request_id] = inflight
-        try:
-            self.engine.add_request(parsed.prompt, params, request_id=request_id, callback=self._on_output, slo=slo)
-        except (ValueError, TypeError, RuntimeError) as exc:  # e.g. prompt too long; overloaded; unhealthy engine
+        try:  # the engine decides admission (draining, shedding, its queue bound) and the deadlines
+            self.engine.add_request(parsed.prompt, params, request_id=request_id, callback=self._on_output, slo=slo,
+                                    arrival_time=self.engine.clock() - waited, timeout_s=parsed.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - every refusal is answered by its kind
             with self._lock:
                 self._inflight.pop(request_id, None)
-            self.tracker.forget(request_id)  # refused by the engine: answered as an error, not counted
-            unavailable = isinstance(exc, RuntimeError)  # EngineOverloaded ("retry later") or an unhealthy engine
-            self._reject(sender, request_id, client_id, str(exc),
-                         pb_utils.TritonError.UNAVAILABLE if unavailable else None)
+            self.tracker.forget(request_id)  # refused by the engine: answered as an error, not a finished request
+            kind = error_kind(exc)
+            if kind is ErrorKind.OVERLOADED:
+                self.tracker.refused(OVERLOADED)
+            if kind is ErrorKind.INTERNAL:
+                log.exception("add_request_failed", request_id=request_id, error=str(exc))
+            self._reject(sender, request_id, client_id, kind, str(exc), retry_after_of(exc))
             return
         log.info("request_added", request_id=request_id, client_request_id=client_id, max_tokens=parsed.max_tokens,
                  temperature=parsed.temperature, stream=parsed.stream, prompt_chars=len(parsed.prompt),
-                 ttft_slo_s=slo.ttft_s, tbt_slo_s=slo.tbt_s, priority=slo.priority)
+                 ttft_slo_s=slo.ttft_s, tbt_slo_s=slo.tbt_s, priority=slo.priority, timeout_s=parsed.timeout_s,
+                 waited_s=round(waited, 6))
         self._stats_dirty.set()
 
-    def _reject(self, sender: Any, request_id: str, client_id: str, message: str, code: Any = None) -> None:
-        log.info("request_rejected", request_id=request_id, client_request_id=client_id, error=message)
-        sender.send(_error_response(message, code), flags=FINAL)
+    def _reject(self, sender: Any, request_id: str, client_id: str, kind: ErrorKind, message: str,
+                retry_after_s: int | None = None) -> None:
+        log.info("request_rejected", request_id=request_id, client_request_id=client_id, kind=kind.value,
+                 error=message)
+        sender.send(_error_response(kind, message, retry_after_s), flags=FINAL)
+
+    def _cancel_inner_request(self, inner_id: str) -> None:
+        """A BLS model's control: abort its inner request (the one in flight with exactly this server-made id)."""
+        with self._lock:
+            match = next((f for f in self._inflight.values() if f.client_request_id == inner_id), None)
+        if match is None:
+            raise InputError(f"no request in flight has id {inner_id!r} (finished already, or never made)")
+        self._abort(match)
+
+    def _abort(self, inflight: _InFlight) -> None:
+        """Ask the engine to abort (frees its KV blocks now); its final output (kind cancelled) answers it."""
+        if not inflight.abort_sent:
+            inflight.abort_sent = True
+            self.engine.abort_request(inflight.request_id)
+
+    # ---- the operator port (its own thread) ------------------------------------------------------
+    def _control(self, name: str, body: Any) -> dict[str, Any]:
+        from serve.engine.controls import run_control  # noqa: PLC0415 - light
+
+        answer = run_control(self.engine, name, body)
+        log.info("operator_control", control=name, body=body, answer=answer if name != "state" else None)
+        self._stats_dirty.set()
+        return answer
 
     # ---- engine callback (engine loop thread) ----------------------------------------------------
     def _on_output(self, out: Any) -> None:
@@ -274,27 +308,25 @@ class TritonPythonModel:
             if inflight is not None:
                 self.tracker.forget(inflight.request_id)
                 self.engine.abort_request(inflight.request_id)
-                try:
-                    inflight.sender.send(_error_response(f"internal error: {exc}", pb_utils.TritonError.INTERNAL),
-                                         flags=FINAL)
-                except Exception:  # noqa: BLE001
-                    pass
+                _send_quietly(inflight.sender, _error_response(ErrorKind.INTERNAL, f"internal error: {exc}"))
 
     def _handle(self, out: Any, t: float) -> None:
         with self._lock:
             inflight = self._inflight.get(out.request_id)
             if inflight is not None and out.finished:
                 del self._inflight[out.request_id]
-        if inflight is None:  # already answered (cancelled, or failed)
+        if inflight is None:  # already answered (failed to respond, or the model is finalizing)
             return
         self.tracker.on_output(out, t)  # TTFT, ITL; a final output also its finish reason and latencies
-        reason = out.finish_reason.value if out.finish_reason is not None else ""
-
-        if out.finished and (out.error or reason == "error"):
-            inflight.sender.send(_error_response(f"generation failed: {out.error or 'unknown error'}",
-                                                 pb_utils.TritonError.INTERNAL), flags=FINAL)
-            self._finished(inflight, error=out.error)
+        if out.finished and out.error_kind is not None:  # ended early by the engine: answered by its kind
+            kind = out.error_kind
+            message = out.error or ("request cancelled by the client" if kind is ErrorKind.CANCELLED else kind.value)
+            if kind is ErrorKind.INTERNAL:
+                message = f"generation failed: {message}"
+            _send_quietly(inflight.sender, _error_response(kind, message, out.retry_after_s))  # its client may be gone
+            self._finished(inflight, error=message)
             return
+        reason = out.finish_reason.value if out.finish_reason is not None else ""
         if inflight.logprobs is not None and out.new_logprobs:
             inflight.logprobs.extend(out.new_logprobs)
         if inflight.stream:
@@ -325,65 +357,16 @@ class TritonPythonModel:
         self._stats_dirty.set()
 
     def _check_cancellations(self) -> None:
+        """Abort the requests whose client cancelled (a gRPC stream cancelled, an HTTP client that left)."""
         with self._lock:
-            candidates = list(self._inflight.values())
-        now = time.perf_counter()
+            candidates = [f for f in self._inflight.values() if not f.abort_sent]
         for inflight in candidates:
-            timing = inflight.timing
-            if (self.queue_timeout_s and timing.first_token_time is None
-                    and now - timing.arrival > self.queue_timeout_s):
-                self._shed(inflight)
-                continue
-            expired = timing.expired(now)
             try:
-                cancelled = expired or inflight.request.is_cancelled()
+                cancelled = inflight.request.is_cancelled()
             except Exception:  # noqa: BLE001 - request already released
                 cancelled = False
             if cancelled:
-                self._cancel(inflight, timed_out=expired)
-
-    def _shed(self, inflight: _InFlight) -> None:
-        """No first token within queue_timeout_s: abort (frees its KV blocks) and answer UNAVAILABLE."""
-        with self._lock:
-            if self._inflight.pop(inflight.request_id, None) is None:
-                return
-        self.engine.abort_request(inflight.request_id)
-        retry = max(1, round(self.queue_timeout_s / 3))
-        log.info("request_shed", request_id=inflight.request_id, client_request_id=inflight.client_request_id,
-                 queue_timeout_s=self.queue_timeout_s)
-        self.tracker.finish(inflight.request_id, OVERLOADED)
-        try:
-            inflight.sender.send(_error_response(
-                f"overloaded: no token within queue_timeout_s={self.queue_timeout_s:g} s of arrival; retry later, "
-                f"after {retry} s", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
-        except Exception:  # noqa: BLE001 - the stream may be gone already
-            pass
-        self._stats_dirty.set()
-
-    def _cancel_client_request(self, client_id: str) -> None:
-        with self._lock:
-            matches = [f for f in self._inflight.values() if f.client_request_id == client_id]
-        for inflight in matches:
-            self._cancel(inflight)
-
-    def _cancel(self, inflight: _InFlight, timed_out: bool = False) -> None:
-        """Abort a cancelled (or timed-out) request in the engine (frees its KV blocks), answer it CANCELLED."""
-        with self._lock:
-            if self._inflight.pop(inflight.request_id, None) is None:
-                return  # finished meanwhile
-        aborted = self.engine.abort_request(inflight.request_id)  # frees its KV blocks now
-        timing = inflight.timing
-        log.info("request_cancelled", request_id=inflight.request_id,
-                 client_request_id=inflight.client_request_id, num_output_tokens=timing.num_output_tokens,
-                 aborted_in_engine=aborted, timed_out=timed_out)
-        self.tracker.finish(inflight.request_id, TIMEOUT if timed_out else CANCELLED)
-        message = (f"request timed out after timeout_s={timing.timeout_s:g} s "
-                   f"({timing.num_output_tokens} tokens generated)" if timed_out else "request cancelled by the client")
-        try:
-            inflight.sender.send(_error_response(message, pb_utils.TritonError.CANCELLED), flags=FINAL)
-        except Exception:  # noqa: BLE001 - the stream may be gone already
-            pass
-        self._stats_dirty.set()
+                self._abort(inflight)
 
     # ---- metrics thread --------------------------------------------------------------------------
     def _metrics_loop(self) -> None:
@@ -401,20 +384,19 @@ class TritonPythonModel:
 
     # ---- finalize --------------------------------------------------------------------------------
     def finalize(self) -> None:
-        """Stop the engine loop and the helper threads; answer what is still in flight."""
+        """Stop the engine loop and the helper threads; answer what is still in flight (draining)."""
         log.info("finalize", model=self.model_name)
+        if self.operator is not None:
+            self.operator.stop()
         self._stop.set()
         self._stats_dirty.set()
+        self.engine.drain()
+        with self._lock:  # what is left is answered "shutting down", not with the engine's aborts below
+            leftovers = list(self._inflight.values())
+            self._inflight.clear()
         self.engine.stop()
         self._events.put(None)
         self._responder.join(timeout=5)
         self._metrics_thread.join(timeout=5)
-        with self._lock:
-            leftovers = list(self._inflight.values())
-            self._inflight.clear()
         for inflight in leftovers:
-            try:
-                inflight.sender.send(_error_response("server shutting down", pb_utils.TritonError.UNAVAILABLE),
-                                     flags=FINAL)
-            except Exception:  # noqa: BLE001
-                pass
+            _send_quietly(inflight.sender, _error_response(ErrorKind.DRAINING, "the server is shutting down"))

@@ -5,7 +5,9 @@ Glue only: each request's ``[1, ...]`` tensors and parameters become the morphse
 through BLS (decoupled), and its responses come back with the batch dimension (``batched``). A thread per
 request waits on the BLS response iterator, so execute() returns at once. The Python backend of Triton
 2.51 cannot cancel a BLS request, so a client's cancellation is passed on as a control request to the
-engine model (parameter ``morphserve_cancel``), which aborts the inner request and frees its KV blocks.
+engine model (parameter ``morphserve_cancel`` with the inner request's server-made id, which no client ever
+sees: serve/triton/controls.py), which aborts the inner request and frees its KV blocks. Errors carry their
+kind's tag (serve/triton/errors.py), as the engine model's do.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,11 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkout-fallback: a plain checkout
     sys.path.append(str(REPO_ROOT))  # checkout-fallback (python -m serve.triton --write-repository drops these)
 
+from serve.error_kinds import ErrorKind  # noqa: E402
+from serve.triton.controls import CANCEL_PARAMETER, new_inner_request_id  # noqa: E402
+from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
 from serve.triton.request_inputs import InputError  # noqa: E402
-from serve.triton.trtllm import CANCEL_PARAMETER, batched, trtllm_to_morphserve  # noqa: E402
+from serve.triton.trtllm import batched, trtllm_to_morphserve  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason", "cum_log_probs",
@@ -37,9 +41,9 @@ def _input(request: Any, name: str) -> np.ndarray | None:
     return None if t is None else t.as_numpy()
 
 
-def _error(message: str, code: Any = None) -> Any:
-    code = pb_utils.TritonError.INVALID_ARG if code is None else code
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+def _error(message: str, kind: ErrorKind = ErrorKind.INVALID_INPUT) -> Any:
+    code = getattr(pb_utils.TritonError, TRITON_CODE[kind])
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged(kind, message), code))
 
 
 class TritonPythonModel:
@@ -65,7 +69,7 @@ class TritonPythonModel:
         except (InputError, ValueError) as exc:
             sender.send(_error(str(exc)), flags=FINAL)
             return
-        inner_id = f"bls-{uuid.uuid4().hex}"
+        inner_id = new_inner_request_id()  # server-made: the only kind of id morphserve_cancel accepts
         inner = pb_utils.InferenceRequest(
             model_name=self.target, request_id=inner_id, requested_output_names=list(ENGINE_OUTPUTS),
             inputs=[pb_utils.Tensor(name, arr) for name, arr in arrays.items()])
@@ -88,13 +92,12 @@ class TritonPythonModel:
                 # A send to a client that has gone (cancelled stream) raises here before is_cancelled() is
                 # seen: without this abort the inner request would run to its end holding KV blocks.
                 self._cancel(inner_id)
-                self._send_quietly(sender, _error(f"internal error: {type(exc).__name__}: {exc}",
-                                                  pb_utils.TritonError.INTERNAL))
+                self._send_quietly(sender, _error(f"internal error: {type(exc).__name__}: {exc}", ErrorKind.INTERNAL))
 
     def _abort(self, sender: Any, inner_id: str) -> str:
         """The client cancelled: abort the inner request in the engine and answer CANCELLED."""
         self._cancel(inner_id)
-        self._send_quietly(sender, _error("request cancelled by the client", pb_utils.TritonError.CANCELLED))
+        self._send_quietly(sender, _error("request cancelled by the client", ErrorKind.CANCELLED))
         return "aborted"
 
     @staticmethod

@@ -1,0 +1,130 @@
+"""No client of the inference ports can act for another client or for the operator (issue 44, findings 1 and 2),
+against a real tritonserver in the shipped dynamic morph mode: while four clients stream, a client that sends
+``morphserve_cancel`` (empty, or a well-formed id it made up) or ``morphserve_memory`` over HTTP or gRPC is
+refused 400 with a clear error; the four streams finish in full, every layer stays at full precision and nothing
+is given back. The operator port (loopback only) yields and reclaims (issue 43, "operator controls off the data
+plane")."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("tritonclient.grpc")
+
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
+
+from serve.error_kinds import ErrorKind  # noqa: E402
+from serve.triton.client import (GenerationError, GrpcStream, generate_http, metric_value, request_inputs,  # noqa: E402
+                                 scrape_metrics)
+from serve.triton.controls import new_inner_request_id  # noqa: E402
+from serve.triton.operator_port import post_control  # noqa: E402
+from serve.triton.server import TritonServer  # noqa: E402
+
+skip_module_without_triton()
+
+MODEL = "morphserve"
+TOKENS = 48
+# The shipped mode (config.pbtxt: default, device_memory auto); a short context and one thread keep it light, a KV
+# pool that holds the four streams gives the controller no reason of its own to quantize, and a short reclaim calm
+# period lets the yielded bytes come back within the test.
+PARAMS: dict[str, Any] = {"engine_dir": "smollm2-135m", "morph_mode": "default", "max_model_len": 256,
+                          "num_kv_blocks": 128, "num_threads": 1, "policy": json.dumps({"memory_reclaim_calm_s": 0.5})}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    with running_server(PARAMS, tmp_path_factory.mktemp("operator")) as srv:
+        yield srv
+
+
+def http(srv: TritonServer, body: dict[str, Any]) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{MODEL}/generate", data=json.dumps(body).encode(),
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+def grpc_error(srv: TritonServer, parameters: dict[str, Any]) -> GenerationError | None:
+    try:
+        with GrpcStream(srv.grpc_url, MODEL) as s:
+            s.send(request_inputs("x", max_tokens=2, stream=True), parameters=parameters)
+            list(s.responses(timeout=120))
+    except GenerationError as e:
+        return e
+    return None
+
+
+def metric(srv: TritonServer, name: str) -> float:
+    return metric_value(scrape_metrics(srv.metrics_url), name, model=MODEL) or 0.0
+
+
+def wait_for(cond, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stream(srv: TritonServer, i: int, started: threading.Event, out: dict[int, Any]) -> None:
+    """One client streaming over HTTP (through the door, whose requests all carry Triton request id "")."""
+    try:
+        c = generate_http(f"Client {i}: count slowly: 1, 2,", url=srv.http_url, stream=True, max_tokens=TOKENS,
+                          ignore_eos=True, temperature=0.0, timeout=300, on_text=lambda _t: started.set())
+        out[i] = (c.num_output_tokens, c.finish_reason)
+    except Exception as e:  # noqa: BLE001 - reported by the assertion
+        out[i] = f"{type(e).__name__}: {e}"
+
+
+def test_a_client_cannot_cancel_others_or_yield_memory_and_the_operator_can(server: TritonServer) -> None:
+    results: dict[int, Any] = {}
+    started = [threading.Event() for _ in range(4)]
+    clients = [threading.Thread(target=stream, args=(server, i, started[i], results)) for i in range(4)]
+    for th in clients:
+        th.start()
+    assert all(e.wait(120) for e in started), results
+
+    # finding 1: {"text_input": "x", "morphserve_cancel": ""} used to end every stream in flight
+    status, error = http(server, {"text_input": "x", "morphserve_cancel": ""})
+    assert status == 400 and "morphserve_cancel" in error and "server made" in error, (status, error)
+    forged = new_inner_request_id()  # well formed, but no BLS model made it
+    status, error = http(server, {"text_input": "x", "morphserve_cancel": forged})
+    assert status == 400 and "no request in flight" in error, (status, error)
+    err = grpc_error(server, {"morphserve_cancel": ""})
+    assert err is not None and err.kind is ErrorKind.INVALID_INPUT and "morphserve_cancel" in str(err)
+    # finding 2: {"text_input": "", "morphserve_memory": "yield 512MiB"} used to quantize every layer
+    for command in ("yield 512MiB", "reclaim", "yield " + "9" * 40 + "B"):
+        status, error = http(server, {"text_input": "x", "morphserve_memory": command})
+        assert status == 400 and "operator control" in error and "--operator-port" in error, (command, status, error)
+    err = grpc_error(server, {"morphserve_memory": "yield 512MiB"})
+    assert err is not None and err.kind is ErrorKind.INVALID_INPUT and "operator control" in str(err)
+
+    for th in clients:
+        th.join(timeout=300)
+    assert results == {i: (TOKENS, "length") for i in range(4)}  # every other client's stream finished in full
+    assert metric(server, "morphserve_layers_quantized") == 0 and metric(server, "morphserve_swaps_total") == 0
+    assert metric(server, "morphserve_memory_yielded_bytes") == 0 and metric(server, "morphserve_memory_yields_total") == 0
+
+    # the operator port can: a yield gives bytes back (a KV chunk or a quantized layer's), reclaim takes them back
+    answer = post_control(server.operator_port, "memory_yield", {"size": "1MiB"})
+    assert answer["status"] == "ok" and answer["memory_yield"]["yield_request_bytes"] == 2**20, answer
+    wait_for(lambda: metric(server, "morphserve_memory_yielded_bytes") >= 2**20, "the yield")
+    assert metric(server, "morphserve_memory_yields_total") >= 1
+    assert post_control(server.operator_port, "memory_reclaim")["status"] == "ok"
+    wait_for(lambda: metric(server, "morphserve_memory_yielded_bytes") == 0
+             and metric(server, "morphserve_memory_reclaims_total") >= 1, "the reclaim")
+    refused = post_control(server.operator_port, "memory_yield", {"size": "lots"})
+    assert refused["status"] == "error" and "must be a size" in refused["message"]
