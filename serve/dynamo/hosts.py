@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.dynamo.cluster import REPO_ROOT
-from serve.dynamo.http import get_json, get_text
+from serve.dynamo.http import get_json, get_text, metric_values
 from serve.dynamo.linkem import LinkEmulator
 from serve.dynamo.netns import HostLink, Network, kill_namespace_processes, leftovers
 
@@ -106,6 +107,7 @@ class HostCluster:
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._closed = False
+        self._sigterm = None
         atexit.register(self.close)
 
     # ---- addresses ---------------------------------------------------------------------------------
@@ -142,6 +144,7 @@ class HostCluster:
 
     def start(self) -> None:
         c = self.config
+        self._exit_on_sigterm()
         if not Path(c.python).exists():
             raise FileNotFoundError(f"no Dynamo interpreter at {c.python} (make install-dynamo)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -209,6 +212,14 @@ class HostCluster:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         return env
 
+    def _exit_on_sigterm(self) -> None:
+        """SIGTERM's default action skips every ``finally`` and atexit: turn it into SystemExit (main thread,
+        when nobody else handles it) so the hosts are torn down; the next run's remove_stale covers SIGKILL."""
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            def on_sigterm(*_: object) -> None:
+                raise SystemExit(128 + signal.SIGTERM)
+            self._sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
     # ---- readiness ---------------------------------------------------------------------------------
     def etcd_healthy(self) -> bool:
         return get_text(f"{self.etcd_url}/health", timeout=1.0) is not None
@@ -216,6 +227,22 @@ class HostCluster:
     def worker_ready(self, host: Host) -> bool:
         body = get_text(self.metrics_url(host), timeout=2.0)
         return body is not None and "dynamo_component_total_blocks" in body
+
+    def metric(self, host: Host, name: str, **labels: str) -> float:
+        """Sum of metric ``name`` (the samples carrying ``labels``) on a worker host's /metrics; NaN when
+        the host does not answer."""
+        body = get_text(self.metrics_url(host), timeout=5.0)
+        if body is None:
+            return float("nan")
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        lines = [line for line in body.splitlines() if all(w in line for w in wanted)]
+        return sum(metric_values("\n".join(lines), name))
+
+    def instance_id(self, host: Host) -> int | None:
+        """The Dynamo instance id of the worker running on ``host`` now (the frontend logs it in decimal)."""
+        body = get_text(self.metrics_url(host), timeout=5.0) or ""
+        m = re.search(r'dynamo_component_requests_total\{[^}]*worker_id="([0-9a-f]+)"', body)
+        return int(m.group(1), 16) if m else None
 
     def registered_workers(self) -> int:
         """Worker instances registered in etcd (what a frontend that starts now would find)."""
@@ -337,6 +364,8 @@ class HostCluster:
                 self.emulator.close()
         shutil.rmtree(self.root, ignore_errors=True)
         atexit.unregister(self.close)
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm)
 
 
 def build_parser() -> argparse.ArgumentParser:
