@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.dynamo.cluster import REPO_ROOT
-from serve.dynamo.http import get_json, get_text, metric_values
+from serve.dynamo.launch import ROUTER_MODES
+from serve.dynamo.http import get_json, get_text, metric_values, post_json
 from serve.dynamo.linkem import LinkEmulator
 from serve.dynamo.netns import HostLink, Network, kill_namespace_processes, leftovers
 
@@ -60,6 +61,7 @@ def dynamo_python() -> str:
 @dataclass
 class HostsConfig:
     workers: int = 2
+    spare_workers: int = 0                # worker hosts made (namespace, link) but started only by start_host()
     model: str = "smollm2-135m"
     worker_args: list[str] = field(default_factory=lambda: list(DEFAULT_WORKER_ARGS))
     router_mode: str = "kv"
@@ -82,6 +84,7 @@ class Host:
     log: Path
     proc: subprocess.Popen | None = None
     supervised: bool = False               # restarted when it exits (from the end of the start on)
+    in_service: bool = True                # False: a spare host, or one stop_host() stopped
     restarts: list[float] = field(default_factory=list)   # time.monotonic() of each restart
 
     @property
@@ -121,7 +124,7 @@ class HostCluster:
 
     @property
     def workers(self) -> list[Host]:
-        return [h for h in self.hosts.values() if h.role == "worker"]
+        return [h for h in self.hosts.values() if h.role == "worker" and h.in_service]
 
     def metrics_url(self, host: Host) -> str:
         return f"http://{host.address}:{SYSTEM_PORT}/metrics"
@@ -154,16 +157,16 @@ class HostCluster:
             self.emulator = LinkEmulator()
         self._add("etcd", "etcd")
         self._add("frontend", "frontend")
-        for i in range(1, c.workers + 1):
-            self._add(f"worker-{i}", "worker", emulated=c.emulated_links)
+        for i in range(1, c.workers + c.spare_workers + 1):
+            self._add(f"worker-{i}", "worker", emulated=c.emulated_links).in_service = i <= c.workers
         self._spawn(self.hosts["etcd"])
         self._wait(lambda: self.etcd_healthy(), 60, "etcd")
         for host in self.hosts.values():
-            if host.role != "etcd":
+            if host.role != "etcd" and host.in_service:
                 self._spawn(host)
         self.wait_ready(c.ready_timeout_s)  # unsupervised until ready: a host that cannot start fails the start
         for host in self.hosts.values():
-            host.supervised = True
+            host.supervised = host.in_service
         self._supervisor = threading.Thread(target=self._supervise, name="hosts-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -244,6 +247,20 @@ class HostCluster:
         m = re.search(r'dynamo_component_requests_total\{[^}]*worker_id="([0-9a-f]+)"', body)
         return int(m.group(1), 16) if m else None
 
+    def serves(self, host: Host, timeout_s: float = 10.0) -> bool:
+        """Whether the frontend gets an answer from this worker host now: a one-token request pinned to its
+        instance (Dynamo's ``nvext.backend_instance_id``), so the router's choice does not matter."""
+        instance = self.instance_id(host)
+        if instance is None:
+            return False
+        body = {"model": "morphserve", "prompt": "ping", "max_tokens": 1, "temperature": 0,
+                "nvext": {"backend_instance_id": instance}}
+        try:
+            answer = post_json(f"{self.base_url}/v1/completions", body, timeout=timeout_s)
+        except (OSError, ValueError):
+            return False
+        return bool(answer.get("choices"))
+
     def registered_workers(self) -> int:
         """Worker instances registered in etcd (what a frontend that starts now would find)."""
         etcdctl = Path(self.config.python).parent / "etcdctl"
@@ -259,7 +276,7 @@ class HostCluster:
         """Until etcd answers, every worker (or each of ``hosts``) publishes its capacity and is registered,
         and the frontend lists the model."""
         t0 = time.monotonic()
-        targets = hosts if hosts is not None else list(self.hosts.values())
+        targets = hosts if hosts is not None else [h for h in self.hosts.values() if h.in_service]
 
         def ready() -> bool:
             for h in targets:
@@ -297,7 +314,7 @@ class HostCluster:
         while not self._stop.wait(0.25):
             with self._lock:
                 for h in self.hosts.values():
-                    if not h.supervised or h.alive() or self._stop.is_set():
+                    if not (h.supervised and h.in_service) or h.alive() or self._stop.is_set():
                         continue
                     now = time.monotonic()
                     due = backoff.setdefault(h.name, now + self.config.restart_backoff_s)
@@ -307,6 +324,29 @@ class HostCluster:
                     self._spawn(h)
                     h.restarts.append(now)
                     del backoff[h.name]
+
+    def start_host(self, name: str) -> Host:
+        """Start a spare (or stopped) worker host now; it is supervised from here on: if it cannot join
+        (etcd unreachable) its launcher exits and is started again until it does."""
+        with self._lock:
+            host = self.hosts[name]
+            host.in_service = host.supervised = True
+            if not host.alive():
+                self._spawn(host)
+            return host
+
+    def stop_host(self, name: str, timeout_s: float = 20.0) -> None:
+        """Take a host out of service: SIGTERM its launcher (its worker deregisters), then anything left dies."""
+        with self._lock:
+            host = self.hosts[name]
+            host.in_service = host.supervised = False
+            if host.alive():
+                os.killpg(host.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+                try:
+                    host.proc.wait(timeout=timeout_s)  # type: ignore[union-attr]
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_namespace_processes(host.link.ns)
 
     # ---- faults ------------------------------------------------------------------------------------
     def kill(self, name: str) -> list[int]:
@@ -371,14 +411,21 @@ class HostCluster:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.dynamo.hosts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=2, help="worker hosts (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="worker hosts, one worker each (default: %(default)s)")
     p.add_argument("--model", default="smollm2-135m", help="engine directory or embedded model name")
-    p.add_argument("--router-mode", default="kv", help="the frontend's router (default: %(default)s)")
-    p.add_argument("--stream-timeout", type=float, default=10.0, help="seconds (default: %(default)s)")
-    p.add_argument("--etcd-lease-ttl", type=int, default=90, help="seconds (default: %(default)s)")
-    p.add_argument("--emulated-links", action="store_true", help="workers' links through the delay/loss emulator")
-    p.add_argument("--log-dir", default=None, help="keep the logs here (default: a temporary directory)")
-    p.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: options for every worker")
+    p.add_argument("--router-mode", default="kv", choices=ROUTER_MODES,
+                   help="the frontend's router (default: %(default)s: KV events cross the hosts)")
+    p.add_argument("--stream-timeout", type=float, default=10.0,
+                   help="seconds a stream may stay silent before the frontend moves it (default: %(default)s)")
+    p.add_argument("--etcd-lease-ttl", type=int, default=90,
+                   help="seconds every process's etcd lease lasts without renewal: the longest etcd outage the "
+                        "hosts ride out (default: %(default)s; Dynamo's own default is 30)")
+    p.add_argument("--emulated-links", action="store_true",
+                   help="the workers' links go through the userspace delay/loss emulator (serve/dynamo/linkem.py)")
+    p.add_argument("--log-dir", default=None, help="keep the logs here (default: a temporary directory, removed)")
+    p.add_argument("worker_args", nargs=argparse.REMAINDER,
+                   help="after --: options for every worker (python -m serve.dynamo --help), after the hosts' "
+                        "defaults: " + " ".join(DEFAULT_WORKER_ARGS))
     return p
 
 

@@ -15,7 +15,6 @@ Root is required (network namespaces); under CI=true a non-root run fails instea
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,20 +25,13 @@ import pytest
 from serve.dynamo.frontend_log import read_attempts, response_id
 from serve.dynamo.hosts import DEFAULT_WORKER_ARGS, HostCluster, HostsConfig
 from tests.dynamo.test_dynamo_kv_routing import SHARED
-from tests.dynamo_cluster_support import ReferenceEngine, dynamo_python
+from tests.dynamo_cluster_support import ReferenceEngine, dynamo_python, require_root
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 TOKENS = 8
 LONG = 48       # tokens of the streams a fault interrupts
 CUT_S = 15.0
-
-
-def require_root() -> None:
-    if os.geteuid() != 0:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("tests/dynamo/test_multihost.py needs root (network namespaces) and CI runs as root")
-        pytest.skip("needs root: network namespaces (CI runs these as root)")
 
 
 @pytest.fixture(scope="module")
@@ -136,32 +128,12 @@ def _busy_worker(cluster):
     return busy[0]
 
 
-def _serves_again(cluster, client, host, timeout_s: float = 240.0) -> None:
-    """Concurrent bursts until ``host`` answers some (the router spreads load once it is back). Each
-    request has a 30 s deadline: in Dynamo 1.6.1 a request whose worker cannot open its response stream
-    back to the frontend (seen once right after a cut link came back: EHOSTUNREACH) waits until the
-    client gives up (docs/dynamo.md, "Faults across hosts")."""
-    start = served(cluster, host)
-    start = 0.0 if start != start else start  # NaN: not answering yet
+def _serves_again(cluster, host, timeout_s: float = 240.0) -> None:
+    """Until a request pinned to ``host``'s worker answers through the frontend."""
     deadline = time.monotonic() + timeout_s
-    quick = client.with_options(timeout=30.0)
-    i = 0
-
-    def one(k: int) -> None:
-        try:
-            quick.completions.create(model="morphserve", prompt=f"Rejoin check {i}.{k}:", max_tokens=2, temperature=0)
-        except Exception as exc:  # noqa: BLE001 - the host's recovery is what this checks
-            hung.append(f"{type(exc).__name__}: {exc}")
-    hung: list[str] = []
-    while time.monotonic() < deadline:
-        now = served(cluster, host)
-        if now == now and now > start:
-            return
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(one, range(4)))
-        i += 1
-        time.sleep(0.5)
-    raise AssertionError(f"{host.name} did not serve again within {timeout_s:.0f} s; failed requests: {hung}")
+    while not cluster.serves(host):
+        assert time.monotonic() < deadline, f"{host.name} did not serve again within {timeout_s:.0f} s"
+        time.sleep(1.0)
 
 
 def test_killing_a_worker_hosts_processes_mid_stream_migrates_the_stream(cluster, client, reference) -> None:
@@ -180,7 +152,7 @@ def test_killing_a_worker_hosts_processes_mid_stream_migrates_the_stream(cluster
     assert len({t.worker_id for t in tries}) == 2 and tries[-1].outcome == "completed", tries
     cluster.wait_ready(hosts=[victim[0]])   # its supervisor restarted the host's launcher
     assert victim[0].restarts
-    _serves_again(cluster, client, victim[0])
+    _serves_again(cluster, victim[0])
 
 
 def test_a_cut_link_moves_the_stream_and_the_worker_serves_again(cluster, client, reference) -> None:
@@ -202,9 +174,12 @@ def test_a_cut_link_moves_the_stream_and_the_worker_serves_again(cluster, client
     assert text == want["text"] and reason == "length"
     tries = read_attempts(cluster.frontend_log)[response_id(rid)]
     cut_id = cluster.instance_id(cut[0][0])
-    assert (tries[0].worker_id, tries[0].outcome, tries[0].error) == (cut_id, "failed", "response_timeout"), tries
+    # the attempt on the cut host timed out (an earlier one may have gone to the killed host's registration,
+    # which stays in etcd until its lease runs out: cannot_connect, and the request moved on)
+    on_cut = [t for t in tries if t.worker_id == cut_id]
+    assert [(t.outcome, t.error) for t in on_cut] == [("failed", "response_timeout")], tries
     assert tries[-1].outcome == "completed" and tries[-1].worker_id != cut_id, tries
-    _serves_again(cluster, client, cut[0][0])
+    _serves_again(cluster, cut[0][0])
 
 
 def test_kv_routing_still_follows_the_holder_after_the_faults(cluster, client) -> None:
