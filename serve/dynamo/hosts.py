@@ -273,8 +273,8 @@ class HostCluster:
         return bool(models) and any(m.get("id") == "morphserve" for m in models.get("data", []))
 
     def wait_ready(self, timeout_s: float | None = None, hosts: list[Host] | None = None) -> float:
-        """Until etcd answers, every worker (or each of ``hosts``) publishes its capacity and is registered,
-        and the frontend lists the model."""
+        """Until etcd answers, every worker (or each of ``hosts``) publishes its capacity, and the frontend lists
+        the model; for the whole cluster also until every worker is registered and answers through the frontend."""
         t0 = time.monotonic()
         targets = hosts if hosts is not None else [h for h in self.hosts.values() if h.in_service]
 
@@ -286,7 +286,10 @@ class HostCluster:
                     return False
                 if h.role == "etcd" and not self.etcd_healthy():
                     return False
-            return hosts is not None or self.registered_workers() >= len(self.workers)
+            if hosts is not None:
+                return True
+            # every worker registered, and each answers a request pinned to it through the frontend
+            return self.registered_workers() >= len(self.workers) and all(self.serves(w) for w in self.workers)
         self._wait(ready, timeout_s or self.config.ready_timeout_s, "the hosts to be ready")
         return time.monotonic() - t0
 

@@ -16,6 +16,7 @@ Root is required (network namespaces); under CI=true a non-root run fails instea
 from __future__ import annotations
 
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -158,18 +159,19 @@ def test_killing_a_worker_hosts_processes_mid_stream_migrates_the_stream(cluster
 def test_a_cut_link_moves_the_stream_and_the_worker_serves_again(cluster, client, reference) -> None:
     messages = [{"role": "user", "content": "Describe the stars over the sea, at length."}]
     want = reference.greedy(reference.chat_prompt(messages), LONG, ignore_eos=True)
-    cut = []
+    cut: list = []   # (host, timer that restores its link CUT_S after the cut, whatever the stream does)
 
     def cut_after_four(n: int) -> None:
         if n == 4 and not cut:
-            cut.append((_busy_worker(cluster), time.monotonic()))
-            cluster.cut(cut[0][0].name)
+            host = _busy_worker(cluster)
+            cluster.cut(host.name)
+            cut.append((host, threading.Timer(CUT_S, cluster.restore, [host.name])))
+            cut[0][1].start()
     try:
         text, rid, reason = stream_chat(client, messages, LONG, on_chunk=cut_after_four, ignore_eos=True)
     finally:
         if cut:
-            time.sleep(max(0.0, CUT_S - (time.monotonic() - cut[0][1])))
-            cluster.restore(cut[0][0].name)
+            cut[0][1].join()
     assert cut, "the stream ended before the cut"
     assert text == want["text"] and reason == "length"
     tries = read_attempts(cluster.frontend_log)[response_id(rid)]
