@@ -42,38 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serve.dynamo.cluster import REPO_ROOT
+from serve.dynamo.host_recipe import (DEFAULT_WORKER_ARGS, ETCD_PORT, HTTP_PORT, SYSTEM_PORT, HostsConfig, etcd_argv,
+                                      launcher_argv)
 from serve.dynamo.launch import ROUTER_MODES
 from serve.dynamo.http import get_json, get_text, metric_values, post_json
 from serve.dynamo.linkem import LinkEmulator
 from serve.dynamo.netns import HostLink, Network, kill_namespace_processes, leftovers
-
-ETCD_PORT = 2379
-HTTP_PORT = 8080
-SYSTEM_PORT = 8180
-DEFAULT_WORKER_ARGS = ["--morph-mode", "off", "--max-model-len", "256", "--num-kv-blocks", "64",
-                       "--max-num-seqs", "8", "--num-threads", "1"]
-
-
-def dynamo_python() -> str:
-    return os.environ.get("MORPHSERVE_DYNAMO_PYTHON") or str(REPO_ROOT / ".venv-dynamo" / "bin" / "python")
-
-
-@dataclass
-class HostsConfig:
-    workers: int = 2
-    spare_workers: int = 0                # worker hosts made (namespace, link) but started only by start_host()
-    model: str = "smollm2-135m"
-    worker_args: list[str] = field(default_factory=lambda: list(DEFAULT_WORKER_ARGS))
-    router_mode: str = "kv"
-    migration_limit: int = 3
-    stream_timeout_s: float | None = 10.0
-    etcd_lease_ttl_s: int | None = 90
-    emulated_links: bool = False          # the workers' links go through the link emulator (delay, loss)
-    python: str = field(default_factory=dynamo_python)
-    ready_timeout_s: float = 300.0
-    log_dir: Path | None = None           # default: a temporary directory, removed at close
-    restart_backoff_s: float = 1.0
-
 
 @dataclass
 class Host:
@@ -172,35 +146,15 @@ class HostCluster:
 
     def _add(self, name: str, role: str, emulated: bool = False) -> Host:
         link = self.net.add_host(name, emulator=self.emulator if emulated else None)
-        argv = self._etcd_argv(link) if role == "etcd" else self._launcher_argv(name, role, link)
+        if role == "etcd":
+            argv = etcd_argv(self.config, link, self.root / "etcd-data")
+        else:
+            argv = launcher_argv(self.config, role, link, self.hosts["etcd"].address, self.log_dir / name,
+                                 self.private / "card")
         host = Host(name, role, link, argv, self.log_dir / name / "launcher.out")
         host.log.parent.mkdir(parents=True, exist_ok=True)
         self.hosts[name] = host
         return host
-
-    def _etcd_argv(self, link: HostLink) -> list[str]:
-        etcd = Path(self.config.python).parent / "etcd"
-        client, peer = f"http://{link.address}:{ETCD_PORT}", f"http://{link.address}:{ETCD_PORT + 1}"
-        return [str(etcd), "--name", "hosts", "--data-dir", str(self.root / "etcd-data"),
-                "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"hosts={peer}"]
-
-    def _launcher_argv(self, name: str, role: str, link: HostLink) -> list[str]:
-        """The recipe of docs/dynamo.md, one host each: a worker host or the frontend host."""
-        c = self.config
-        argv = [c.python, "-m", "serve.dynamo.launch", "--discovery", "etcd", "--etcd-endpoints",
-                f"http://{self.hosts['etcd'].address}:{ETCD_PORT}", "--host", link.address,
-                "--model", c.model, "--log-dir", str(self.log_dir / name), "--ready-timeout", str(c.ready_timeout_s)]
-        if c.etcd_lease_ttl_s is not None:
-            argv += ["--etcd-lease-ttl", str(c.etcd_lease_ttl_s)]
-        if role == "frontend":
-            argv += ["--replicas", "0", "--http-host", link.address, "--http-port", str(HTTP_PORT),
-                     "--router-mode", c.router_mode, "--migration-limit", str(c.migration_limit)]
-            if c.stream_timeout_s is not None:
-                argv += ["--stream-timeout", f"{c.stream_timeout_s:g}"]
-            return argv
-        return [*argv, "--no-frontend", "--replicas", "1", "--system-host", link.address, "--system-port-base",
-                str(SYSTEM_PORT), "--", *c.worker_args, "--model-card-dir", str(self.private / "card")]
 
     def _spawn(self, host: Host) -> None:
         """Start the host's process inside its namespace, over a private tmpfs (its own card directory)."""
