@@ -5,7 +5,8 @@ Phases (:func:`in_phase`): ``before`` holds the requests that finished before th
 those in flight at some point between the fault and the cluster's recovery (or the fault's removal if it never
 recovered), ``after`` those that started after recovery. TTFT is the client's: from the first try of a request
 to its first token (client retries included). Throughput counts the tokens of answered requests that ended in
-the phase's time span, per second of it.
+the phase's time span, per second of it. End-to-end latency (``e2e_p95_s``) shows what TTFT cannot: a stream that
+stalled after its first token.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def summarize(records: list[Record], window: Window, t0: float, t_end: float,
         "outage_s": None if window.recovered is None else round(window.recovered - window.start, 2),
         "recover_after_removal_s": None if window.recovered is None else round(max(0.0, window.recovered - window.end), 2),
         "longest_gap_s": round(longest_gap(mine, window.start, until), 2),
-        "ttft_p95_s": {}, "throughput_tok_s": {}, "requests_by_phase": {},
+        "ttft_p95_s": {}, "e2e_p95_s": {}, "throughput_tok_s": {}, "requests_by_phase": {},
         "stale_routes": probe["stale_routes"], "probe_overlap_blocks": probe["overlap_blocks"],
         "registrations_clean_after_s": (None if window.clean is None else round(window.clean - window.start, 2)),
         "notes": window.notes,
@@ -80,6 +81,8 @@ def summarize(records: list[Record], window: Window, t0: float, t_end: float,
         members = [r for r in answered if in_phase(r, name, window.start, until)]
         value = p95([r.ttft for r in members if r.ttft is not None])
         out["ttft_p95_s"][name] = None if value is None else round(value, 3)
+        e2e = p95([r.end - r.start for r in members])
+        out["e2e_p95_s"][name] = None if e2e is None else round(e2e, 3)
         ended = sum(r.tokens for r in answered if lo <= r.end < hi)
         out["throughput_tok_s"][name] = round(ended / (hi - lo), 2) if hi > lo else None
         out["requests_by_phase"][name] = sum(in_phase(r, name, window.start, until) for r in mine)
@@ -95,7 +98,7 @@ def median_of(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         return round(statistics.median(nums), 3) if nums and len(nums) == len(values) else None
     keys = ("requests", "answered", "migrated", "retried", "failed", "lost", "fault_s", "outage_s",
-            "recover_after_removal_s", "longest_gap_s", "registrations_clean_after_s", "ttft_p95_s", "throughput_tok_s", "stale_routes")
+            "recover_after_removal_s", "longest_gap_s", "registrations_clean_after_s", "ttft_p95_s", "e2e_p95_s", "throughput_tok_s", "stale_routes")
     med = {k: merge([r[k] for r in repeats]) for k in keys}
     med["lost_total"] = sum(r["lost"] for r in repeats)
     med["failed_total"] = sum(r["failed"] for r in repeats)
