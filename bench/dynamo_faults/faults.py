@@ -111,9 +111,10 @@ def etcd_outage(cluster: HostCluster, duration_s: float) -> Window:
     end = time.monotonic()
     hosts = [*cluster.workers]
     recovered = _until(lambda: all(cluster.serves(w) for w in hosts))
+    until = recovered or time.monotonic()  # a process that lost its lease exits when etcd is back: count those too
     notes = {"new_worker": spare.name if spare else None,
-             "worker_restarts_during": {w.name: sum(start <= t <= end for t in w.restarts) for w in hosts},
-             "frontend_restarts_during": sum(start <= t <= end for t in cluster.hosts["frontend"].restarts)}
+             "worker_restarts_until_recovered": {w.name: sum(start <= t <= until for t in w.restarts) for w in hosts},
+             "frontend_restarts_until_recovered": sum(start <= t <= until for t in cluster.hosts["frontend"].restarts)}
     if spare is not None:
         notes["new_worker_launches"] = 1 + len(spare.restarts)
     window = Window(start, end, recovered, notes)
