@@ -2,7 +2,7 @@
 network namespace with its own address on a bridge; serve/dynamo/hosts.py), started with the etcd recipe
 of docs/dynamo.md. The client is the root namespace; requests, KV events and model cards cross the links.
 
-- 32 streamed chat requests: each text equals the engine's own greedy output.
+- 32 streamed chat requests and two plain ones: each text equals the engine's own greedy output.
 - KV-aware routing across hosts: five requests sharing a prefix go to the worker that computed it.
 - A worker host's processes killed mid-stream: the stream finishes on the other host (exact text); the
   host's supervisor restarts it and it serves again.
@@ -99,6 +99,15 @@ def test_32_streamed_chat_requests_equal_the_engines_greedy_output(cluster, clie
     after = [served(cluster, w) for w in cluster.workers]
     assert sum(after) - sum(before) == 32
     assert all(a > b for a, b in zip(after, before)), f"both worker hosts served: {before} -> {after}"
+
+
+def test_plain_chat_requests_equal_the_engines_greedy_output(cluster, client, reference) -> None:
+    for messages in ([{"role": "user", "content": "Name a colour."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a harbour?"}]):
+        want = reference.greedy(reference.chat_prompt(messages), TOKENS)
+        got = client.chat.completions.create(model="morphserve", messages=messages, max_tokens=TOKENS, temperature=0)
+        assert got.choices[0].message.content == want["text"]
+        assert got.usage.completion_tokens == len(want["token_ids"])
 
 
 def test_a_shared_prefix_goes_to_its_holder_across_hosts(cluster, client) -> None:
