@@ -20,10 +20,13 @@ DYNAMO_HTTP_PORT ?= 8080
 DYNAMO_SYSTEM_PORT_BASE ?= 8180
 ROUTER_MODE ?= least-loaded
 
+HOSTS_ARGS ?=
+FAULTS_ARGS ?= --out docs/benchmarks/dynamo_faults.json
+
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_ARGS ?= --runs 3
 
-.PHONY: install install-dynamo install-py312 test test-slow test-py312 build-engines quality plan serve serve-dynamo bench bench-aiperf bench-engine bench-peer bench-peer-servers gpu-check soak clean help
+.PHONY: install install-dynamo install-py312 test test-slow test-py312 build-engines quality plan serve serve-dynamo serve-dynamo-hosts bench bench-aiperf bench-dynamo-faults bench-engine bench-peer bench-peer-servers gpu-check soak clean help
 
 help:
 	@echo "make install        create .venv with torch ($(TORCH)), the embedded model and the project"
@@ -37,6 +40,9 @@ help:
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
 	@echo "make serve          start tritonserver on 127.0.0.1 (HTTP_PORT, GRPC_PORT, METRICS_PORT)"
 	@echo "make serve-dynamo   REPLICAS workers behind NVIDIA Dynamo's OpenAI frontend on 127.0.0.1:DYNAMO_HTTP_PORT"
+	@echo "make serve-dynamo-hosts  (root) etcd, the frontend and worker hosts in network namespaces (HOSTS_ARGS; docs/dynamo.md)"
+	@echo "make bench-dynamo-faults (root) faults of a cluster of hosts under load: kill, cut link, delay+loss, etcd, frontend"
+	@echo "                    (FAULTS_ARGS, default: $(FAULTS_ARGS))"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
@@ -124,6 +130,13 @@ serve-dynamo: build-engines $(DYNAMO_VENV)/.installed
 	$(DYNAMO_PY) -m serve.dynamo.launch --replicas $(REPLICAS) --http-port $(DYNAMO_HTTP_PORT) \
 	  --system-port-base $(DYNAMO_SYSTEM_PORT_BASE) --router-mode $(ROUTER_MODE) --model $(ENGINE_DIR) \
 	  $(if $(WORKER_ARGS),-- $(WORKER_ARGS))
+
+# A cluster of hosts on this machine (root: network namespaces); the embedded model unless ENGINE_DIR was built.
+serve-dynamo-hosts: install
+	$(DYNAMO_PY) -m serve.dynamo.hosts --model $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(HOSTS_ARGS)
+
+bench-dynamo-faults: install
+	$(PY) -m bench.dynamo_faults $(FAULTS_ARGS)
 
 bench: install
 	$(PY) -m bench.triton --engine-dir $(if $(wildcard $(ENGINE_DIR)/manifest.json),$(ENGINE_DIR),$(MODEL)) $(BENCH_ARGS)

@@ -25,6 +25,14 @@ BASE_WORKER_ARGS = ["--morph-mode", "off", "--max-model-len", "256", "--num-kv-b
 READY_TIMEOUT_S = 240.0
 
 
+def require_root() -> None:
+    """Network namespaces need root. CI runs as root, so there a non-root run is a failure, not a skip."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("this test needs root (network namespaces) and CI runs as root")
+        pytest.skip("needs root: network namespaces (CI runs these as root)")
+
+
 def dynamo_python() -> str:
     """The interpreter with ai-dynamo (make install-dynamo); the tests skip where it is missing."""
     py = os.environ.get("MORPHSERVE_DYNAMO_PYTHON") or str(REPO_ROOT / ".venv-dynamo" / "bin" / "python")

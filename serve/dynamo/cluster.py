@@ -112,6 +112,10 @@ class ClusterConfig:
     served_model_name: str = "morphserve"
     grace_s: float = 0.0
     host: str = LOOPBACK                  # address other machines reach this one's workers/frontend on
+    http_host: str = LOOPBACK             # the frontend's OpenAI port listens here (clients on other machines)
+    system_host: str = LOOPBACK           # the workers' /metrics and /engine/control listen here
+    stream_timeout_s: float | None = None  # frontend: a stream silent this long moves to another worker
+    etcd_lease_ttl_s: int | None = None    # etcd discovery: how long a process rides out an etcd outage
 
 
 class Cluster:
@@ -125,13 +129,17 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = dynamo_env(config.discovery, self.root / "discovery", config.etcd_endpoints, config.grace_s,
                               config.host)
+        self.env["DYN_SYSTEM_HOST"] = config.system_host
+        self.env["DYN_HTTP_HOST"] = config.http_host
+        if config.etcd_lease_ttl_s is not None:
+            self.env["ETCD_LEASE_TTL"] = str(config.etcd_lease_ttl_s)
         self.frontend: Proc | None = None
         self.workers: list[Proc] = []
         self._started = 0
 
     @property
     def base_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.config.http_port}"
+        return f"http://{self.config.http_host}:{self.config.http_port}"
 
     def _spawn(self, name: str, argv: list[str], port: int, extra_env: dict[str, str] | None = None) -> Proc:
         log_path = self.log_dir / f"{name}.log"
@@ -144,10 +152,11 @@ class Cluster:
 
     def start_frontend(self) -> Proc:
         c = self.config
-        argv = [c.python, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(c.http_port),
+        argv = [c.python, "-m", "dynamo.frontend", "--http-host", c.http_host, "--http-port", str(c.http_port),
                 "--router-mode", c.router_mode, "--discovery-backend", c.discovery,
                 "--migration-limit", str(c.migration_limit), *c.frontend_args]
-        self.frontend = self._spawn("frontend", argv, c.http_port)
+        extra = {} if c.stream_timeout_s is None else {"DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS": f"{c.stream_timeout_s:g}"}
+        self.frontend = self._spawn("frontend", argv, c.http_port, extra)
         return self.frontend
 
     def add_worker(self, extra_args: list[str] | None = None) -> Proc:
@@ -187,7 +196,7 @@ class Cluster:
                                    + _strip_ansi(line)[-400:])
 
     def worker_ready(self, proc: Proc) -> bool:
-        body = get_text(f"http://{LOOPBACK}:{proc.port}/metrics", timeout=2.0)
+        body = get_text(f"http://{self.config.system_host}:{proc.port}/metrics", timeout=2.0)
         return body is not None and "dynamo_component_total_blocks" in body
 
     def wait_ready(self, timeout_s: float = 300.0, workers: list[Proc] | None = None) -> float:

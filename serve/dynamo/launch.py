@@ -24,19 +24,30 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2, help="workers on this machine (default: %(default)s)")
     add_engine_flags(p, ("model",), defaults={"model": EMBEDDED_MODEL}, help_suffix=" for every worker")
-    p.add_argument("--http-port", type=int, default=8080, help="frontend port on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=8080, help="frontend port on --http-host (default: %(default)s)")
     p.add_argument("--system-port-base", type=int, default=8180,
                    help="worker i's /metrics and /engine/control port is BASE+i (default: %(default)s)")
     p.add_argument("--router-mode", default="least-loaded", choices=ROUTER_MODES,
                    help="how the frontend picks a worker (default: %(default)s; see README)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to another worker when its worker dies (default: %(default)s)")
+    p.add_argument("--stream-timeout", type=float, default=None, metavar="S",
+                   help="the frontend moves a stream that has sent nothing for S seconds to another worker (counts "
+                        "against --migration-limit; Dynamo's DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS; default: never)")
+    p.add_argument("--etcd-lease-ttl", type=int, default=None, metavar="S",
+                   help="with --discovery etcd: a process that cannot renew its etcd lease for S seconds shuts "
+                        "itself down (Dynamo's ETCD_LEASE_TTL; default: Dynamo's, 30 s in 1.6.1)")
     p.add_argument("--discovery", default="file", choices=["file", "etcd"],
                    help="file: one machine; etcd: many machines (ETCD_ENDPOINTS)")
     p.add_argument("--etcd-endpoints", default=None, help="with --discovery etcd (default: http://127.0.0.1:2379)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address this machine's workers/frontend advertise to the other machines (default: "
-                        "%(default)s, one machine); the OpenAI and metrics ports stay on 127.0.0.1")
+                        "%(default)s, one machine); the OpenAI and metrics ports follow --http-host / --system-host")
+    p.add_argument("--http-host", default="127.0.0.1",
+                   help="address the frontend's OpenAI port listens on (default: %(default)s; the address clients "
+                        "on other machines reach when the frontend has a machine of its own)")
+    p.add_argument("--system-host", default="127.0.0.1",
+                   help="address the workers' /metrics and /engine/control ports listen on (default: %(default)s)")
     p.add_argument("--no-frontend", action="store_true", help="workers only (a worker machine of a cluster)")
     p.add_argument("--python", default=sys.executable, help="interpreter with ai-dynamo installed")
     p.add_argument("--log-dir", default=None, help="process logs (default: a new temporary directory)")
@@ -54,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         replicas=args.replicas, model=args.model, http_port=args.http_port, system_port_base=args.system_port_base,
         router_mode=args.router_mode, migration_limit=args.migration_limit, worker_args=worker_args,
         python=args.python, discovery=args.discovery, etcd_endpoints=args.etcd_endpoints,
-        frontend=not args.no_frontend, log_dir=log_dir, host=args.host))
+        frontend=not args.no_frontend, log_dir=log_dir, host=args.host,
+        http_host=args.http_host, system_host=args.system_host, stream_timeout_s=args.stream_timeout,
+        etcd_lease_ttl_s=args.etcd_lease_ttl))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -95,9 +108,9 @@ def ready_line(cluster: Cluster, elapsed_s: float) -> str:
     c = cluster.config
     ports = ",".join(str(w.port) for w in cluster.workers)
     if not c.frontend:
-        return f"morphserve dynamo workers ready in {elapsed_s:.1f} s: {c.replicas} worker(s), metrics on 127.0.0.1:{ports}"
+        return f"morphserve dynamo workers ready in {elapsed_s:.1f} s: {c.replicas} worker(s), metrics on {c.system_host}:{ports}"
     return (f"morphserve ready in {elapsed_s:.1f} s: {c.replicas} worker(s) behind Dynamo's frontend "
-            f"{cluster.base_url} (router {c.router_mode}; worker metrics on 127.0.0.1:{ports}; logs {cluster.log_dir}); try: "
+            f"{cluster.base_url} (router {c.router_mode}; worker metrics on {c.system_host}:{ports}; logs {cluster.log_dir}); try: "
             f"curl -s {cluster.base_url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"-d '{{\"model\": \"{c.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
             f"\"max_tokens\": 32}}'")

@@ -37,7 +37,8 @@ BENCH_INDEX = BENCH_DIR / "README.md"
 MAX_README_LINES = 400
 
 # The entry points docs/configuration.md documents flag by flag (one section each, headed `python -m X`).
-ENTRY_POINTS = ("serve.triton", "serve.dynamo", "serve.dynamo.launch", "bench.replay", "builder")
+ENTRY_POINTS = ("serve.triton", "serve.dynamo", "serve.dynamo.launch", "serve.dynamo.hosts", "bench.dynamo_faults",
+                "bench.replay", "builder")
 # Where a module's parser can be built without its heavy imports: serve.dynamo's __main__ imports Dynamo
 # itself (only its own venv has it); its command line lives in serve/dynamo/cli.py, which does not.
 PARSER_MODULES = {"serve.dynamo": "serve.dynamo.cli"}
@@ -45,7 +46,7 @@ PARSER_MODULES = {"serve.dynamo": "serve.dynamo.cli"}
 MAKE_ARG_VARS = {"WORKER_ARGS": "serve.dynamo", "BUILD_ARGS": "builder", "COSTS_ARGS": "builder.step_costs",
                  "BENCH_ARGS": "bench.triton", "AIPERF_ARGS": "bench.aiperf", "PEER_ARGS": "bench.peer",
                  "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak", "GPU_CHECK_ARGS": "bench.gpu_check",
-                 "PLAN_ARGS": "sim"}
+                 "PLAN_ARGS": "sim", "HOSTS_ARGS": "serve.dynamo.hosts", "FAULTS_ARGS": "bench.dynamo_faults"}
 # Top-level entries of the repository a path in the docs may start with (engines/, gpu-check/, ... are outputs).
 TRACKED_ROOTS = {"serve", "policy", "builder", "bench", "sim", "tests", "docs", "triton_models", "Makefile",
                  "pyproject.toml", "README.md", ".github", ".ci"}
