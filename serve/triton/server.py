@@ -300,6 +300,7 @@ class TritonServer:
             metrics_port=self.metrics_port,
             params=self.params,
             log_path=str(self.log_path),
+            shm_prefix=self.shm_prefix,  # the Python backend's /dev/shm segments of this server (none may outlive it)
         )
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(  # noqa: S603 - fixed binary, no shell
