@@ -77,10 +77,10 @@ $(DYNAMO_VENV)/.installed: $(VENV)/.installed Makefile
 
 # The suite without the cases marked slow (under 10 minutes on 2 cores); `make test-slow` runs those; CI runs both.
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -rs -m "not slow"
 
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -rs -m slow
 
 # Python 3.12 (NVIDIA's Triton containers ship it): a second venv by the same recipe, and in it the unit suite
 # (all but the tritonserver end-to-end and Dynamo tests, which 3.11 runs) plus test_write_repository (a written
@@ -97,8 +97,8 @@ install-py312:
 	$(MAKE) $(VENV312)/.installed VENV=$(VENV312) PYTHON=$(PYTHON312)
 
 test-py312: install-py312
-	$(VENV312)/bin/python -m pytest -q tests/triton/test_write_repository.py
-	$(VENV312)/bin/python -m pytest -q $(PY312_TEST_ARGS)
+	$(VENV312)/bin/python -m pytest -q -rs tests/triton/test_write_repository.py
+	$(VENV312)/bin/python -m pytest -q -rs $(PY312_TEST_ARGS)
 
 build-engines: install
 	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)

@@ -11,6 +11,9 @@ import torch
 
 from serve.model.random_model import make_tiny_model  # noqa: F401 - the tests' random Llama (shared with bench.gpu_check)
 
+# under CI=true a skip outside a short allow-list fails the session (tests/ci_skip_policy.py)
+pytest_plugins = ["tests.ci_skip_policy"]
+
 torch.set_num_threads(int(os.environ.get("MORPHSERVE_TEST_THREADS", "2")))
 # Measured step costs (cost-aware morph modes) go to a per-user test cache, not ~/.cache; servers inherit it.
 os.environ.setdefault("MORPHSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"morphserve-test-cache-{os.getuid()}"))
