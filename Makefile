@@ -105,14 +105,15 @@ build-engines: install
 	$(PY) -m builder.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
 
 # The planner: bench.replay's experiment on a virtual clock at a GPU's measured speed (docs/planner.md).
-# Default: the MorphServe paper's A100-80GB experiment (CodeLlama-34B, Azure burst downscaled 4.75x, 1024/512 tokens).
-PLAN_ARGS ?= --system a100_sxm --model codellama-34b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \
+# Default: the MorphServe paper's A100-80GB experiment (CodeLlama-34B, Azure burst downscaled 4.75x, 1024/512 tokens);
+# the trace is the committed excerpt holding the Azure conv trace's burst (the same 616 requests as the full trace's).
+PLAN_ARGS ?= --system a100_sxm --model codellama-34b --trace tests/fixtures/traces/azure_conv_burst.csv \
 	--window burst:72 --time-scale 4.75 --fixed-lengths --input-len 1024 --output-len 512 --device-memory 0.9 \
 	--mode off --mode static-int4 --mode default --quiet
 plan: install
 	$(PY) -m sim $(PLAN_ARGS)
 
-QUALITY_TEXT ?= ../shared/data/text/botchan.txt
+QUALITY_TEXT ?= bench/data/botchan_excerpt.txt
 quality: build-engines
 	$(PY) -m builder.evaluate --engine-dir $(ENGINE_DIR) --text $(QUALITY_TEXT)
 

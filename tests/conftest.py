@@ -19,7 +19,7 @@ torch.set_num_threads(int(os.environ.get("MORPHSERVE_TEST_THREADS", "2")))
 os.environ.setdefault("MORPHSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"morphserve-test-cache-{os.getuid()}"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+FIXTURES = REPO_ROOT / "tests" / "fixtures"  # committed trace excerpts (tests/fixtures/README.md)
 
 
 @pytest.fixture(scope="session")

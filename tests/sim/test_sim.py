@@ -22,11 +22,11 @@ from serve.model.quantized_linear import REGISTRY
 from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError, package_root
 from sim.model_specs import layer_nbytes, load_model_config, projections
 from sim.step_model import BatchShape, TableStepModel
-from tests.conftest import SHARED_DATA
+from tests.conftest import FIXTURES
 from serve.morph.runtime import MorphRuntime
 from tests.morph_support import morph
 
-TRACE = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = FIXTURES / "traces" / "azure_conv_burst.csv"
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,6 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
     assert any(d.action == "quantize" for d in got)
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="needs ../shared/data/traces")
 def test_a_plan_is_deterministic_and_writes_the_replay_schema(tmp_path: Path, capsys) -> None:
     common = ["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
               "--time-scale", "0.5", "--fixed-lengths", "--input-len", "512", "--output-len", "256",
