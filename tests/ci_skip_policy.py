@@ -12,6 +12,7 @@ test targets) prints their reasons either way.
 from __future__ import annotations
 
 import os
+from typing import NoReturn
 
 import pytest
 
@@ -23,6 +24,15 @@ CI_ALLOWED_SKIP_MARKERS: dict[str, str] = {
 
 def ci_enforced() -> bool:
     return os.environ.get("CI", "").lower() == "true"
+
+
+def skip_outside_ci(reason: str, *, allow_module_level: bool = False) -> NoReturn:
+    """For what the project installs itself (tritonserver, Dynamo, etcd): skip on a developer's machine that lacks
+    it, fail under CI (where its absence is a broken install) with the same reason, so the cause is printed, not a
+    bare "skipped"."""
+    if ci_enforced():
+        pytest.fail(f"{reason} (CI=true: `make install` provides it, so this is a broken install)", pytrace=False)
+    pytest.skip(reason, allow_module_level=allow_module_level)
 
 
 class CISkipPolicy:
