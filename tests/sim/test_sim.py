@@ -189,6 +189,23 @@ def test_a_plan_is_deterministic_and_writes_the_replay_schema(tmp_path: Path, ca
     assert "| default |" in capsys.readouterr().out
 
 
+def test_a_gpu_plan_defaults_to_nine_tenths_of_the_gpu(tmp_path: Path, capsys) -> None:
+    """Without --device-memory a GPU plan budgets 0.9 of the GPU (as the engine's device_memory=auto on CUDA), not
+    bench.replay's CPU 600MiB (which left a 7B model no room); --help says so."""
+    assert plan_main(["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
+                      "--time-scale", "4.75", "--mode", "off", "--max-requests", "20", "--json",
+                      str(tmp_path / "p.json")]) == 0
+    r = json.loads((tmp_path / "p.json").read_text())
+    device_bytes = table_target("a100_sxm", "llama-2-7b", 16, 0.001).device_bytes
+    assert r["device_memory"] == "0.9" and r["plan"]["memory"]["budget"] == int(0.9 * device_bytes)
+    assert r["num_requests"] == 20 and r["completed"] > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: 0.9 of the GPU's memory on a GPU system" in help_text and "600MiB on --system local" in help_text
+
+
 def test_bad_arguments_fail_with_a_message(capsys) -> None:
     assert plan_main(["--system", "no_such_gpu"]) == 2
     assert "no TensorRT-LLM tables" in capsys.readouterr().err
