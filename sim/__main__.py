@@ -14,6 +14,7 @@ overlapped with compute. ``--system local`` plans this machine from the engine's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,9 @@ class Planner:
     def run(self, args: argparse.Namespace, spec: str) -> dict:
         clock = VirtualClock()
         config = engine_config(args, spec)
+        if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is left unset (the clock is virtual)
+            low, high = config.slai_thetas("cuda")
+            config = dataclasses.replace(config, slai_theta_low=low, slai_theta_high=high)
         engine = build_engine(config, self.target, clock)
         items, desc = build_workload(args, engine.tokenizer)
         wall = time.perf_counter()

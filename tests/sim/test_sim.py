@@ -206,6 +206,22 @@ def test_a_gpu_plan_defaults_to_nine_tenths_of_the_gpu(tmp_path: Path, capsys) -
     assert "default: 0.9 of the GPU's memory on a GPU system" in help_text and "600MiB on --system local" in help_text
 
 
+def test_a_gpu_plan_runs_slai_with_the_cuda_thetas(monkeypatch) -> None:
+    """The planner's engine runs on the host but stands for a GPU: slai gets the CUDA calibration (5 / 10) unless
+    the command sets theta."""
+    import sim.__main__ as planner
+
+    seen = []
+    real = planner.build_engine
+    monkeypatch.setattr(planner, "build_engine", lambda config, target, clock: seen.append(config) or
+                        real(config, target, clock))
+    common = ["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
+              "--mode", "off", "--max-requests", "5", "--scheduler", "slai"]
+    assert plan_main(common) == 0 and plan_main([*common, "--slai-theta", "2"]) == 0
+    assert [c.slai_thetas("cpu") for c in seen] == [(5.0, 10.0), (5.0, 10.0)]
+    assert (seen[0].slai_theta, seen[1].slai_theta) == (None, 2.0)
+
+
 def test_bad_arguments_fail_with_a_message(capsys) -> None:
     assert plan_main(["--system", "no_such_gpu"]) == 2
     assert "no TensorRT-LLM tables" in capsys.readouterr().err
