@@ -83,10 +83,10 @@ $(DYNAMO_VENV)/.installed: $(VENV)/.installed Makefile
 
 # The suite without the cases marked slow (under 10 minutes on 2 cores); `make test-slow` runs those; CI runs both.
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -rs -m "not slow"
 
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -rs -m slow
 
 # Python 3.12 (NVIDIA's Triton containers ship it): a second venv by the same recipe, and in it the unit suite
 # (all but the tritonserver end-to-end and Dynamo tests, which 3.11 runs) plus test_write_repository (a written
@@ -103,22 +103,23 @@ install-py312:
 	$(MAKE) $(VENV312)/.installed VENV=$(VENV312) PYTHON=$(PYTHON312)
 
 test-py312: install-py312
-	$(VENV312)/bin/python -m pytest -q tests/triton/test_write_repository.py
-	$(VENV312)/bin/python -m pytest -q $(PY312_TEST_ARGS)
+	$(VENV312)/bin/python -m pytest -q -rs tests/triton/test_write_repository.py
+	$(VENV312)/bin/python -m pytest -q -rs $(PY312_TEST_ARGS)
 
 build-engines: install
 	$(PY) -m builder --model $(MODEL) --output $(ENGINE_DIR) $(if $(LEVELS),--levels $(LEVELS)) $(BUILD_ARGS)
 	$(PY) -m builder.step_costs --model $(ENGINE_DIR) $(COSTS_ARGS)
 
 # The planner: bench.replay's experiment on a virtual clock at a GPU's measured speed (docs/planner.md).
-# Default: the MorphServe paper's A100-80GB experiment (CodeLlama-34B, Azure burst downscaled 4.75x, 1024/512 tokens).
-PLAN_ARGS ?= --system a100_sxm --model codellama-34b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \
+# Default: the MorphServe paper's A100-80GB experiment (CodeLlama-34B, Azure burst downscaled 4.75x, 1024/512 tokens);
+# the trace is the committed excerpt holding the Azure conv trace's burst (the same 616 requests as the full trace's).
+PLAN_ARGS ?= --system a100_sxm --model codellama-34b --trace tests/fixtures/traces/azure_conv_burst.csv \
 	--window burst:72 --time-scale 4.75 --fixed-lengths --input-len 1024 --output-len 512 --device-memory 0.9 \
 	--mode off --mode static-int4 --mode default --quiet
 plan: install
 	$(PY) -m sim $(PLAN_ARGS)
 
-QUALITY_TEXT ?= ../shared/data/text/botchan.txt
+QUALITY_TEXT ?= bench/data/botchan_excerpt.txt
 quality: build-engines
 	$(PY) -m builder.evaluate --engine-dir $(ENGINE_DIR) --text $(QUALITY_TEXT)
 

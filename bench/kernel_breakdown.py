@@ -107,11 +107,12 @@ def _run(engine: LLMEngine, work: dict) -> float:
 
 
 def breakdown(mode: str, prefix: str, threads: int, model: str = EMBEDDED_MODEL) -> str:
-    from serve.model import kernels, linear  # noqa: PLC0415
+    from serve.model import crossovers, kernels, linear  # noqa: PLC0415
 
+    engine = make_engine(mode, threads, model)  # applies this machine's measured crossovers, if any
+    cross = crossovers.current()
     timer = KernelTimer(kernels.ops(), {linear.onednn_linear.__code__: f"oneDNN linear (blocked projections > "
-                                        f"{linear.BLOCKED_KERNEL_MAX_ROWS} rows, plain > {linear.FP32_KERNEL_MAX_ROWS})"})
-    engine = make_engine(mode, threads, model)
+                                        f"{cross.blocked_kernel_max_rows} rows, plain > {cross.fp32_kernel_max_rows})"})
     try:
         name, work = _workload(engine, prefix)
         engine.generate([[200] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up

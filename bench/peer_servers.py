@@ -4,7 +4,7 @@ both driven by the same independent client, AIPerf, with the same fixed-rate tra
   .venv/bin/python -m bench.peer_servers --vllm-python PEERS/vllm-venv/bin/python \\
       --aiperf .venv-aiperf/bin/aiperf --num-requests 32 --request-rate 1.0 --runs 3
 
-Workload: --num-requests prompts of natural text (windows of botchan.txt, or the bundled text, of
+Workload: --num-requests prompts of natural text (windows of bench/data/botchan_excerpt.txt or --text, of
 --min-input..--max-input tokens, seeded), request i sent at i / --request-rate seconds, every output forced
 to --output-len tokens (ignore_eos; vLLM also gets min_tokens), greedy. It is exported once as Mooncake
 JSONL and replayed by AIPerf with ``--fixed-schedule`` against each server:

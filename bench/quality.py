@@ -6,8 +6,8 @@ its layer bank holds the int8 and int4 variants of every layer) evaluates held-o
 ``MorphRuntime.config_signature()`` writes it: f = full, 8 = int8, 4 = int4, e = fp8). The requested
 variant of each layer is installed for the evaluation (``bank.detached(i, p)`` +
 ``bank.install``) and full precision is put back afterwards; the KV pool is not touched. Text: the
-first ``num_tokens`` tokens (default 2048) of ../shared/data/text/botchan.txt when present, else the
-bundled text, cut into non-overlapping ``window``-token windows (default 512); neither is used for
+first ``num_tokens`` tokens (default 2048) of bench/data/botchan_excerpt.txt (the first chapters of
+../shared/data/text/botchan.txt, so the same tokens) or the text given, cut into non-overlapping ``window``-token windows (default 512); neither is used for
 calibration (builder/calibration_corpus.py). Results are memoized per signature.
 
 Perplexity = exp(mean negative log-likelihood over every predicted token of every window). A mode's

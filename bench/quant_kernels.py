@@ -4,7 +4,7 @@
 
 Columns (microseconds for the layer's four fused projections: qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; int4 group 64 for K=576, 128 for K=1536): fp32 ``F.linear`` (MKL) and our fp32 kernel
-(``fp32_linear``, what plain-layout fp32 linears use up to ``FP32_KERNEL_MAX_ROWS`` rows),
+(``fp32_linear``, what plain-layout fp32 linears use up to ``fp32_kernel_max_rows`` rows, serve/model/crossovers.py),
 oneDNN on the plain weights (what they use above it); ``--streamed`` adds the blocked layout the decoder layers
 store (our ``fp32_blocked_linear``, oneDNN on a view of the blocked bytes, and the engine's choice); torch's int8 /
 int4 weight-only

@@ -3,7 +3,8 @@ configurable time, with cancellations, clients that disconnect mid-stream and ba
 
   .venv/bin/python -m bench.soak --duration-s 600 [--workers 8] [--morph-mode default] [--device-memory 600MiB]
 
-Prints one JSON object: requests by outcome (full answers, cancelled, overloaded, rejected bad input,
+Prints one JSON object (with what it ran on: the command, commit, CPU and UTC span, bench/provenance.py):
+requests by outcome (full answers, cancelled, overloaded, rejected bad input,
 other errors, hangs), peak resident memory of the server's process group, and the idle state after
 the load (KV blocks used, waiting requests, quantized layers, engine health), which must return to 0 /
 0 / 0 / 1.
@@ -30,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import provenance
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.triton.client import GenerationError, GrpcStream, generate_http, metric_value, request_inputs, scrape_metrics
@@ -187,7 +189,7 @@ def wait_idle(srv: TritonServer, timeout_s: float) -> dict[str, Any]:
         time.sleep(1.0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--workers", type=int, default=8)
@@ -199,7 +201,10 @@ def main() -> None:
                    help="sample the server process group's resident memory this often (default: %(default)s)")
     p.add_argument("--rss-flat-mib", type=float, default=RSS_FLAT_MIB,
                    help="pass mark: most growth over the run's second half, MiB (default: %(default)s)")
-    result = run(p.parse_args())
+    argv = sys.argv[1:] if argv is None else argv
+    started = time.time()
+    result = run(p.parse_args(argv))
+    result.update(provenance("bench.soak", argv, started, time.time()))
     print(json.dumps(result, indent=2))
     h = result["rss_second_half"]
     if h["flat"] is not None:

@@ -16,13 +16,14 @@ from pathlib import Path
 from bench.traces import TraceRequest, find_burst_window, load_trace, synthetic_gamma, transform
 from serve.model.tokenizer import Tokenizer
 
-SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "botchan.txt"
-BUNDLED_TEXT = Path(__file__).with_name("data") / "default_prompt_text.txt"
+DEFAULT_TEXT = Path(__file__).with_name("data") / "botchan_excerpt.txt"
 
 
 def default_text_path() -> Path:
-    """The shared Botchan corpus when it is beside the project, else a small public-domain text we ship."""
-    return SHARED_TEXT if SHARED_TEXT.is_file() else BUNDLED_TEXT
+    """The committed Botchan excerpt (bench/data/README.md): the same prompt text on every machine, whatever lies
+    beside the clone (a default that switched to ../shared's whole book when present made two checkouts replay
+    different prompts). ``--text`` picks another, e.g. ../shared/data/text/botchan.txt, the whole book."""
+    return DEFAULT_TEXT
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-lengths", action="store_true",
                    help="with --trace: arrivals from the trace, every request --input-len prompt and --output-len "
                         "output tokens (the MorphServe paper's setup: 512/256 for MHA models)")
-    g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: {SHARED_TEXT.name} if present, else a bundled text)")
+    g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: bench/data/{DEFAULT_TEXT.name}, "
+                   "the first two chapters of Botchan, public domain; the whole book is ../shared/data/text/botchan.txt)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-requests", type=int, default=64, help="synthetic workload: number of requests")
     g.add_argument("--request-rate", type=float, default=2.0, help="synthetic workload: mean requests/s")

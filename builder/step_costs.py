@@ -9,6 +9,11 @@ the table, and stores it in ``<engine dir>/step_costs.json`` and the per-machine
 key, where the cost-aware morph modes find it at start. An entry already there for this machine is reused
 (printed) unless ``--force``. The layers are timed as an engine serves them (its layer bank: fused and packed as
 the engine fuses and packs them), so this step starts one; ``python -m bench.step_costs`` is the older spelling.
+
+Then, on an fp32 CPU engine, the row counts at which our CPU kernels hand over to oneDNN on this machine (the plain
+and blocked fp32 linears, the int8 LM head: serve/model/crossovers.py), timed on the same engine's weights
+(serve/model/crossover_measure.py) and stored the same way in ``kernel_crossovers.json``; every engine started on
+this machine reads them (defaults where nothing was measured).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from policy import FULL
 from serve.config import EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.model.embedded import DEFAULT_ENGINE_DIR
+from serve.model import crossover_measure
 from serve.model.quantized_linear import REGISTRY
 from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure, store
 
@@ -66,9 +72,26 @@ def main(argv: list[str] | None = None) -> int:
         if slower:
             print(f"slower than full precision at every size here: {', '.join(slower)} (the cost-aware modes "
                   "quantize them only when the KV they free pays for it)")
+        measure_crossovers(model, engine_dir, args.force, args.repeats)
     finally:
         engine.shutdown()
     return 0
+
+
+def measure_crossovers(model, engine_dir: Path | None, force: bool, repeats: int) -> None:
+    """This machine's kernel crossovers for the engine's model, measured (or reused) and stored; printed."""
+    hit = None if force else crossover_measure.find_entry(model, engine_dir)
+    if hit is not None:
+        entry, found, path = hit
+        print(f"\nkernel crossovers for this machine already in {path} (--force re-measures)")
+    else:
+        found, timings = crossover_measure.measure(model, repeats=repeats)
+        entry = crossover_measure.entry_for(model, found, timings)
+    for name, table in entry["timings"].items():
+        if isinstance(table, dict):
+            print(f"\n{name}: rows {table['rows']}\n  ours   (us) {table['ours_us']}\n  theirs (us) {table['theirs_us']}")
+    targets = crossover_measure.store(model, engine_dir, entry)
+    print(f"kernel crossovers: {found.values()} ({found.source})\nstored in {', '.join(map(str, targets))}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@ def without_none(hint: Any) -> Any:
 
 
 SCHEDULERS = ("fcfs", "slai")
+SLAI_THETA_BY_DEVICE: dict[str, tuple[float, float]] = {"cpu": (3.0, 6.0), "cuda": (5.0, 10.0)}
+"""slai's (theta_low, theta_high) by device type, where the config leaves them unset. The margin ``theta x mean
+batch`` must cover the spread of one batch's duration and stay well below the TBT targets (docs/slai.md
+"Calibration"), so it depends on how batch times spread on the device. CPU 3 / 6: on the shared 2-core machines batches
+averaged 1.2-2.1 s with P95 2.4-4x the mean, theta 1.5 left tier P99 TBT at or over target and 3 met both tiers'
+(2026-11-30). CUDA 5 / 10: the paper's (arXiv 2508.01002), calibrated on GPU batches of tens of ms against 0.1 / 0.5 s
+targets; not yet measured on this engine's GPU path (`make gpu-check` replays fcfs only)."""
 PREFIX_CACHE_ACROSS_MORPH = ("exact", "preserve")
 DEVICE_MEMORY_AUTO = "auto"
 """device_memory="auto": a budget sized by rule (serve/memory/budget.py ``auto_budget``): on CPU the weights +
@@ -107,10 +114,17 @@ class EngineConfig:
     slo_tbt_s: float = 1.0             # time-between-tokens target of a request that names none
     default_priority: int = 1          # tier of a request that names none (0 = strict, served first)
     slai_theta: float | None = None    # fixed theta; None = dynamic (slai_theta_low / slai_theta_high)
-    slai_theta_low: float = 3.0        # calibrated to CPU batch-time spread (README "SLO-aware scheduling"); paper: 5
-    slai_theta_high: float = 6.0       # above slai_theta_kv_threshold KV usage; the paper uses 10
+    slai_theta_low: float | None = None   # None: the device's (SLAI_THETA_BY_DEVICE: CPU 3, CUDA 5)
+    slai_theta_high: float | None = None  # above slai_theta_kv_threshold KV usage; None: CPU 6, CUDA 10
     slai_theta_kv_threshold: float = 0.96
     slai_max_decodes: int | None = None  # decodes per batch; None = max_num_seqs
+
+    def slai_thetas(self, device_type: str) -> tuple[float, float]:
+        """(theta_low, theta_high) of the slai scheduler on a ``device_type`` device: the fields where set, else
+        that device's calibration (SLAI_THETA_BY_DEVICE)."""
+        low, high = SLAI_THETA_BY_DEVICE["cuda" if device_type == "cuda" else "cpu"]
+        return (low if self.slai_theta_low is None else self.slai_theta_low,
+                high if self.slai_theta_high is None else self.slai_theta_high)
 
     def __post_init__(self) -> None:
         if self.max_num_waiting is not None and self.max_num_waiting <= 0:

@@ -14,13 +14,14 @@ overlapped with compute. ``--system local`` plans this machine from the engine's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 from bench.replay import build_parser as replay_parser
 from bench.replay import engine_config, replay, run_cli
-from bench.defaults import ENGINE_DEFAULTS
+from bench.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
 from bench.workload import build_workload
 from sim.assemble import Target, build_engine, table_target
 from sim.clock import VirtualClock
@@ -31,6 +32,9 @@ from serve.morph.runtime import MorphRuntime
 DEFAULT_TABLE_MODEL = "llama-2-7b"
 GPU_MAX_NUM_SEQS = 256
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
+# What a GPU deployment gives the engine when nothing says otherwise: the engine's own device_memory=auto on CUDA
+# (serve/memory/budget.py) is 0.9 of the device; bench.replay's 600MiB is a CPU budget for the embedded model.
+GPU_DEVICE_MEMORY = "0.9"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = (f"default: {GPU_MAX_NUM_SEQS if action.dest == 'max_num_seqs' else GPU_MAX_NUM_BATCHED_TOKENS} "
                            "on a GPU system (TensorRT-LLM's), the engine's own on --system local")
         if action.dest == "device_memory":
+            action.default = None
             action.help = ("memory budget (weights + KV + reserve): a size, or on a GPU system a fraction of its "
-                           "memory such as 0.9 (default: %(default)s)")
+                           f"memory; default: {GPU_DEVICE_MEMORY} of the GPU's memory on a GPU system (as the engine's "
+                           f"device_memory=auto on CUDA), {DEVICE_MEMORY} on --system local (bench.replay's)")
     return p
 
 
@@ -73,17 +79,22 @@ class Planner:
             args.model = args.model or ENGINE_DEFAULTS.model
             args.max_num_seqs = args.max_num_seqs or ENGINE_DEFAULTS.max_num_seqs
             args.max_num_batched_tokens = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
+            args.device_memory = args.device_memory or DEVICE_MEMORY
             self.target: Target = local_target(args)
         else:
             args.model = args.model or DEFAULT_TABLE_MODEL
             # a GPU server's batch limits, not the CPU engine's (TensorRT-LLM's defaults: 256 sequences, 8192 tokens)
             args.max_num_seqs = args.max_num_seqs or GPU_MAX_NUM_SEQS
             args.max_num_batched_tokens = args.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS
+            args.device_memory = args.device_memory or GPU_DEVICE_MEMORY
             self.target = table_target(args.system, args.model, 16, args.overhead_ms / 1e3)
 
     def run(self, args: argparse.Namespace, spec: str) -> dict:
         clock = VirtualClock()
         config = engine_config(args, spec)
+        if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is left unset (the clock is virtual)
+            low, high = config.slai_thetas("cuda")
+            config = dataclasses.replace(config, slai_theta_low=low, slai_theta_high=high)
         engine = build_engine(config, self.target, clock)
         items, desc = build_workload(args, engine.tokenizer)
         wall = time.perf_counter()

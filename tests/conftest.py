@@ -11,12 +11,15 @@ import torch
 
 from serve.model.random_model import make_tiny_model  # noqa: F401 - the tests' random Llama (shared with bench.gpu_check)
 
+# under CI=true a skip outside a short allow-list fails the session (tests/ci_skip_policy.py)
+pytest_plugins = ["tests.ci_skip_policy"]
+
 torch.set_num_threads(int(os.environ.get("MORPHSERVE_TEST_THREADS", "2")))
 # Measured step costs (cost-aware morph modes) go to a per-user test cache, not ~/.cache; servers inherit it.
 os.environ.setdefault("MORPHSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"morphserve-test-cache-{os.getuid()}"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+FIXTURES = REPO_ROOT / "tests" / "fixtures"  # committed trace excerpts (tests/fixtures/README.md)
 
 
 @pytest.fixture(scope="session")

@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--probe-output-len", type=int, default=32, help="tokens generated per probe")
     q.add_argument("--ppl-tokens", type=int, default=2048, help="held-out tokens for perplexity")
     q.add_argument("--ppl-window", type=int, default=512, help="perplexity window in tokens")
-    q.add_argument("--ppl-text", type=Path, default=None, help="held-out text (default: botchan.txt if present, "
-                   "else the bundled text)")
+    q.add_argument("--ppl-text", type=Path, default=None, help="held-out text (default: bench/data/botchan_excerpt.txt, "
+                   "whose first tokens are the whole book's)")
     q.add_argument("--quality-threads", type=int, default=None, help="torch threads for the offline quality engines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress line")

@@ -17,7 +17,9 @@ from serve.config import EngineConfig
 from serve.engine.executor import TorchExecutor
 from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
+from serve.logging_setup import get_logger
 from serve.memory.pressure import pressure_source
+from serve.model.crossover_measure import apply_measured
 from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
@@ -26,6 +28,8 @@ from serve.engine.memory_assembly import EngineMemory, build_memory
 from serve.engine.resources import ResourceManager
 from serve.morph.plan import load_model_and_plan, resolve_plan
 from serve.morph.setup import build_runtime
+
+log = get_logger("morphserve.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +77,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, max_model_len)
     policy = config.policy_config()
     plan = resolve_plan(config, policy, loaded.weights, loaded.config.num_layers, plan)
+    # where our CPU kernels hand over to oneDNN on this machine (measured by make build-engines, else defaults)
+    chosen = apply_measured(model, plan.engine_dir if plan is not None else None)
+    log.info("kernel_crossovers", source=chosen.source, **chosen.values())
     memory = build_memory(config, model, plan, policy)
     resources: list[ResourceManager] = []
     if memory.bank is not None and plan is not None:
@@ -87,11 +94,12 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
 
 
 def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float],
-                   on_shortfall: Callable[[int], object] | None = None) -> Scheduler:
+                   on_shortfall: Callable[[int], object] | None = None, device_type: str = "cpu") -> Scheduler:
     """The scheduler policy the config names (decisions only; the executor interface is the same).
     ``on_shortfall(blocks)``: called before the scheduler preempts for want of KV blocks (quantize before preempt)."""
     if config.scheduler == "slai":
-        slai = SlaiConfig(theta=config.slai_theta, theta_low=config.slai_theta_low, theta_high=config.slai_theta_high,
+        theta_low, theta_high = config.slai_thetas(device_type)  # unset: the device's calibration
+        slai = SlaiConfig(theta=config.slai_theta, theta_low=theta_low, theta_high=theta_high,
                           kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes)
         return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai,
                              prefix_caching=config.enable_prefix_caching, on_shortfall=on_shortfall)

@@ -109,7 +109,8 @@ class LLMEngine:
         # Admission is bounded by the most blocks the mode can reach: what no configuration holds is refused at once.
         reachable, note = self.resources.reachable_blocks(self.pool.base_blocks, self.pool.num_blocks)
         self.scheduler = make_scheduler(config, self.pool, self.clock,
-                                        self._cover_shortfall if self.resources.grows_pool else None)
+                                        self._cover_shortfall if self.resources.grows_pool else None,
+                                        device_type=self.device.type)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                           config.block_size, reachable, note, config.morph_mode)
 

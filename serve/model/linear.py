@@ -3,9 +3,11 @@
 Every linear op is a callable x[T, K] -> y[T, N] with an exact `nbytes`, so the layer bank can account
 for device memory whatever precision a layer runs at.
 
-fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``FP32_KERNEL_MAX_ROWS`` rows and
+fp32 on CPU runs our AVX2 kernel (serve/model/kernels/linear_avx2.cpp) up to ``fp32_kernel_max_rows`` rows and
 oneDNN's matmul above that (:func:`onednn_linear`): torch's F.linear goes through MKL, which is slower than both on
-the AMD CPUs measured (README "fp32 kernels and paged decode attention").
+the AMD CPUs measured (README "fp32 kernels and paged decode attention"). The row counts where our kernels hand
+over are this machine's, measured by ``make build-engines`` (serve/model/crossovers.py; defaults where nothing was
+measured).
 
 A decoder's fp32 projections and the LM head go one step further (:meth:`DenseLinear.blocked`): their one copy of
 the weight is stored in the blocked layout oneDNN's matmul reads fastest (:class:`BlockedLayout`), and oneDNN runs
@@ -25,14 +27,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from serve.model import kernels
-
-FP32_KERNEL_MAX_ROWS = 128
-"""Rows (tokens) up to which fp32 CPU linears use our kernel; above it oneDNN's matmul (or MKL's F.linear where
-torch has no oneDNN). A decoder's 30 layers of projections with their weights streamed from memory, as in a
-real step (/tmp-free: `python -m bench.quant_kernels` measures them cache-hot), on the 2-core AMD EPYC 9004
-(Zen 4, AVX-512), GFLOPS at 32 / 64 / 128 rows: ours 133 / 161 / 156, oneDNN 119 / 141 / 157, MKL 80 / 107 / 109;
-at 512 rows (cache-hot) oneDNN runs 18.2 ms per layer against MKL's 22.1 and ours 21.6 (README)."""
+from serve.model import crossovers, kernels
 
 
 @functools.cache
@@ -53,12 +48,13 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; fp32 CPU operands run our AVX2 kernel up to FP32_KERNEL_MAX_ROWS rows when
-    it is built (``kernels.ops()``) and oneDNN above (same fp32 math, summed in another order)."""
+    """``F.linear(x, weight, bias)``; fp32 CPU operands run our AVX2 kernel up to ``fp32_kernel_max_rows`` rows
+    (serve/model/crossovers.py) when it is built (``kernels.ops()``) and oneDNN above (same fp32 math, summed in
+    another order)."""
     if (x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32)):
         bias = None if bias is None else bias.contiguous()
-        if x.shape[0] <= FP32_KERNEL_MAX_ROWS:
+        if x.shape[0] <= crossovers.current().fp32_kernel_max_rows:
             ops = kernels.ops()
             if ops is not None:
                 return ops.fp32_linear(x.contiguous(), weight, bias)
@@ -66,13 +62,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return onednn_linear(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 
-
-BLOCKED_KERNEL_MAX_ROWS = 2
-"""Rows up to which a blocked-layout linear runs our kernel; above it oneDNN's matmul on the same bytes. One layer's
-projections with 30 layers' weights streamed from memory on the 2-core AMD EPYC 9004 (Zen 4), microseconds at
-1 / 2 / 4 / 32 rows: our blocked kernel 454 / 843 / 1187 / 3820, oneDNN on the blocked view 855 / 800 / 589 / 1725
-(``python -m bench.quant_kernels --streamed``; at 2 rows the two trade places between runs; README "Blocked fp32
-weights")."""
 
 MAX_CACHED_VIEWS = 4096
 """Views a layout keeps before it forgets them all (a served model has one address per weight, a few per swap)."""
@@ -147,10 +136,10 @@ def blocked_layout(n: int, k: int) -> BlockedLayout | None:
 
 def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, layout: BlockedLayout,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of fp32 CPU ``x`` with a weight stored in ``layout``: our kernel up to BLOCKED_KERNEL_MAX_ROWS
-    rows, oneDNN's matmul on the same bytes above."""
+    """``F.linear`` of fp32 CPU ``x`` with a weight stored in ``layout``: our kernel up to ``blocked_kernel_max_rows``
+    rows (serve/model/crossovers.py), oneDNN's matmul on the same bytes above."""
     x = x.contiguous()
-    if x.shape[0] <= BLOCKED_KERNEL_MAX_ROWS:
+    if x.shape[0] <= crossovers.current().blocked_kernel_max_rows:
         return kernels.ops().fp32_blocked_linear(x, blocked, layout.n, layout.block, bias)
     return onednn_linear(x, layout.onednn_view(blocked), bias)
 

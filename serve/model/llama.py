@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from serve.model import kernels
+from serve.model import crossovers, kernels
 from serve.model.kv_cache import KVIndex, PagedKVCache
 from serve.model.linear import DenseLinear, LinearOp
-from serve.model.lm_head import INT8_HEAD_MAX_ROWS, int8_blocks
+from serve.model.lm_head import int8_blocks
 from serve.model.model_config import ModelConfig
 from serve.model.rope import RotaryEmbedding, rotate
 
@@ -225,9 +225,9 @@ class LlamaModel:
         return self.logits(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the final hidden states: from the int8 blocks up to INT8_HEAD_MAX_ROWS rows (same
-        weights, summed in another order), else the fp32 head."""
-        if self.int8_head is not None and h.shape[0] <= INT8_HEAD_MAX_ROWS:
+        """fp32 logits of the final hidden states: from the int8 blocks up to ``int8_head_max_rows`` rows
+        (serve/model/crossovers.py; same weights, summed in another order), else the fp32 head."""
+        if self.int8_head is not None and h.shape[0] <= crossovers.current().int8_head_max_rows:
             return kernels.ops().int8_block_linear(h.contiguous(), *self.int8_head)
         return self.head(h).float()
 

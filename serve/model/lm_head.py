@@ -7,7 +7,9 @@ At decode batch sizes the head is a memory-bound GEMV over vocab x hidden weight
 recovers ``q`` and ``d`` from the fp32 weights and keeps them only when ``q * d`` gives back every weight bit
 for bit, so the kernel (``int8_block_linear`` in qlinear_avx2.cpp, fp32 activations and accumulation) computes
 the same logits as the fp32 head up to fp32 summation order. Heads that were never int8 (safetensors
-checkpoints, bf16 exports) fail the check and stay fp32.
+checkpoints, bf16 exports) fail the check and stay fp32. The int8 GEMV widens every weight to fp32, so its cost
+grows with the rows: it runs up to ``int8_head_max_rows`` sampled rows (serve/model/crossovers.py: measured by
+``make build-engines`` on the machine, else a default), the blocked fp32 head above.
 """
 
 from __future__ import annotations
@@ -15,13 +17,6 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32
-
-INT8_HEAD_MAX_ROWS = 8
-"""Rows (sampled tokens) up to which the int8-block head runs; above it the fp32 head in oneDNN's blocked layout
-(``LlamaModel.head``). The int8 GEMV widens every weight to fp32, so its cost grows with the rows: on the 2-core
-AMD EPYC 9004 (Zen 4), SmolLM2's head took 1.2 / 2.6 / 5.1 / 10.4 / 19.3 ms as int8 blocks against 3.6 / 5.3 /
-6.6 / 7.6 / 12.4 ms for the blocked fp32 head at 1 / 4 / 8 / 16 / 32 rows (``python -m bench.quant_kernels
---head --rows 1,2,4,8,16,32,64``, median of 3)."""
 
 _CHUNK_ROWS = 4096  # rows converted at a time: bounded temporaries for a 49152-row head
 

@@ -146,9 +146,25 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
+def read_entry(path: Path, key: Mapping[str, Any]) -> dict[str, Any] | None:
+    """This machine's entry in a per-machine file (step costs, kernel crossovers), if there is one."""
+    entry = _read(path).get(key_id(key))
+    return entry if isinstance(entry, dict) and entry else None
+
+
+def store_entry(path: Path, key: Mapping[str, Any], entry: Mapping[str, Any]) -> None:
+    """Add or replace this machine's entry in a per-machine file (write to a temp file, then rename)."""
+    data = _read(path)
+    data[key_id(key)] = dict(entry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
 def lookup(path: Path, key: Mapping[str, Any], precisions: Sequence[str]) -> StepCosts | None:
     """The entry for this machine in a costs file, if it has every precision asked for."""
-    entry = _read(path).get(key_id(key))
+    entry = read_entry(path, key)
     if not entry:
         return None
     try:
@@ -160,17 +176,16 @@ def lookup(path: Path, key: Mapping[str, Any], precisions: Sequence[str]) -> Ste
 
 def store(path: Path, key: Mapping[str, Any], costs: StepCosts) -> None:
     """Add or replace this machine's entry (write to a temp file, then rename)."""
-    data = _read(path)
-    data[key_id(key)] = {**costs.to_dict(), "meta": {**costs.meta, "key": dict(key)}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    tmp.replace(path)
+    store_entry(path, key, {**costs.to_dict(), "meta": {**costs.meta, "key": dict(key)}})
+
+
+def cache_dir() -> Path:
+    """The per-user cache of per-machine measurements: ``$MORPHSERVE_CACHE_DIR`` or ``~/.cache/morphserve``."""
+    return Path(os.environ.get("MORPHSERVE_CACHE_DIR") or Path.home() / ".cache" / "morphserve")
 
 
 def cache_path() -> Path:
-    root = os.environ.get("MORPHSERVE_CACHE_DIR") or Path.home() / ".cache" / "morphserve"
-    return Path(root) / COSTS_FILE
+    return cache_dir() / COSTS_FILE
 
 
 def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,

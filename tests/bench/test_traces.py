@@ -17,7 +17,7 @@ from bench.traces import (
     transform,
 )
 
-SHARED_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+FIXTURE_TRACES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "traces"
 
 AZURE_CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -90,19 +90,29 @@ def test_burstgpt_reader_skips_failures_and_rebases(tmp_path: Path) -> None:
     assert load_trace(path, fmt="burstgpt") == trace
 
 
-def test_real_azure_conv_trace() -> None:
-    path = SHARED_TRACES / "AzureLLMInferenceTrace_conv.csv"
-    if not path.exists():
-        pytest.skip(f"shared Azure trace not found at {path} (optional data, see ../shared/data/README.md)")
-    trace = load_trace(path)
-    assert len(trace) == 19366
-    assert trace[0] == TraceRequest(0.0, 374, 44)
-    assert trace[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
+def test_real_azure_conv_trace_excerpt() -> None:
+    """The committed excerpt of the Azure conv trace (tests/fixtures/README.md): real rows, read as the full trace."""
+    trace = load_trace(FIXTURE_TRACES / "azure_conv_burst.csv")
+    assert len(trace) == 741
+    assert trace[0] == TraceRequest(0.0, 4084, 67) and trace[-1] == TraceRequest(pytest.approx(91.860108), 393, 95)
     arrivals = np.array([r.arrival_s for r in trace])
     assert np.all(np.diff(arrivals) >= 0)
-    assert 3000 < arrivals[-1] < 3700  # about one hour
-    assert np.median([r.input_tokens for r in trace]) == pytest.approx(1020, rel=0.05)
-    assert np.median([r.output_tokens for r in trace]) == pytest.approx(129, rel=0.05)
+    assert np.median([r.input_tokens for r in trace]) == 428 and np.median([r.output_tokens for r in trace]) == 92
+    # it holds the full trace's busiest 72 s (1634.75 s after the full trace's first row, 1624.87 s the excerpt's)
+    start, end = find_burst_window(trace, 72.0)
+    assert (start, end) == (pytest.approx(9.885604), pytest.approx(81.885604))
+    assert len(transform(trace, (start, end))) == 616
+
+
+def test_real_mooncake_trace_excerpt() -> None:
+    """The committed Mooncake excerpt: 200 requests from 600 s on whose hash_ids share real prefixes."""
+    trace = load_trace(FIXTURE_TRACES / "mooncake_conversation_600s.jsonl")
+    assert len(trace) == 200 and trace[0].arrival_s == 0.0 and trace[-1].arrival_s == pytest.approx(53.999)
+    assert trace[0] == TraceRequest(0.0, 904, 370, (0, 34850))
+    assert all(r.block_ids and r.block_ids[0] == 0 for r in trace)  # every request starts with the system block
+    later = {b for r in trace for b in r.block_ids[1:]}
+    shared = [r for i, r in enumerate(trace) if set(r.block_ids[1:]) & {b for q in trace[:i] for b in q.block_ids[1:]}]
+    assert len(later) == 4478 and len(shared) == 5  # beyond the system block, 5 requests reuse an earlier one's blocks
 
 
 @pytest.mark.parametrize(

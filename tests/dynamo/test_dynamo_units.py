@@ -97,8 +97,13 @@ def test_bad_dynamo_guides_are_refused(options, match) -> None:
 
 
 def test_neutral_values_of_unsupported_options_are_accepted() -> None:
-    to_engine_request(_request(sampling_options={"n": 1, "best_of": 1, "presence_penalty": 0, "repetition_penalty": 1.0,
-                                                 "min_p": 0.0, "use_beam_search": False}))
+    """The "off" value of every option the worker cannot honour (as clients send it: ints for floats too) is
+    accepted and changes nothing: the request maps exactly as one without those fields."""
+    neutral = _request(sampling_options={"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+                                         "repetition_penalty": 1, "min_p": 0.0, "use_beam_search": False,
+                                         "length_penalty": 1.0},
+                       output_options={"logprobs": None, "prompt_logprobs": None})
+    assert to_engine_request(neutral) == to_engine_request(_request())
 
 
 @pytest.mark.parametrize("groups", [

@@ -68,6 +68,22 @@ def test_engine_config_validation(kwargs, match):
         EngineConfig(**kwargs)
 
 
+def test_unset_thetas_are_the_devices_calibration_and_set_ones_win():
+    """slai_theta_low / slai_theta_high left unset take the device's calibration (CPU 3 / 6 from this engine's
+    batch-time spread, CUDA the paper's 5 / 10); set ones are used on every device."""
+    from serve.config import SLAI_THETA_BY_DEVICE
+    from serve.engine.assembly import make_scheduler
+    from serve.memory.block_pool import BlockPool
+
+    assert SLAI_THETA_BY_DEVICE == {"cpu": (3.0, 6.0), "cuda": (5.0, 10.0)}
+    unset, set_ = EngineConfig(scheduler="slai"), EngineConfig(scheduler="slai", slai_theta_low=2.0, slai_theta_high=4.5)
+    for device, want in (("cpu", (3.0, 6.0)), ("cuda", (5.0, 10.0))):
+        s = make_scheduler(unset, BlockPool(8), FakeClock(), device_type=device)
+        assert (s.config.theta_low, s.config.theta_high) == want
+        s = make_scheduler(set_, BlockPool(8), FakeClock(), device_type=device)
+        assert (s.config.theta_low, s.config.theta_high) == (2.0, 4.5)
+
+
 def test_ttft_slack_reaches_the_morph_controller(tiny):
     clock = FakeClock()
     e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_num_batched_tokens=32, max_model_len=256,

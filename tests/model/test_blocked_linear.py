@@ -21,7 +21,8 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model import kernels
 from serve.model import linear as linear_module
-from serve.model.linear import BLOCKED_KERNEL_MAX_ROWS, BlockedLayout, DenseLinear, blocked_layout
+from serve.model import crossovers
+from serve.model.linear import BlockedLayout, DenseLinear, blocked_layout
 from serve.morph.placement import arena_nbytes, weight_tensors
 
 torch.set_num_threads(2)
@@ -91,9 +92,12 @@ def test_shapes_onednn_would_pad_keep_the_plain_layout() -> None:
 
 
 @needs_blocked
-@pytest.mark.parametrize("m", [1, BLOCKED_KERNEL_MAX_ROWS, BLOCKED_KERNEL_MAX_ROWS + 1, 64, 300])
+@pytest.mark.parametrize(("limit", "m"), [(2, 1), (2, 2), (2, 3), (2, 64), (2, 300), (8, 8), (8, 9), (0, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_blocked_op_runs_our_kernel_for_few_rows_and_onednn_above(m: int, with_bias: bool, monkeypatch) -> None:
+def test_blocked_op_runs_our_kernel_for_few_rows_and_onednn_above(limit: int, m: int, with_bias: bool,
+                                                                  monkeypatch) -> None:
+    """Up to the current ``blocked_kernel_max_rows`` (the default 2, or this machine's: here 8 and 0) our blocked
+    kernel, above it oneDNN on a view of the same bytes."""
     calls: list[tuple[str, int]] = []
     real_kernel, real_onednn = OPS.fp32_blocked_linear, linear_module.onednn_linear
 
@@ -119,8 +123,9 @@ def test_blocked_op_runs_our_kernel_for_few_rows_and_onednn_above(m: int, with_b
     op = DenseLinear(w, b).blocked()
     assert op.layout is not None and op.weight.shape == (960 // op.layout.block, 576, op.layout.block)
     assert torch.equal(op.plain_weight(), w)
-    _check_close(op(x), x, w, b)
-    assert calls == [("ours" if m <= BLOCKED_KERNEL_MAX_ROWS else "oneDNN", m)]
+    with crossovers.using(blocked_kernel_max_rows=limit):
+        _check_close(op(x), x, w, b)
+    assert calls == [("ours" if m <= limit else "oneDNN", m)]
 
 
 @needs_blocked

@@ -20,7 +20,8 @@ from serve.model import kernels
 from serve.model import linear as linear_module
 from serve.model import quantized_linear as ql
 from serve.model.kv_cache import PagedKVCache, block_shape
-from serve.model.linear import FP32_KERNEL_MAX_ROWS, ConcatLinear, DenseLinear, linear
+from serve.model import crossovers
+from serve.model.linear import ConcatLinear, DenseLinear, linear
 from serve.model.quantized_linear import Int4WeightOnly, pack_int4_blocked, unpack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
 
@@ -94,11 +95,13 @@ def test_fp32_kernel_rejects_bad_operands() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("m", [1, FP32_KERNEL_MAX_ROWS, FP32_KERNEL_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize(("limit", "m"), [(128, 1), (128, 128), (128, 129), (128, 300), (4, 4), (4, 5), (0, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_dense_linear_uses_the_kernel_up_to_its_row_limit_and_onednn_above(m: int, with_bias: bool, monkeypatch) -> None:
-    """Up to FP32_KERNEL_MAX_ROWS rows DenseLinear calls our kernel, above it oneDNN's matmul on the plain weights
-    (both counted); each agrees with the float64 reference, and bf16 operands reach neither (F.linear)."""
+def test_dense_linear_uses_the_kernel_up_to_its_row_limit_and_onednn_above(limit: int, m: int, with_bias: bool,
+                                                                          monkeypatch) -> None:
+    """Up to the current ``fp32_kernel_max_rows`` (the default 128, or what this machine measured: here set to 4
+    and 0) DenseLinear calls our kernel, above it oneDNN's matmul on the plain weights (both counted); each agrees
+    with the float64 reference, and bf16 operands reach neither (F.linear)."""
     calls: list[tuple[str, int]] = []
     real = OPS.fp32_linear
 
@@ -121,12 +124,13 @@ def test_dense_linear_uses_the_kernel_up_to_its_row_limit_and_onednn_above(m: in
     g = _gen(m + with_bias)
     x, w = torch.randn(m, 96, generator=g), torch.randn(40, 96, generator=g)
     b = torch.randn(40, generator=g) if with_bias else None
-    y = DenseLinear(w, b)(x)
-    _check_close(y - (0 if b is None else b), x, w)
-    above = "oneDNN" if linear_module.onednn_available() else None
-    expected = [("ours", m)] if m <= FP32_KERNEL_MAX_ROWS else ([(above, m)] if above else [])
-    assert calls == expected
-    linear(x.bfloat16(), w.bfloat16())
+    with crossovers.using(fp32_kernel_max_rows=limit):
+        y = DenseLinear(w, b)(x)
+        _check_close(y - (0 if b is None else b), x, w)
+        above = "oneDNN" if linear_module.onednn_available() else None
+        expected = [("ours", m)] if m <= limit else ([(above, m)] if above else [])
+        assert calls == expected
+        linear(x.bfloat16(), w.bfloat16())
     assert calls == expected
 
 
@@ -500,11 +504,11 @@ def test_int8_blocks_are_recovered_bit_for_bit_or_not_at_all() -> None:
 
 
 @needs_ops
-def test_embedded_model_runs_its_q8_0_head_from_int8_blocks(smollm) -> None:
+def test_embedded_model_runs_its_q8_0_head_from_int8_blocks(smollm, monkeypatch) -> None:
     """The embedded GGUF's tied embedding is Q8_0: the model keeps its int8 blocks (counted in its bytes) and
-    decode-sized logits match the fp32 head within fp32 summation error; larger batches use the fp32 head."""
+    logits up to the current ``int8_head_max_rows`` (the default, or this machine's) come from them, matching the
+    fp32 head within fp32 summation error; larger batches use the fp32 head."""
     from serve.model.llama import LlamaModel
-    from serve.model.lm_head import INT8_HEAD_MAX_ROWS
 
     model = LlamaModel(smollm.config, smollm.weights, torch.device("cpu"), torch.float32, max_positions=64)
     assert model.int8_head is not None
@@ -512,9 +516,25 @@ def test_embedded_model_runs_its_q8_0_head_from_int8_blocks(smollm) -> None:
     w = smollm.weights["model.embed_tokens.weight"]
     assert model.non_layer_nbytes == (w.nbytes + model.norm.nbytes + q.nbytes + d.nbytes
                                       + 2 * model.rope.cos.nbytes)
-    for rows in (1, INT8_HEAD_MAX_ROWS, INT8_HEAD_MAX_ROWS + 1, 32):
-        h = torch.randn(rows, smollm.config.hidden_size, generator=_gen(rows))
-        _check_close(model.logits(h), h, w)
+    calls: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(OPS, name)
+
+        @staticmethod
+        def int8_block_linear(x, q, d):
+            calls.append(x.shape[0])
+            return OPS.int8_block_linear(x, q, d)
+
+    monkeypatch.setattr(kernels, "ops", lambda: Counting())
+    for limit in (crossovers.DEFAULTS.int8_head_max_rows, 3):
+        with crossovers.using(int8_head_max_rows=limit):
+            for rows in (1, limit, limit + 1, 32):
+                calls.clear()
+                h = torch.randn(rows, smollm.config.hidden_size, generator=_gen(rows))
+                _check_close(model.logits(h), h, w)
+                assert calls == ([rows] if rows <= limit else []), (limit, rows)
 
 
 @needs_ops

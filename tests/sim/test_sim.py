@@ -22,11 +22,11 @@ from serve.model.quantized_linear import REGISTRY
 from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError, package_root
 from sim.model_specs import layer_nbytes, load_model_config, projections
 from sim.step_model import BatchShape, TableStepModel
-from tests.conftest import SHARED_DATA
+from tests.conftest import FIXTURES
 from serve.morph.runtime import MorphRuntime
 from tests.morph_support import morph
 
-TRACE = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE = FIXTURES / "traces" / "azure_conv_burst.csv"
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,6 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
     assert any(d.action == "quantize" for d in got)
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="needs ../shared/data/traces")
 def test_a_plan_is_deterministic_and_writes_the_replay_schema(tmp_path: Path, capsys) -> None:
     common = ["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
               "--time-scale", "0.5", "--fixed-lengths", "--input-len", "512", "--output-len", "256",
@@ -188,6 +187,39 @@ def test_a_plan_is_deterministic_and_writes_the_replay_schema(tmp_path: Path, ca
         assert key in a
     assert a["plan"]["virtual_s"] > 10 and speed > 1  # far faster than real time (a benchmark says how much)
     assert "| default |" in capsys.readouterr().out
+
+
+def test_a_gpu_plan_defaults_to_nine_tenths_of_the_gpu(tmp_path: Path, capsys) -> None:
+    """Without --device-memory a GPU plan budgets 0.9 of the GPU (as the engine's device_memory=auto on CUDA), not
+    bench.replay's CPU 600MiB (which left a 7B model no room); --help says so."""
+    assert plan_main(["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
+                      "--time-scale", "4.75", "--mode", "off", "--max-requests", "20", "--json",
+                      str(tmp_path / "p.json")]) == 0
+    r = json.loads((tmp_path / "p.json").read_text())
+    device_bytes = table_target("a100_sxm", "llama-2-7b", 16, 0.001).device_bytes
+    assert r["device_memory"] == "0.9" and r["plan"]["memory"]["budget"] == int(0.9 * device_bytes)
+    assert r["num_requests"] == 20 and r["completed"] > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: 0.9 of the GPU's memory on a GPU system" in help_text and "600MiB on --system local" in help_text
+
+
+def test_a_gpu_plan_runs_slai_with_the_cuda_thetas(monkeypatch) -> None:
+    """The planner's engine runs on the host but stands for a GPU: slai gets the CUDA calibration (5 / 10) unless
+    the command sets theta."""
+    import sim.__main__ as planner
+
+    seen = []
+    real = planner.build_engine
+    monkeypatch.setattr(planner, "build_engine", lambda config, target, clock: seen.append(config) or
+                        real(config, target, clock))
+    common = ["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
+              "--mode", "off", "--max-requests", "5", "--scheduler", "slai"]
+    assert plan_main(common) == 0 and plan_main([*common, "--slai-theta", "2"]) == 0
+    assert [c.slai_thetas("cpu") for c in seen] == [(5.0, 10.0), (5.0, 10.0)]
+    assert (seen[0].slai_theta, seen[1].slai_theta) == (None, 2.0)
 
 
 def test_bad_arguments_fail_with_a_message(capsys) -> None:

@@ -18,14 +18,12 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 from serve.triton.__main__ import main  # noqa: E402
-from serve.triton.install import TritonLaunchError, find_triton_install  # noqa: E402
 from serve.triton.repository import SERVED_MODELS, read_config_parameters, write_repository  # noqa: E402
+from serve.triton.install import TritonLaunchError  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton_support import skip_module_without_triton  # noqa: E402
 
-try:
-    find_triton_install()
-except TritonLaunchError as exc:  # pragma: no cover
-    pytest.skip(f"tritonserver unavailable: {exc}", allow_module_level=True)
+skip_module_without_triton()
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
