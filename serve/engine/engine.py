@@ -29,7 +29,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.engine.validation import RequestValidator
 from serve.engine.stats import EngineStats, resource_fields
-from serve.engine.sequence import Sequence, SequenceStatus
+from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
 from serve.memory.block_pool import CacheEvents
@@ -71,12 +71,11 @@ class LLMEngine:
             # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
             parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
         self._assemble(config, parts)
-        # structured output: built or assembled alike (compiles nothing until a guided request arrives)
-        self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
-                                    backend=config.guided_backend)
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
         self._handoff = Handoff(config.max_num_waiting)
-        self.grammars = GrammarWait(self.guides, self._handoff.work.set)  # guided requests until their grammar is ready
+        self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
+                                    backend=config.guided_backend)  # structured output, built or assembled alike
+        self.grammars = GrammarWait(self.guides, self._handoff.work.set)  # guided requests wait for their grammar
         self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -139,7 +138,7 @@ class LLMEngine:
         timeout_s: its deadline from arrival (default: the config's request_timeout_s)."""
         params = params or SamplingParams()
         arrival = arrival_time if arrival_time is not None else self.clock()
-        self.lifecycle.admit(self.clock(), self._num_queued(), self.faults)
+        self.lifecycle.admit(self.clock(), self.num_waiting() - len(self.grammars), self.faults)  # not grammar waiters
         deadline = self.lifecycle.deadline(arrival, timeout_s)
         if slo is not None and not isinstance(slo, RequestSLO):
             raise TypeError("slo must be a RequestSLO")
@@ -152,13 +151,7 @@ class LLMEngine:
         seq = Sequence(rid, ids, params, arrival, IncrementalDetokenizer(self.tokenizer, params.stop,
                        params.include_stop_str_in_output), callback, gen, slo=targets, bad_words_ids=bad_words,
                        deadline=deadline)
-        self.grammars.start(seq)  # a cached grammar now, else compiled by the worker: never waited for here
-        own = int(seq.status is SequenceStatus.WAITING_FOR_GRAMMAR)  # counted among the grammar waiters already
-        try:
-            self._handoff.put(seq, lambda: len(self.scheduler.waiting) + len(self.grammars) - own, self._requests)
-        except Exception:  # refused (overloaded, an id in use): its compile is not waited for either
-            self.grammars.discard(seq)
-            raise
+        self.grammars.hand_over(seq, self._handoff, lambda: len(self.scheduler.waiting), self._requests)  # claims the id
         if self._lock.acquire(blocking=False):  # engine idle between iterations: admit now, never wait
             try:
                 self._admit_handoff()
@@ -184,10 +177,6 @@ class LLMEngine:
     def num_waiting(self) -> int:
         """Requests admitted but not running yet (lock-free: for admission decisions and gauges)."""
         return len(self.scheduler.waiting) + len(self._handoff) + len(self.grammars)
-
-    def _num_queued(self) -> int:
-        """Requests ahead of a new one in the scheduler's queue (shedding's input: not those waiting for a grammar)."""
-        return len(self.scheduler.waiting) + len(self._handoff)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request (final output: abort, kind cancelled); its KV blocks are freed before this returns.
@@ -215,9 +204,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             self._admit_handoff()
-            produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py)
-                        self.lifecycle.expired(list(self._requests.values()), self.clock())]
-            produced += [(seq, self._finish_with(seq, err)) for seq, err in self.grammars.failed()]  # refused guides
+            produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py), bad guide
+                        [*self.lifecycle.expired(list(self._requests.values()), self.clock()), *self.grammars.failed()]]
             self._resources_ok = self.resources.before_schedule(self.scheduler, self.faults.record)
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
@@ -229,7 +217,7 @@ class LLMEngine:
                 if c.seq.first_scheduled_time is None:
                     c.seq.first_scheduled_time = now
                     started += 1
-            self.lifecycle.observe_step(now, started, self._num_queued())
+            self.lifecycle.observe_step(now, started, self.num_waiting() - len(self.grammars))
             if sched.chunks:
                 try:
                     logits, sampled = self.executor.execute(sched.chunks)
@@ -280,10 +268,9 @@ class LLMEngine:
 
     def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
-        """Finish ``seqs`` with an error (their KV blocks are freed); log one event with the traceback. A guide
-        that left no allowed token is the request's own input (kind invalid input), not a fault."""
+        """Finish ``seqs`` with an error (their KV blocks are freed); log one event with the traceback."""
         live = [s for s in dict.fromkeys(seqs) if s.request_id in self._requests]
-        if (client := guide_error(exc)) is not None:
+        if (client := guide_error(exc)) is not None:  # a guide that left no allowed token: the client's, no fault
             return [(seq, self._finish_with(seq, client)) for seq in live]
         return self._finish_with_error(live, self.faults.record(where, exc, [s.request_id for s in live],
                                                                 iteration_failed))
@@ -406,11 +393,9 @@ class LLMEngine:
         collect = OutputCollector()
         rids = [self.add_request(p, sp, callback=collect) for p, sp in zip(prompts, params_list)]
         while not all(collect.finished(r) for r in rids):
-            if not self.step():
-                if not self.has_unfinished_requests():
-                    break
-                if not self.scheduler.has_work():
-                    self.grammars.wait(0.05)  # only grammars compiling: wait for one rather than spin
+            if not self.step() and not self.has_unfinished_requests():
+                break
+            self.grammars.wait_if_idle(self.scheduler)  # only grammars compiling: wait for one rather than spin
         return [collect.results[r] for r in rids]
 
     def set_cache_events(self, listener: CacheEvents | None) -> None:

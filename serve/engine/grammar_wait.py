@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
+from serve.engine.admission import Handoff
 from serve.engine.errors import EngineError, EngineOverloaded, InvalidRequest
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.guided.compiler import GuideCompiler, GuideError, GuidesBusy, PendingGuide
@@ -51,6 +53,18 @@ class GrammarWait:
         with self._lock:
             self._pending[seq] = pending
         pending.add_done_callback(self._done)
+
+    def hand_over(self, seq: Sequence, handoff: Handoff, waiting_in_scheduler: Callable[[], int],
+                  requests: dict[str, Sequence]) -> None:
+        """:meth:`start`, then put ``seq`` in the engine's handoff (which claims its id, or raises: then its compile
+        is cancelled). The admission bound counts the requests waiting for a grammar, this one apart."""
+        self.start(seq)
+        own = int(seq.status is SequenceStatus.WAITING_FOR_GRAMMAR)
+        try:
+            handoff.put(seq, lambda: waiting_in_scheduler() + len(self) - own, requests)
+        except Exception:  # refused (overloaded, an id in use)
+            self.discard(seq)
+            raise
 
     def _done(self) -> None:
         self.changed.set()
@@ -106,6 +120,11 @@ class GrammarWait:
         """Block until a compile finishes or ``timeout`` passes (for callers that step the engine themselves)."""
         self.changed.wait(timeout)
         self.changed.clear()
+
+    def wait_if_idle(self, scheduler: Any, timeout: float = 0.05) -> None:
+        """:meth:`wait` when grammars compile and the scheduler has nothing to run (a caller's stepping loop)."""
+        if self._pending and not scheduler.has_work():
+            self.wait(timeout)
 
     def __len__(self) -> int:
         return len(self._pending)

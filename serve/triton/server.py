@@ -1,17 +1,10 @@
-"""Start the tritonserver bundled in the nvidia-pytriton wheel on a model repository, on 127.0.0.1 only.
-
-Usable from Python::
-
-    with TritonServer(model_repository="triton_models", params={"engine_dir": "engines/x"}) as srv:
-        srv.wait_ready(timeout=120)
-        ...  # srv.http_url, srv.grpc_url, srv.metrics_url
-
-and from a shell: ``python -m serve.triton --help``.
+"""Start the tritonserver bundled in the nvidia-pytriton wheel on a model repository, on 127.0.0.1 only:
+``with TritonServer(params={"engine_dir": "engines/x"}) as srv: srv.wait_ready()`` (then ``srv.http_url``,
+``grpc_url``, ``metrics_url``), or from a shell ``python -m serve.triton --help``.
 
 How the bundled binary is made to run in place: serve/triton/install.py; how parameters reach the
 model (a rendered private copy of config.pbtxt): serve/triton/repository.py.
 """
-
 
 from __future__ import annotations
 
@@ -46,6 +39,7 @@ from serve.triton.install import (
     server_env,
 )
 from serve.triton.operator_port import post_control
+from serve.triton.stale import end_stale, mark, wait_group_gone
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
@@ -196,11 +190,6 @@ class TritonServer:
         return f"{LOOPBACK}:{self.grpc_port}"
 
     @property
-    def front(self) -> object | None:
-        """The HTTP door while it runs."""
-        return self.doors.http_front
-
-    @property
     def metrics_url(self) -> str:
         """Full URL of the Prometheus text endpoint."""
         return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
@@ -292,7 +281,10 @@ class TritonServer:
                 self.model_repository, self.workdir / "model_repository", self.model_name, self.params,
                 also=tuple(self.also_load),
             )
-        env = server_env(self.python_bin_dir, self.use_gpu)
+        ended = end_stale(self.model_repository)  # model processes a killed launcher of this repository left
+        if ended:
+            log.warning("stale_processes_ended", pids=ended, repository=str(self.model_repository))
+        env = mark(server_env(self.python_bin_dir, self.use_gpu), self.model_repository)
         cmd = self.command(inst, backend_dir, repository)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
@@ -417,9 +409,11 @@ class TritonServer:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
-            # Stubs normally exit with the server; make sure none outlives it.
+            # Stubs normally exit with the server; make sure none outlives it, and that all are gone before a restart.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            if left := wait_group_gone(proc.pid):
+                log.error("tritonserver_processes_left", pids=left)
             rc = proc.returncode
             self._remove_shm()  # left behind when the server or a stub was killed
             log.info("tritonserver_stopped", model=self.model_name, returncode=rc)
