@@ -112,7 +112,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int, 
         f"srv = TritonServer(params={{'engine_dir': {args.engine_dir!r}, 'morph_mode': 'off', 'num_threads': 1,"
         f" 'max_model_len': 512, 'queue_timeout_s': 0}}, http_port={http}, grpc_port={grpc}, metrics_port={metrics},"
         f" triton_http_port={internal})\n"
-        "srv.start(); srv.wait_ready(600); print('ready', flush=True)\n"
+        "srv.start(); srv.wait_ready(600); print('ready', srv.doors.triton_grpc_port, flush=True)\n"
         "try:\n    sys.stdin.read()\nfinally:\n    srv.stop()\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],  # noqa: S603
@@ -123,7 +123,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int, 
     if "ready" not in line:
         p.kill()
         raise RuntimeError("server did not start")
-    return p, http, internal, grpc
+    return p, http, internal, int(line.split()[1])  # tritonserver's own gRPC port, behind the gRPC door
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -86,7 +86,7 @@ class EngineConfig:
     shed_on_arrival: bool = True
     request_timeout_s: float | None = None
     num_threads: int | None = None     # torch intra-op threads; default: torch's choice
-    guided_compile_timeout_s: float = 10.0  # structured output: a guide that does not compile in time is refused
+    guided_compile_timeout_s: float = 10.0  # structured output: CPU seconds a guide may compile; then stopped, refused
     guided_backend: str = "xgrammar"   # structured output's grammar engine: xgrammar | llguidance
     seed: int = 0
     # MorphServe: runtime quantized layer swapping + KV resizing (policy/ modes: off, static-int8,

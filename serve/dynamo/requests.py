@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.engine import SamplingParams
+from serve.request_values import INT32, UINT32, UINT64, check_text, integer, real, text
 
 
 class RequestError(ValueError):
@@ -69,17 +70,20 @@ def to_engine_request(request: Mapping[str, Any], eos_token_ids: Iterable[int] =
         raise RequestError("not supported by the morphserve worker: " + ", ".join(bad)
                            + " (supported: temperature, top_p, top_k, seed, max_tokens, min_tokens, ignore_eos, "
                              "stop, stop token ids, guided decoding)")
+    # one normaliser for every front end (serve/request_values.py): ranges checked before any narrowing, text checked
     ignore_eos = bool(stop.get("ignore_eos") or False)
-    min_tokens = int(stop.get("min_tokens") or 0)
+    min_tokens = integer(stop.get("min_tokens") or 0, "min_tokens", UINT32)
     temperature = sampling.get("temperature")
     params = SamplingParams(
-        max_tokens=int(stop["max_tokens"]) if stop.get("max_tokens") is not None else default_max_tokens,
+        max_tokens=integer(stop["max_tokens"], "max_tokens", UINT32) if stop.get("max_tokens") is not None
+        else default_max_tokens,
         min_tokens=min_tokens,
-        temperature=float(DEFAULT_TEMPERATURE if temperature is None else temperature),
-        top_p=float(sampling.get("top_p") if sampling.get("top_p") is not None else 1.0),
+        temperature=real(DEFAULT_TEMPERATURE if temperature is None else temperature, "temperature"),
+        top_p=real(sampling.get("top_p") if sampling.get("top_p") is not None else 1.0, "top_p"),
         top_k=_top_k(sampling.get("top_k")),
-        seed=int(sampling["seed"]) if sampling.get("seed") is not None else None,
-        stop=tuple(stop.get("stop") or ()) if min_tokens == 0 else (),  # the frontend applies them after min_tokens
+        seed=integer(sampling["seed"], "seed", UINT64) if sampling.get("seed") is not None else None,
+        # stop strings: the frontend applies them after min_tokens itself
+        stop=tuple(text(t, "stop") for t in stop.get("stop") or ()) if min_tokens == 0 else (),
         stop_token_ids=_stop_token_ids(stop, eos_token_ids, ignore_eos),
         ignore_eos=ignore_eos,
         guided_decoding=guided_decoding(sampling.get("guided_decoding")),
@@ -114,7 +118,7 @@ def guided_decoding(options: Mapping[str, Any] | None) -> dict[str, str] | None:
     if not given:
         return None
     value = options[given[0]]
-    guide = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    guide = check_text(value, "guided_decoding") if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     return {"type": _GUIDE_FIELDS[given[0]], "guide": guide}
 
 
@@ -122,7 +126,7 @@ def _top_k(value: Any) -> int:
     """vLLM spells "no top-k" as -1 or 0; the engine as 0."""
     if value is None:
         return 0
-    k = int(value)
+    k = integer(value, "top_k", INT32)
     if k < -1:
         raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {k}")
     return max(k, 0)

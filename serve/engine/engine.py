@@ -21,6 +21,7 @@ from serve.engine.admission import Handoff
 from serve.engine.assembly import EngineParts, build_parts, make_scheduler
 from serve.engine.errors import EngineError, RequestCancelled
 from serve.engine.faults import FaultTracker
+from serve.engine.grammar_wait import GrammarWait, guide_error
 from serve.engine.lifecycle import Lifecycle
 from serve.engine.outputs import FinishReason, OutputCollector, RequestOutput
 from serve.engine.sampler import sample_isolated
@@ -70,11 +71,11 @@ class LLMEngine:
             # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
             parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
         self._assemble(config, parts)
-        # structured output: built or assembled alike (compiles nothing until a guided request arrives)
-        self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
-                                    backend=config.guided_backend)
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
         self._handoff = Handoff(config.max_num_waiting)
+        self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
+                                    backend=config.guided_backend)  # structured output, built or assembled alike
+        self.grammars = GrammarWait(self.guides, self._handoff.work.set)  # guided requests wait for their grammar
         self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -138,22 +139,20 @@ class LLMEngine:
         timeout_s: its deadline from arrival (default: the config's request_timeout_s)."""
         params = params or SamplingParams()
         arrival = arrival_time if arrival_time is not None else self.clock()
-        self.lifecycle.admit(self.clock(), self.num_waiting(), self.faults)
+        self.lifecycle.admit(self.clock(), self.num_waiting() - len(self.grammars), self.faults)  # not grammar waiters
         deadline = self.lifecycle.deadline(arrival, timeout_s)
         if slo is not None and not isinstance(slo, RequestSLO):
             raise TypeError("slo must be a RequestSLO")
         targets = (slo or RequestSLO()).resolved(self.config.slo_ttft_s, self.config.slo_tbt_s,
                                                  self.config.default_priority)
         ids, bad_words = self.validator.tokenize(prompt, params)
-        # compiled here, in the caller's thread (bounded by guided_compile_timeout_s), never on the engine loop
-        guide = self.guides.new_state(params.guided_decoding) if params.guided_decoding is not None else None
         # generators live where the logits are sampled (a CPU generator cannot drive a CUDA multinomial)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, arrival, IncrementalDetokenizer(self.tokenizer, params.stop,
                        params.include_stop_str_in_output), callback, gen, slo=targets, bad_words_ids=bad_words,
-                       guide=guide, deadline=deadline)
-        self._handoff.put(seq, lambda: len(self.scheduler.waiting), self._requests)  # claims the id, or raises
+                       deadline=deadline)
+        self.grammars.hand_over(seq, self._handoff, lambda: len(self.scheduler.waiting), self._requests)  # claims the id
         if self._lock.acquire(blocking=False):  # engine idle between iterations: admit now, never wait
             try:
                 self._admit_handoff()
@@ -164,8 +163,10 @@ class LLMEngine:
     def _admit_handoff(self) -> None:
         """Move handed-over requests into the scheduler (caller holds the engine lock)."""
         for seq in self._handoff.drain():
-            if seq.request_id in self._requests:  # not aborted meanwhile
+            if seq.request_id in self._requests and not self.grammars.park(seq):  # not aborted meanwhile
                 self.scheduler.add(seq)
+        for seq in self.grammars.ready():
+            self.scheduler.add(seq)
 
     @property
     def healthy(self) -> bool:
@@ -176,7 +177,7 @@ class LLMEngine:
 
     def num_waiting(self) -> int:
         """Requests admitted but not running yet (lock-free: for admission decisions and gauges)."""
-        return len(self.scheduler.waiting) + len(self._handoff)
+        return len(self.scheduler.waiting) + len(self._handoff) + len(self.grammars)
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request (final output: abort, kind cancelled); its KV blocks are freed before this returns.
@@ -199,13 +200,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             self._admit_handoff()  # so a caller that drives the scheduler itself sees every request
-            return self.scheduler.has_work()
+            return self.scheduler.has_work() or len(self.grammars) > 0
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
             self._admit_handoff()
-            produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py)
-                        self.lifecycle.expired(list(self._requests.values()), self.clock())]
+            produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py), bad guide
+                        [*self.lifecycle.expired(list(self._requests.values()), self.clock()), *self.grammars.failed()]]
             self._resources_ok = self.resources.before_schedule(self.scheduler, self.faults.record)
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
@@ -217,7 +218,7 @@ class LLMEngine:
                 if c.seq.first_scheduled_time is None:
                     c.seq.first_scheduled_time = now
                     started += 1
-            self.lifecycle.observe_step(now, started, self.num_waiting())
+            self.lifecycle.observe_step(now, started, self.num_waiting() - len(self.grammars))
             if sched.chunks:
                 try:
                     logits, sampled = self.executor.execute(sched.chunks)
@@ -270,6 +271,8 @@ class LLMEngine:
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
         """Finish ``seqs`` with an error (their KV blocks are freed); log one event with the traceback."""
         live = [s for s in dict.fromkeys(seqs) if s.request_id in self._requests]
+        if (client := guide_error(exc)) is not None:  # a guide that left no allowed token: the client's, no fault
+            return [(seq, self._finish_with(seq, client)) for seq in live]
         return self._finish_with_error(live, self.faults.record(where, exc, [s.request_id for s in live],
                                                                 iteration_failed))
 
@@ -315,6 +318,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, last_token: int | None = None) -> RequestOutput:
         self.scheduler.finish(seq)
+        self.grammars.discard(seq)
         self._requests.pop(seq.request_id, None)
         self.resources.on_request_finished(seq.request_id)
         seq.finish_reason = reason
@@ -353,7 +357,7 @@ class LLMEngine:
                 if self._stopping:
                     return
                 self._admit_handoff()
-                idle = not self.scheduler.has_work()
+                idle = not (self.scheduler.has_work() or self.grammars.has_failures())
                 settled = self.resources.is_settled()
             if idle:
                 # Unsettled morph state: keep ticking so the controller can restore layers when calm.
@@ -392,6 +396,7 @@ class LLMEngine:
         while not all(collect.finished(r) for r in rids):
             if not self.step() and not self.has_unfinished_requests():
                 break
+            self.grammars.wait_if_idle(self.scheduler)  # only grammars compiling: wait for one rather than spin
         return [collect.results[r] for r in rids]
 
     def set_cache_events(self, listener: CacheEvents | None) -> None:

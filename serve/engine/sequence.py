@@ -17,6 +17,7 @@ from serve.model.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # guided: its grammar compiles; not schedulable (grammar_wait.py)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

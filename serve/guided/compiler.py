@@ -1,44 +1,78 @@
-"""Guides compiled to grammars, bounded in time, and a matcher per request, with one of two maintained grammar
-engines: xgrammar (the default: TensorRT-LLM's and vLLM's; precomputes token masks when it compiles, so masks
-are cheap per token) or llguidance (compiles in about a millisecond, computes masks lazily, slower per token).
-bench/guided_cost.py measures both; docs/structured-output.md has the figures and the reason for the default.
+"""Guides compiled to grammars off the admission path, bounded in time and number, and a matcher per request, with
+one of two maintained grammar engines: xgrammar (the default: TensorRT-LLM's and vLLM's; precomputes token masks
+when it compiles, so masks are cheap per token) or llguidance (compiles in about a millisecond, computes masks
+lazily, slower per token). bench/guided_cost.py measures both; docs/structured-output.md has the figures and the
+reason for the default.
 
-One compiler per engine (per tokenizer). Compilation runs on a small worker pool, never on the engine loop:
-``add_request`` waits at most ``timeout_s`` for it and refuses the request past that (the compile goes on in
-its worker and lands in xgrammar's cache, bounded by ``cache_bytes``)."""
+One compiler per engine (per tokenizer). :meth:`GuideCompiler.submit` never waits: it answers from a cache of
+compiled grammars (by guide text, ``cache_bytes`` at most), or hands the guide to the compile worker process
+(serve/guided/compile_pool.py, compile_worker.py), at most ``workers`` at once and ``max_queued`` compiling or
+queued, each stopped (its process killed) past ``timeout_s`` or when no request waits for it any more. The engine
+keeps a guided request waiting in its own state until its grammar is ready (serve/engine/grammar_wait.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
 import re
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+from serve.guided.compile_pool import CompileJob, CompilePool, CompilerUnavailable, GuideError, GuidesBusy
 from serve.guided.spec import GuidedDecoding
 from serve.guided.state import GuideState, LlguidanceState, XgrammarState
-from serve.logging_setup import get_logger
 from serve.model.tokenizer import Tokenizer
 
-_log = get_logger("serve.guided")
+__all__ = ["BACKENDS", "CompilerUnavailable", "GuideCompiler", "GuideError", "GuidesBusy", "PendingGuide"]
 
 BACKENDS = ("xgrammar", "llguidance")
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 64 * 2**20
 COMPILE_WORKERS = 2
-ANY_JSON_SCHEMA = '{"type": ["object", "array"]}'
-# compact JSON, the same in both engines: a small model given free whitespace can emit it until max_tokens
-_LLG_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""Guides compiling at once (each in its own process, at the lowest CPU priority): the global bound."""
+MAX_QUEUED = 32
+"""Guides compiling or waiting to, at most; past it a guided request is refused as overloaded (retry later)."""
 
 
-class GuideError(ValueError):
-    """A guide the grammar engine refuses (invalid schema, regex or grammar), or one too slow to compile: the
-    client's error, raised before the request is admitted."""
+class PendingGuide:
+    """A guide on its way to a grammar: ``done()``, then ``state()`` (a new matcher, or the GuideError / other
+    error the compile ended with); ``cancel()`` when the request no longer waits for it."""
+
+    def __init__(self, compiler: GuideCompiler, spec: GuidedDecoding, compiled: Any = None,
+                 job: CompileJob | None = None) -> None:
+        self.compiler, self.spec, self._compiled, self._job = compiler, spec, compiled, job
+
+    def done(self) -> bool:
+        return self._job is None or self._job.future.done()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        if self._job is None:
+            fn()
+        else:
+            self._job.future.add_done_callback(lambda _f: fn())
+
+    def state(self) -> GuideState:
+        if self._job is not None:
+            self._compiled = self._job.future.result(timeout=0)
+            self._job = None
+            self.compiler.remember(self.spec, self._compiled)
+        return self.compiler.state(self.spec, self._compiled)
+
+    def wait(self, timeout: float | None = None) -> GuideState:
+        if self._job is not None:
+            self._job.future.result(timeout=timeout)
+        return self.state()
+
+    def cancel(self) -> None:
+        if self._job is not None and not self._job.future.done():
+            self.compiler.pool.cancel(self._job)
+        self._job = None
 
 
 class GuideCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, backend: str = "xgrammar") -> None:
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, backend: str = "xgrammar", workers: int = COMPILE_WORKERS,
+                 max_queued: int = MAX_QUEUED) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"guided decoding backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.tokenizer = tokenizer
@@ -47,88 +81,92 @@ class GuideCompiler:
         self.cache_bytes = cache_bytes
         self.backend = backend
         self._lock = threading.Lock()
-        self._engine_tokenizer: Any = None   # xgrammar's GrammarCompiler or llguidance's LLTokenizer
-        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="morphserve-grammar")
+        self._engine_tokenizer: Any = None   # xgrammar's TokenizerInfo or llguidance's LLTokenizer
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._cached_bytes = 0
+        self.pool = CompilePool(self._init_message, self._convert, self._worker_ready, workers, max_queued, timeout_s)
+
+    # ---- the worker's start-up ------------------------------------------------------------------------------
+    def _init_message(self) -> dict[str, Any]:
+        return {"backend": self.backend, "tokenizer_json": self.tokenizer.backend.to_str(),
+                "vocab_size": self.vocab_size, "eos": list(self.tokenizer.eos_token_ids)}
+
+    def _worker_ready(self, message: dict[str, Any]) -> None:
+        """xgrammar: the worker's view of the tokenizer, so this process need not build it (~0.2-3 s of Python)."""
+        with self._lock:
+            if self._engine_tokenizer is None and self.backend == "xgrammar":
+                import xgrammar as xgr
+
+                self._engine_tokenizer = xgr.TokenizerInfo.deserialize_json(message["tokenizer_info"])
 
     def _prepared(self) -> Any:
-        """The grammar engine's view of the tokenizer, built on the first guided request (~0.2 s)."""
         with self._lock:
             if self._engine_tokenizer is None:
+                if self.backend == "xgrammar":
+                    raise CompilerUnavailable("the grammar compiler has not started")
+                import llguidance.hf
                 from transformers import PreTrainedTokenizerFast
 
                 hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
                 eos = list(self.tokenizer.eos_token_ids)
-                if self.backend == "xgrammar":
-                    import xgrammar as xgr
-
-                    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=eos)
-                    self._engine_tokenizer = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=self.cache_bytes > 0,
-                                                                 cache_limit_bytes=self.cache_bytes or -1)
-                else:
-                    import llguidance.hf
-
-                    self._engine_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos[0])
+                self._engine_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos[0])
             return self._engine_tokenizer
 
-    def _xgrammar(self, spec: GuidedDecoding) -> Any:
-        compiler = self._prepared()
-        if spec.kind in ("json", "json_schema"):
-            return compiler.compile_json_schema(ANY_JSON_SCHEMA if spec.kind == "json" else spec.guide,
-                                                any_whitespace=False)
-        if spec.kind == "ebnf_grammar":
-            return compiler.compile_grammar(spec.guide)
-        if spec.kind == "structural_tag":
-            return compiler.compile_structural_tag(spec.guide)
-        return compiler.compile_regex(_regex(spec))
+    def _convert(self, payload: str) -> Any:
+        """A worker's answer -> what a matcher is built from (off the engine loop: the pool's reader thread)."""
+        if self.backend == "xgrammar":
+            import xgrammar as xgr
 
-    def _llguidance(self, spec: GuidedDecoding) -> Any:
-        import llguidance
+            return xgr.CompiledGrammar.deserialize_json(payload, self._prepared())
+        self._prepared()  # llguidance's tokenizer, built once
+        return payload    # the validated grammar
 
-        tokenizer = self._prepared()
-        if spec.kind in ("json", "json_schema"):
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                ANY_JSON_SCHEMA if spec.kind == "json" else spec.guide, defaults=_LLG_JSON_DEFAULTS)
-        elif spec.kind == "ebnf_grammar":
-            grammar = llguidance.LLMatcher.grammar_from_lark(llguidance.gbnf_to_lark(spec.guide))
-        elif spec.kind == "structural_tag":
-            raise ValueError("structural_tag needs the xgrammar backend")
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_regex(_regex(spec))
-        problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)  # '' when the grammar is fine
-        if problem:
-            raise ValueError(" ".join(problem.split()))
-        return grammar
+    # ---- compiling --------------------------------------------------------------------------------------------
+    def submit(self, spec: GuidedDecoding) -> PendingGuide:
+        """The guide's grammar on its way, never waiting: from the cache at once, else compiled by the worker.
+        GuidesBusy when ``max_queued`` guides are compiling or waiting to."""
+        key = (spec.kind, _source(spec))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return PendingGuide(self, spec, compiled=hit[0])
+        return PendingGuide(self, spec, job=self.pool.submit(*key))
 
-    def _compile_now(self, spec: GuidedDecoding) -> Any:
-        return self._xgrammar(spec) if self.backend == "xgrammar" else self._llguidance(spec)
+    def remember(self, spec: GuidedDecoding, compiled: Any) -> None:
+        """Keep a compiled grammar for equal guides, the least recently used dropped past ``cache_bytes``."""
+        size = compiled.memory_size_bytes if self.backend == "xgrammar" else len(compiled)
+        key = (spec.kind, _source(spec))
+        with self._lock:
+            if key in self._cache or size > self.cache_bytes:
+                return
+            self._cache[key] = (compiled, size)
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped
 
     def compile(self, spec: GuidedDecoding) -> Any:
-        """The compiled grammar (xgrammar's cache answers repeats at once); GuideError for a bad or slow guide."""
-        future = self._pool.submit(self._compile_now, spec)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            _log.warning("guide_compile_timeout", kind=spec.kind, guide_bytes=len(spec.guide), timeout_s=self.timeout_s)
-            raise GuideError(f"the {spec.kind} guide did not compile within {self.timeout_s:g} s; simplify it") from None
-        except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as exc:
-            raise GuideError(f"invalid {spec.kind} guide: {_first_line(exc)}") from None
+        """The compiled grammar, waiting for it (tools, tests); GuideError for a bad or slow guide."""
+        pending = self.submit(spec)
+        pending.wait()
+        return pending._compiled
 
-    def new_state(self, spec: GuidedDecoding) -> GuideState:
-        compiled = self.compile(spec)
+    def state(self, spec: GuidedDecoding, compiled: Any) -> GuideState:
         if self.backend == "xgrammar":
             return XgrammarState(spec, compiled)
         import llguidance
 
         return LlguidanceState(spec, llguidance.LLMatcher(self._prepared(), compiled))
 
+    def new_state(self, spec: GuidedDecoding) -> GuideState:
+        """A matcher for ``spec``, waiting for its grammar (tools, tests)."""
+        return self.submit(spec).wait()
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
 
-def _regex(spec: GuidedDecoding) -> str:
+def _source(spec: GuidedDecoding) -> str:
+    """What the worker compiles: the guide, or for ``choice`` the regex of its alternatives."""
     return "(" + "|".join(re.escape(c) for c in spec.choices) + ")" if spec.kind == "choice" else spec.guide
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

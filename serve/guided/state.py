@@ -19,7 +19,8 @@ from serve.guided.spec import GuidedDecoding
 
 class GuideViolation(RuntimeError):
     """A token the grammar does not allow reached the matcher (a processor such as bad_words removed every
-    token the grammar allows): the request fails with this reason; others go on."""
+    token the grammar allows), or the grammar allows no token at all (a dead end): the request fails with this
+    reason, as its own input's fault (the engine's kind invalid input); others go on."""
 
 
 class GuideState:
@@ -104,7 +105,11 @@ def mask_guided_rows(logits: torch.Tensor, states: Sequence[GuideState | None],
     words = (logits.shape[-1] + 31) // 32
     bitmask = torch.full((logits.shape[0], words), -1, dtype=torch.int32)  # all allowed
     for i in rows:
-        states[i].fill(bitmask, i)  # type: ignore[union-attr]
+        state = states[i]
+        state.fill(bitmask, i)  # type: ignore[union-attr]
+        if not bool(bitmask[i].any()):  # a dead end: sampling from no token at all would fail as an engine error
+            raise GuideViolation(f"the {state.spec.kind} guide allows no token after "  # type: ignore[union-attr]
+                                 f"{state.num_accepted} tokens: it cannot be completed")  # type: ignore[union-attr]
     if argmax_only is not None:  # a greedy row whose argmax the grammar allows keeps it: no mask needed
         top = logits.argmax(dim=-1).tolist()
         rows = [i for i in rows if not (argmax_only[i] and int(bitmask[i, top[i] // 32]) >> (top[i] % 32) & 1)]

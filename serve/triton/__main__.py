@@ -15,7 +15,10 @@ from pathlib import Path
 from types import FrameType
 
 from serve.logging_setup import configure_logging, get_logger
-from serve.triton.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH
+from serve.triton.http_body import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                                   DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_JSON_DEPTH)
+from serve.triton.client_apis import OPENABLE
+from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
 from serve.triton.http_front import FrontOptions
 from serve.triton.install import TritonLaunchError
 from serve.config import EMBEDDED_MODEL, parse_policy_overrides
@@ -137,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="open Triton's model repository API (load/unload) to clients: DANGEROUS, any local process "
         "can then load a Python model that runs as this user (see README, Hardening)",
     )
+    p.add_argument("--client-api", action="append", default=[], choices=OPENABLE, metavar="API",
+                   help="open one more of Triton's APIs to clients on the HTTP and gRPC ports (repeatable: "
+                        f"{', '.join(OPENABLE)}); closed by default: only inference, health, metadata and statistics "
+                        "are open (docs/hardening.md)")
+    p.add_argument("--grpc-max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="the gRPC front refuses larger messages at the transport (RESOURCE_EXHAUSTED) before reading "
+                        "them")
     p.add_argument("--drain-timeout", type=int, default=30,
                    help="seconds tritonserver lets in-flight requests finish after SIGTERM (--exit-timeout-secs)")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -150,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the HTTP front refuses larger request bodies with 413 before reading them")
     p.add_argument("--http-max-json-depth", type=int, default=DEFAULT_MAX_JSON_DEPTH,
                    help="the HTTP front refuses JSON bodies nested deeper with 400 before tritonserver sees them")
+    p.add_argument("--http-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="connections the HTTP front keeps open at once; one more is answered 503 + Retry-After and "
+                        "closed")
+    p.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection has to send a complete request head (after opening, or after its last "
+                        "response); a slower one is closed")
+    p.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a request has to send its whole body after its head; a slower one gets 408 and is "
+                        "closed")
     p.add_argument(
         "--gpu",
         choices=["auto", "yes", "no"],
@@ -223,7 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = params_from_args(args)
     try:
         check_params(params, args.model_repository, args.model_name)
-        front_options = FrontOptions(args.http_max_body_bytes, args.http_max_json_depth)
+        front_options = FrontOptions(args.http_max_body_bytes, args.http_max_json_depth, args.http_max_connections,
+                                     args.http_header_timeout, args.http_body_timeout)
+        if args.grpc_max_message_bytes <= 0:
+            raise ValueError(f"--grpc-max-message-bytes must be positive, got {args.grpc_max_message_bytes}")
     except (ValueError, TritonLaunchError) as e:
         sys.stderr.write(f"morphserve: invalid configuration: {e}\n")
         return 2
@@ -253,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         repository_api=args.allow_repository_api,
         exit_timeout_s=args.drain_timeout,
         front_options=front_options,
+        client_apis=args.client_api,
+        grpc_max_message_bytes=args.grpc_max_message_bytes,
     )
     if args.allow_repository_api:
         log.warning("repository_api_open", warning="clients can load/unload models, including Python code")

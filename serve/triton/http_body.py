@@ -8,13 +8,18 @@ Kept apart from the server (serve/triton/http_front.py) so that the checks every
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from serve.error_kinds import DEFAULT_RETRY_AFTER_S, ErrorKind, retry_after
+from serve.request_values import BadValue, check_text, check_tree, number_text_problem
 from serve.triton.errors import HTTP_STATUS
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20   # 1 MiB: a 256 KiB prompt + 64 x 4 KiB list items fit with room to spare
 DEFAULT_MAX_JSON_DEPTH = 32        # generate needs 2 ({} and []); infer a rank-8 tensor about 11
+DEFAULT_MAX_CONNECTIONS = 1024     # open at once (serve/triton/http_guard.py); one more: 503 and closed
+DEFAULT_HEADER_TIMEOUT_S = 10.0    # a request head must arrive within this of the connection (or last response)
+DEFAULT_BODY_TIMEOUT_S = 30.0      # its body within this of the head: 1 MiB at >= 35 KB/s
 
 
 class FrontError(Exception):
@@ -52,35 +57,62 @@ def _no_constants(name: str) -> Any:
     raise FrontError(400, f"JSON constant {name} is not a number this server accepts")
 
 
-def load_json(body: bytes, max_depth: int) -> Any:
-    """Parse a body bounded in size by the caller; refuse nesting beyond ``max_depth`` (400).
+def load_json(body: bytes, max_depth: int, check_text: bool = True) -> Any:
+    """Parse a body bounded in size by the caller; refuse (400) nesting beyond ``max_depth``, an integer with more
+    digits than any field holds, and (``check_text``) a lone surrogate in any key or string
+    (serve/request_values.py; generate checks its fields' text itself, after their sizes).
 
     Python's C parser stops at the interpreter's recursion limit (~1000 levels) with RecursionError,
     so a megabyte of ``[`` costs microseconds and never the stack; the walk then applies the real bound."""
+    value = _parse(body, max_depth)
+    if isinstance(value, _Malformed):
+        raise value.error
+    return _checked(value, max_depth, check_text)
+
+
+class _Malformed:
+    def __init__(self, error: FrontError) -> None:
+        self.error = error
+
+
+def _parse(body: bytes, max_depth: int) -> Any:
+    """The parsed value, or a _Malformed (a syntax or encoding error: the document is not JSON); FrontError for
+    what no parser should be given (nesting, digits)."""
     try:
-        value = json.loads(body, parse_constant=_no_constants)
+        return json.loads(body, parse_constant=_no_constants)
     except RecursionError:
         raise FrontError(400, f"JSON body nests deeper than {max_depth} levels (max_json_depth)") from None
     except UnicodeDecodeError as e:
-        raise FrontError(400, f"request body is not UTF-8 JSON ({e.reason} at byte {e.start})") from None
+        return _Malformed(FrontError(400, f"request body is not UTF-8 JSON ({e.reason} at byte {e.start})"))
     except json.JSONDecodeError as e:
-        raise FrontError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        return _Malformed(FrontError(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column "
+                                          f"{e.colno}"))
+    except ValueError as e:  # Python's limit on integer digits: not a JSON error, and no field holds such a number
+        problem = number_text_problem(e)
+        if problem is None:
+            raise
+        raise FrontError(400, problem) from None
+
+
+def _checked(value: Any, max_depth: int, check_text: bool = True) -> Any:
     if json_depth(value) > max_depth:
         raise FrontError(400, f"JSON body nests deeper than {max_depth} levels (max_json_depth)")
-    return value
+    try:
+        return check_tree(value) if check_text else value
+    except BadValue as e:
+        raise FrontError(400, str(e)) from None
 
 
 # ---- model inputs --------------------------------------------------------------------------------------
 
 def check_json_part(json_part: bytes, max_depth: int) -> None:
-    """A body forwarded to Triton's own parser: refuse deep nesting (400); a malformed but shallow
-    document is left for Triton to answer."""
-    try:
-        load_json(json_part, max_depth)
-    except FrontError as err:
-        if "nests deeper" in err.message:
-            raise
+    """A body forwarded to Triton's own parser: refuse deep nesting, long integers and lone surrogates (400); a
+    malformed but shallow document is left for Triton to answer."""
+    value = _parse(json_part, max_depth)
+    if isinstance(value, _Malformed):
         _check_depth_only(json_part, max_depth)
+        return
+    _checked(value, max_depth)
 
 
 def _check_depth_only(json_part: bytes, max_depth: int) -> None:
@@ -107,6 +139,32 @@ def _check_depth_only(json_part: bytes, max_depth: int) -> None:
                 raise FrontError(400, f"JSON body nests deeper than {max_depth} levels (max_json_depth)")
         elif c in (0x5D, 0x7D):
             depth -= 1
+
+
+# ---- the URL ------------------------------------------------------------------------------------------------
+
+SPEC_CACHE_SIZE = 64
+"""Model specs the front keeps (by model name and resolved version): more than any repository serves."""
+_VERSION = re.compile(r"[0-9]{1,18}")
+
+
+def resolve_version(version: str) -> str:
+    """A URL's model version as Triton resolves it: "" (the model's policy) or an integer, in canonical form. Triton
+    2.51 reads "1.<anything>" as version 1, and the front kept a spec per spelling (issue 44, finding 8: ~12 KB per
+    distinct string); any other spelling is 400."""
+    if version == "":
+        return ""
+    if not _VERSION.fullmatch(version):
+        raise FrontError(400, f"model version must be a positive integer, got {version[:40]!r}")
+    return str(int(version))
+
+
+def path_text(value: str, what: str) -> str:
+    """A name from the URL path: text (a percent-encoded lone surrogate or invalid UTF-8 is 400, not 500)."""
+    try:
+        return check_text(value, what)
+    except BadValue as e:
+        raise FrontError(400, str(e)) from None
 
 
 # ---- transport failures -------------------------------------------------------------------------------

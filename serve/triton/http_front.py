@@ -13,17 +13,18 @@ leaves. This front (aiohttp, asyncio, in a thread of the launcher) takes the cli
 - errors map to the status codes of docs/hardening.md by their kind (serve/triton/errors.py: the tag the model
   puts in front of its message, never its words): 400 bad input, 504 deadline, 503 + Retry-After overloaded /
   draining / restarting, 500 internal;
-- the request carries the door's arrival time (``morphserve_arrival_s``, serve/triton/controls.py), so the
-  engine's queue deadline counts from the client's arrival here, Triton's queue and the model's admission
-  included;
-- every other KServe v2 path (health, metadata, config, infer, statistics, repository, ...) is forwarded
-  to tritonserver's own HTTP server, which listens on an internal loopback port, with the same bounds.
+- the request carries the door's arrival time (``morphserve_arrival_s``, serve/triton/controls.py): the engine's
+  queue deadline counts from here;
+- the other KServe v2 paths clients may use (health, metadata, config, infer, statistics) are forwarded to
+  tritonserver's own HTTP server, which listens on an internal loopback port, with the same bounds; the APIs closed
+  to clients (shared memory, logging, trace, the model repository: serve/triton/client_apis.py) are refused 403
+  and unknown paths 404 before tritonserver sees them;
+- connections are bounded in number, and in the time a request's head and body may take
+  (serve/triton/http_guard.py).
 
-The JSON formats are Triton's: generate answers ``{"model_name", "model_version", <outputs>}``,
-generate_stream one ``data: {...}`` Server-Sent Event per response, errors ``{"error": "..."}``.
-
-The bounds and the status mapping live in serve/triton/http_body.py, the JSON <-> typed tensor conversion in
-serve/triton/http_tensors.py; this module is the server: the gRPC backend, the routes and the thread it runs in.
+Triton's JSON formats: generate answers ``{"model_name", "model_version", <outputs>}``, generate_stream one
+``data: {...}`` event per response, errors ``{"error": "..."}``. The bounds and the status mapping live in
+serve/triton/http_body.py, the JSON <-> tensor conversion in http_tensors.py; this module is the server.
 """
 
 from __future__ import annotations
@@ -33,22 +34,31 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 from serve.error_kinds import DEFAULT_RETRY_AFTER_S, ErrorKind
 from serve.logging_setup import get_logger
+from serve.triton.client_apis import OPEN_BY_DEFAULT, closed_message, http_api
 from serve.triton.controls import ARRIVAL_PARAMETER
 from serve.triton.errors import http_answer
 from serve.triton.http_body import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_JSON_DEPTH,
+    SPEC_CACHE_SIZE,
     FrontError,
     check_json_part,
     grpc_error,
     load_json,
+    path_text,
+    resolve_version,
 )
 from serve.triton.http_tensors import ModelSpec, build_request, is_final, response_json, spec_from_config
 
@@ -66,7 +76,8 @@ class GrpcBackend:
         self._stubs: list[Any] = []
         self._channels: list[Any] = []
         self._next = itertools.count()
-        self._specs: dict[tuple[str, str], ModelSpec] = {}
+        # by model name and resolved version; bounded, since both come from the client's URL (issue 44, finding 8)
+        self._specs: OrderedDict[tuple[str, str], ModelSpec] = OrderedDict()
 
     def _stub(self) -> Any:
         if not self._stubs:
@@ -81,9 +92,12 @@ class GrpcBackend:
         return self._stubs[next(self._next) % len(self._stubs)]
 
     async def model_spec(self, model: str, version: str) -> ModelSpec:
+        """The model's input spec (its config, fetched once); ``version`` already resolved (:func:`resolve_version`)."""
         key = (model, version)
         spec = self._specs.get(key)
-        if spec is None:
+        if spec is not None:
+            self._specs.move_to_end(key)
+        else:
             from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
             from tritonclient.grpc import service_pb2  # noqa: PLC0415
 
@@ -95,6 +109,8 @@ class GrpcBackend:
             config = MessageToDict(resp.config, preserving_proto_field_name=True)
             spec = dataclasses.replace(spec_from_config(config), name=model)
             self._specs[key] = spec
+            while len(self._specs) > SPEC_CACHE_SIZE:
+                self._specs.popitem(last=False)
         return spec
 
     def open_stream(self) -> Any:
@@ -115,10 +131,17 @@ class GrpcBackend:
 class FrontOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    max_connections: int = DEFAULT_MAX_CONNECTIONS   # serve/triton/http_guard.py
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    open_apis: frozenset[str] = OPEN_BY_DEFAULT      # serve/triton/client_apis.py: the rest is refused 403
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_json_depth <= 0:
-            raise ValueError(f"max_body_bytes and max_json_depth must be positive, got {self}")
+        if min(self.max_body_bytes, self.max_json_depth, self.max_connections) <= 0 \
+                or not 0 < self.header_timeout_s < math.inf or not 0 < self.body_timeout_s < math.inf:
+            raise ValueError(f"the HTTP front's limits must be positive (and the timeouts finite), got {self}")
+
+
 
 
 # Hop-by-hop and length headers are not forwarded either way (aiohttp sets them).
@@ -172,6 +195,15 @@ class FrontApp:
 
     async def read_body(self, request: Any) -> bytes:
         """The body, bounded before it is read (Content-Length) and while reading (chunked)."""
+        try:
+            async with asyncio.timeout(self.options.body_timeout_s):
+                return await self._read_body(request)
+        except TimeoutError:
+            request.protocol.force_close()  # the rest of a body this slow is not worth waiting for
+            raise FrontError(408, f"request body not received within {self.options.body_timeout_s:g} s "
+                                  "(http body timeout)") from None
+
+    async def _read_body(self, request: Any) -> bytes:
         limit = self.options.max_body_bytes
         enc = request.headers.get("Content-Encoding", "identity").strip().lower()
         if enc not in ("", "identity"):
@@ -203,15 +235,16 @@ class FrontApp:
     async def _generate(self, request: Any, stream: bool) -> Any:
         from aiohttp import web  # noqa: PLC0415
 
-        model = request.match_info["model"]
-        version = request.match_info.get("version", "")
         arrived = time.monotonic()  # CLOCK_MONOTONIC: the model reads it in its own process
         call = None
         resp: Any = None
         self.inflight += 1
         try:
             self.refuse_if_draining()
-            body = load_json(await self.read_body(request), self.options.max_json_depth)
+            model = path_text(request.match_info["model"], "model name")
+            version = resolve_version(path_text(request.match_info.get("version", ""), "model version"))
+            # text is checked per field, after the sizes (http_tensors.build_request): a refusal costs least
+            body = load_json(await self.read_body(request), self.options.max_json_depth, check_text=False)
             spec = await self.backend.model_spec(model, version)
             req = build_request(spec, version, body)
             if spec.limits is not None:  # a morphserve engine model: its queue deadline counts from here
@@ -287,6 +320,11 @@ class FrontApp:
 
         path = request.path
         try:
+            api = http_api(path)
+            if api is None:
+                raise FrontError(404, f"no such endpoint: {request.method} {path[:200]}")
+            if api not in self.options.open_apis:
+                raise FrontError(403, closed_message(api))
             if self.draining and (path.endswith("/ready") or path == "/v2/health/ready"):
                 raise FrontError.of(ErrorKind.DRAINING, "the server is draining (shutting down)")
             body = await self.read_body(request) if request.can_read_body else b""
@@ -343,6 +381,7 @@ class HttpFront:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: Any = None
+        self.site: Any = None
 
     @property
     def draining(self) -> bool:
@@ -360,11 +399,17 @@ class HttpFront:
         async def setup() -> None:
             # handler_cancellation: a client that disconnects cancels its handler (and so its gRPC call);
             # lingering_time: how long the unread rest of a refused body is read and dropped before closing.
+            # keepalive_timeout: aiohttp closes a connection without a complete request head that long after it
+            # opened or answered, which is the header-read bound (serve/triton/http_guard.py).
+            from serve.triton.http_guard import BoundedSite  # noqa: PLC0415 - aiohttp at module level
+
+            options = self.app.options
             self._runner = web.AppRunner(self.app.make_app(), handle_signals=False, access_log=None,
-                                         handler_cancellation=True, lingering_time=2.0, shutdown_timeout=2.0)
+                                         handler_cancellation=True, lingering_time=2.0, shutdown_timeout=2.0,
+                                         keepalive_timeout=options.header_timeout_s)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, backlog=1024)
-            await site.start()
+            self.site = BoundedSite(self._runner, self.host, self.port, options.max_connections)
+            await self.site.start()
 
         def run() -> None:
             loop = asyncio.new_event_loop()

@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from serve.request_values import BadValue, check_text, check_tree
 from serve.triton.http_body import FrontError
+from serve.triton.trtllm import PARAMETER_ALIASES
 
 _INT_RANGES = {
     "INT8": (-(1 << 7), (1 << 7) - 1), "INT16": (-(1 << 15), (1 << 15) - 1),
@@ -81,11 +83,23 @@ def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
                      _limits_from_parameters(config.get("parameters", {})))
 
 
+def _utf8_len_over(value: str, limit: int) -> int | None:
+    """The UTF-8 size of ``value`` when it is over ``limit`` bytes, else None; a string of more than ``limit``
+    characters is over without being encoded (issue 44, finding 11: refusals must be cheap)."""
+    if len(value) > limit:
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    if value.isascii() or 4 * len(value) <= limit:
+        return None
+    n = len(value.encode("utf-8", "surrogatepass"))
+    return n if n > limit else None
+
+
 def check_limits(limits: RequestLimits, spec: InputSpec, value: Any) -> None:
-    """The model's size limits on one JSON value (already type-checked), with the model's messages."""
+    """The model's size limits on one JSON value, with the model's messages: checked before its type and text (values
+    of another type pass here and are refused by encode_tensor), so a body over them is refused at least cost."""
     if spec.name == "text_input" and isinstance(value, str):
-        n = len(value.encode("utf-8"))
-        if n > limits.max_prompt_bytes:
+        n = _utf8_len_over(value, limits.max_prompt_bytes)
+        if n is not None:
             raise FrontError(400, f"text_input has {n} bytes; this server accepts at most {limits.max_prompt_bytes} "
                                   "(max_prompt_bytes)")
     elif spec.name == "max_tokens" and isinstance(value, int) and value > limits.max_tokens_limit:
@@ -95,8 +109,8 @@ def check_limits(limits: RequestLimits, spec: InputSpec, value: Any) -> None:
         if len(value) > limits.max_list_items:
             raise FrontError(400, f"{spec.name} may hold at most {limits.max_list_items} items, got {len(value)}")
         for v in value:
-            n = len(v.encode("utf-8"))
-            if n > limits.max_item_bytes:
+            n = _utf8_len_over(v, limits.max_item_bytes) if isinstance(v, str) else None
+            if n is not None:
                 raise FrontError(400, f"each {spec.name} item may have at most {limits.max_item_bytes} bytes, got {n}")
 
 
@@ -110,7 +124,10 @@ def _check_value(spec: InputSpec, v: Any) -> Any:
     if dt == "BYTES":
         if not isinstance(v, str):
             raise FrontError(400, f"{spec.name} must be a string, got {_shorten(v)}")
-        return v.encode("utf-8")
+        try:
+            return check_text(v, spec.name).encode("utf-8")
+        except BadValue as e:
+            raise FrontError(400, str(e)) from None
     if dt == "BOOL":
         if not isinstance(v, bool):
             raise FrontError(400, f"{spec.name} must be true or false, got {_shorten(v)}")
@@ -162,7 +179,12 @@ _INT64 = _INT_RANGES["INT64"]
 
 
 def parameter_value(name: str, v: Any) -> tuple[str, Any]:
-    """A JSON key that is not an input -> (InferParameter field, value), as Triton's generate passes it."""
+    """A JSON key that is not an input -> (InferParameter field, value), as Triton's generate passes it; its name
+    and a string value must be text (serve/request_values.py)."""
+    try:
+        check_tree({name: v})
+    except BadValue as e:
+        raise FrontError(400, str(e)) from None
     if isinstance(v, bool):
         return "bool_param", v
     if isinstance(v, int):
@@ -187,12 +209,17 @@ def build_request(spec: ModelSpec, version: str, body: Any, request_id: str = ""
     for key, value in body.items():
         inp = spec.inputs.get(key)
         if inp is None:
+            target = spec.inputs.get(PARAMETER_ALIASES.get(key, ""))
+            if target is not None:  # an alias (max_new_tokens, min_tokens): the input's limits, type and range
+                if spec.limits is not None:
+                    check_limits(spec.limits, target, value)
+                encode_tensor(dataclasses.replace(target, name=key), value, batched)
             field, v = parameter_value(key, value)
             setattr(req.parameters[key], field, v)
             continue
-        shape, raw = encode_tensor(inp, value, batched)  # types and ranges first: the limits assume them
-        if spec.limits is not None:
+        if spec.limits is not None:  # sizes first: the cheapest refusal of a large body
             check_limits(spec.limits, inp, value)
+        shape, raw = encode_tensor(inp, value, batched)
         req.inputs.add(name=key, datatype=inp.datatype, shape=shape)
         req.raw_input_contents.append(raw)
     req.parameters["triton_enable_empty_final_response"].bool_param = True

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from serve.request_values import BadValue, text
 from serve.triton.input_error import InputError
 from serve.triton.trtllm import InputGetter, check_unsupported, with_parameters  # name -> array or None
 
@@ -97,17 +98,11 @@ def _string_list(get_input: InputGetter, name: str, limits: InputLimits) -> tupl
 
 
 def _utf8(value: Any, name: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (bytes, bytearray, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(
-                f"{name} is not valid UTF-8: byte 0x{bytes(value)[e.start]:02x} at position {e.start} "
-                f"({e.reason}); send the text UTF-8 encoded"
-            ) from None
-    raise InputError(f"{name} must be a string, got {type(value).__name__}")
+    """Text from a tensor element: UTF-8 bytes that decode, or a str without lone surrogates (serve/request_values.py)."""
+    try:
+        return text(value, name)
+    except BadValue as exc:
+        raise InputError(str(exc)) from None
 
 
 def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tokens: int,

@@ -1,17 +1,10 @@
-"""Start the tritonserver bundled in the nvidia-pytriton wheel on a model repository, on 127.0.0.1 only.
-
-Usable from Python::
-
-    with TritonServer(model_repository="triton_models", params={"engine_dir": "engines/x"}) as srv:
-        srv.wait_ready(timeout=120)
-        ...  # srv.http_url, srv.grpc_url, srv.metrics_url
-
-and from a shell: ``python -m serve.triton --help``.
+"""Start the tritonserver bundled in the nvidia-pytriton wheel on a model repository, on 127.0.0.1 only:
+``with TritonServer(params={"engine_dir": "engines/x"}) as srv: srv.wait_ready()`` (then ``srv.http_url``,
+``grpc_url``, ``metrics_url``), or from a shell ``python -m serve.triton --help``.
 
 How the bundled binary is made to run in place: serve/triton/install.py; how parameters reach the
 model (a rendered private copy of config.pbtxt): serve/triton/repository.py.
 """
-
 
 from __future__ import annotations
 
@@ -33,7 +26,10 @@ from pathlib import Path
 from types import TracebackType
 
 from serve.logging_setup import get_logger
-from serve.triton.http_front import FrontOptions, HttpFront
+from serve.triton.client_apis import open_apis, triton_restrictions
+from serve.triton.doors import Doors
+from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
+from serve.triton.http_front import FrontOptions
 from serve.triton.install import (
     TritonInstall,
     TritonLaunchError,
@@ -43,6 +39,7 @@ from serve.triton.install import (
     server_env,
 )
 from serve.triton.operator_port import post_control
+from serve.triton.stale import end_stale, mark, wait_group_gone
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
@@ -85,15 +82,15 @@ class TritonServer:
     work directory, keeping its log only when ``keep_log`` is set or the server exited with an error.
     ``die_with_parent`` asks the kernel to SIGTERM the server if the creating thread's process dies.
 
-    Secure by default (see README "Hardening"): the model repository API is closed to clients
-    (``--model-control-mode=none`` and the model-repository protocol restricted on HTTP and gRPC to a
-    random header value nobody is told); ``repository_api=True`` opens it (explicit mode: any local
-    process can then load a Python model that runs as this user). Ports busy before start fail at once.
+    Secure by default (docs/hardening.md): clients reach inference, health, metadata and statistics only
+    (serve/triton/client_apis.py; ``client_apis`` opens shared-memory, logging or trace); the model repository
+    is closed (``--model-control-mode=none``) unless ``repository_api=True`` (explicit mode: any local process
+    can then load a Python model that runs as this user). Ports busy before start fail at once.
     ``exit_timeout_s`` is how long tritonserver drains in-flight requests after SIGTERM.
 
-    ``http_port`` is served by the project's HTTP front (serve/triton/http_front.py: bounded bodies, typed
-    inputs, gRPC to tritonserver so disconnects cancel; ``front_options`` sets its limits), tritonserver's
-    own HTTP server by ``triton_http_port`` (internal, loopback; ``http_front=False`` puts it on http_port).
+    ``http_port`` and ``grpc_port`` are the project's doors (serve/triton/doors.py: bounded bodies and messages,
+    typed inputs, closed APIs; ``front_options``, ``grpc_max_message_bytes`` set their limits); tritonserver's own
+    servers listen on internal loopback ports behind them (``http_front`` / ``grpc_front=False``: Triton's own).
 
     ``operator_port`` (a free one by default) is where the model serves the operator's controls (memory yield,
     drain; serve/triton/operator_port.py), loopback only, when its config.pbtxt declares an ``operator_port``
@@ -125,6 +122,9 @@ class TritonServer:
         front_options: FrontOptions | None = None,
         triton_http_port: int | None = None,
         operator_port: int | None = None,
+        grpc_front: bool = True,
+        client_apis: Sequence[str] = (),
+        grpc_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -139,19 +139,19 @@ class TritonServer:
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        # The client HTTP port is the project's own front (serve/triton/http_front.py); tritonserver's HTTP
-        # server listens on an internal loopback port behind it. http_front=False: Triton on http_port.
-        self.http_front = http_front
-        self.front_options = front_options
-        self.front: HttpFront | None = None
-        self.triton_http_port = (triton_http_port or free_port()) if http_front else self.http_port
+        self.opened = open_apis(tuple(client_apis), repository_api)
+        self.doors = Doors(self.http_port, self.grpc_port, (triton_http_port or free_port()) if http_front
+                           else self.http_port, free_port() if grpc_front else self.grpc_port, http_front, grpc_front,
+                           front_options, self.opened, grpc_max_message_bytes)
+        self.triton_http_port, self.http_front = self.doors.triton_http_port, http_front
         cfg = self.model_repository / model_name / "config.pbtxt"
         declared = cfg.is_file() and "operator_port" in read_config_parameters(cfg.read_text())
         given = str(self.params.get("operator_port", "")).strip()
         self.operator_port: int | None = (int(given) or None) if declared and given else None  # given 0: none
         if declared and not given:
             self.operator_port = self.params["operator_port"] = operator_port or free_port()
-        if len({self.http_port, self.grpc_port, self.metrics_port, self.triton_http_port}) != 3 + http_front:
+        if len({self.http_port, self.grpc_port, self.metrics_port, *self.doors.internal_ports()}) != \
+                3 + http_front + grpc_front:
             raise TritonLaunchError(
                 f"HTTP, gRPC and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}"
             )
@@ -207,7 +207,7 @@ class TritonServer:
             f"--http-address={LOOPBACK}",
             f"--http-port={self.triton_http_port}",
             f"--grpc-address={LOOPBACK}",
-            f"--grpc-port={self.grpc_port}",
+            f"--grpc-port={self.doors.triton_grpc_port}",
             f"--metrics-address={LOOPBACK}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
@@ -224,27 +224,21 @@ class TritonServer:
         return cmd + self.extra_args
 
     def _repository_flags(self) -> list[str]:
-        """Model-control flags: closed by default, explicit (client load/unload) only when asked for."""
-        if self.repository_api:
-            return ["--model-control-mode=explicit", f"--load-model={self.model_name}",
-                    *[f"--load-model={name}" for name in self.also_load]]
-        key = self._restrict_key
-        return [
-            "--model-control-mode=none",
-            f"--http-restricted-api=model-repository:{key}={secrets.token_hex(16)}",
-            f"--grpc-restricted-protocol=model-repository:{key}={secrets.token_hex(16)}",
-        ]
+        """Model-control flags (closed by default, explicit when asked for) and, on tritonserver's own ports, every
+        API closed to clients restricted to a random header value nobody is told."""
+        control = (["--model-control-mode=explicit", f"--load-model={self.model_name}",
+                    *[f"--load-model={name}" for name in self.also_load]] if self.repository_api
+                   else ["--model-control-mode=none"])
+        return control + triton_restrictions(self.opened, self._restrict_key, secrets.token_hex(16))
 
     def busy_ports(self) -> list[int]:
         """Which of this server's ports cannot be bound on 127.0.0.1 right now."""
         busy = []
-        ports = [self.http_port, self.grpc_port, self.metrics_port]
-        if self.http_front:
-            ports.append(self.triton_http_port)
+        ports = [self.http_port, self.grpc_port, self.metrics_port, *self.doors.internal_ports()]
         if self.operator_port is not None:
             ports.append(self.operator_port)
-        if self.front is not None:  # the front keeps its port across restarts of tritonserver
-            ports.remove(self.http_port)
+        for port in self.doors.running_ports():  # the doors keep their ports across restarts of tritonserver
+            ports.remove(port)
         for port in ports:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "busy"
@@ -287,7 +281,10 @@ class TritonServer:
                 self.model_repository, self.workdir / "model_repository", self.model_name, self.params,
                 also=tuple(self.also_load),
             )
-        env = server_env(self.python_bin_dir, self.use_gpu)
+        ended = end_stale(self.model_repository)  # model processes a killed launcher of this repository left
+        if ended:
+            log.warning("stale_processes_ended", pids=ended, repository=str(self.model_repository))
+        env = mark(server_env(self.python_bin_dir, self.use_gpu), self.model_repository)
         cmd = self.command(inst, backend_dir, repository)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
@@ -313,20 +310,17 @@ class TritonServer:
             start_new_session=True,  # Ctrl-C in a terminal reaches us, not the server; we stop it.
             preexec_fn=_set_parent_death_signal if self.die_with_parent else None,  # noqa: PLW1509
         )
-        if self.http_front and self.front is None:
-            try:
-                self.front = HttpFront(LOOPBACK, self.http_port, self.grpc_url, f"http://{self.triton_http_url}",
-                                       self.front_options).start()
-            except OSError as e:
-                self.stop()
-                raise TritonLaunchError(f"the HTTP front cannot listen on {LOOPBACK}:{self.http_port}: {e}") from None
+        try:
+            self.doors.start()
+        except OSError as e:
+            self.stop()
+            raise TritonLaunchError(str(e)) from None
         return self
 
     def drain(self) -> None:
         """Refuse new requests (503) and report not ready on the HTTP front, and tell the engine to admit nothing
         new (gRPC clients get 503 draining too); in-flight requests go on."""
-        if self.front is not None:
-            self.front.drain()
+        if self.doors.drain():
             log.info("draining", http_port=self.http_port)
         if self.operator_port is not None and self.proc is not None and self.proc.poll() is None:
             try:
@@ -371,7 +365,7 @@ class TritonServer:
     def is_ready(self) -> bool:
         """Server ready and the model ready (one pair of HTTP probes)."""
         base = f"http://{self.triton_http_url}"
-        if self.http_front and self.front is None:
+        if (self.doors.http and self.doors.http_front is None) or (self.doors.grpc and self.doors.grpc_front is None):
             return False
         return self._get(f"{base}/v2/health/ready") == 200 and all(
             self._get(f"{base}/v2/models/{name}/ready") == 200 for name in (self.model_name, *self.also_load))
@@ -416,15 +410,16 @@ class TritonServer:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
-            # Stubs normally exit with the server; make sure none outlives it.
+            # Stubs normally exit with the server; make sure none outlives it, and that all are gone before a restart.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            if left := wait_group_gone(proc.pid):
+                log.error("tritonserver_processes_left", pids=left)
             rc = proc.returncode
             self._remove_shm()  # left behind when the server or a stub was killed
             log.info("tritonserver_stopped", model=self.model_name, returncode=rc)
-        if self.front is not None and not keep_front:
-            self.front.stop()
-            self.front = None
+        if not keep_front:
+            self.doors.stop()
         if self._log_file is not None:
             with contextlib.suppress(OSError):
                 self._log_file.close()  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from serve.request_values import INT32, UINT64, BadValue, check_text, integer, real
 from serve.triton.controls import INTERNAL_PARAMETERS, refuse_operator_controls
 from serve.triton.input_error import InputError as ContractError
 
@@ -94,30 +95,43 @@ def check_unsupported(get_input: InputGetter) -> None:
 
 
 def _json_to_array(name: str, kind: str, value: Any) -> np.ndarray:
-    """One request parameter (a JSON value) -> the array its input would have carried."""
-    bad = ContractError(f"request parameter {name!r} must be {kind_text(kind)}, got {value!r}")
-    if kind == "str":
-        if not isinstance(value, str):
-            raise bad
-        return np.array([value.encode("utf-8")], dtype=np.object_)
-    if kind == "strs":
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-            raise bad
-        return np.array([v.encode("utf-8") for v in items], dtype=np.object_)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise bad
-        return np.array([value], dtype=bool)
-    if kind in ("int", "uint"):
-        if isinstance(value, bool) or not isinstance(value, int) or (kind == "uint" and value < 0):
-            raise bad
-        return np.array([value], dtype=np.uint64 if kind == "uint" else np.int32)
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return np.array([value], dtype=np.float32)
+    """One request parameter (a JSON value) -> the array its input would have carried: text checked, integers
+    range-checked against the input's type before numpy narrows them (serve/request_values.py), aliases alike."""
+    bad = ContractError(f"request parameter {name!r} must be {kind_text(kind)}, got {_short(value)}")
+    try:
+        if kind == "str":
+            if not isinstance(value, str):
+                raise bad
+            return np.array([check_text(value, name).encode("utf-8")], dtype=np.object_)
+        if kind == "strs":
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise bad
+            return np.array([check_text(v, name).encode("utf-8") for v in items], dtype=np.object_)
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise bad
+            return np.array([value], dtype=bool)
+        if kind in ("int", "uint"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad
+            v = integer(value, f"request parameter {name!r}", UINT64 if kind == "uint" else INT32)
+            return np.array([v], dtype=np.uint64 if kind == "uint" else np.int32)
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad
+            return np.array([real(value, f"request parameter {name!r}")], dtype=np.float32)
+    except BadValue as exc:
+        raise ContractError(str(exc)) from None
     raise ContractError(f"{name} cannot be sent as a request parameter; send it as an input tensor")
+
+
+def _short(v: Any) -> str:
+    try:
+        text = repr(v)
+    except ValueError:  # an int too long to print
+        return "an integer too long to print"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def kind_text(kind: str) -> str:
@@ -132,6 +146,11 @@ def parse_parameters(parameters: str | Mapping[str, Any] | None) -> dict[str, np
     if not parameters:
         return {}
     params = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
+    for key in params:
+        try:
+            check_text(key, "a request parameter's name")
+        except BadValue as exc:
+            raise ContractError(str(exc)) from None
     refuse_operator_controls(params)
     out: dict[str, np.ndarray] = {}
     unknown = []

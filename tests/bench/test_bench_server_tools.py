@@ -37,7 +37,7 @@ def test_http_front_cost_measures_both_doors_refusals_and_a_flood(server: Triton
     from bench import http_front_cost
 
     args = argparse.Namespace(requests=2, stream_requests=1, stream_tokens=4)
-    out = http_front_cost.measure(args, server.http_port, server.triton_http_port, server.grpc_port)
+    out = http_front_cost.measure(args, server.http_port, server.triton_http_port, server.doors.triton_grpc_port)
     assert set(out["generate_p50_ms"]) == {"front", "direct", "grpc_direct"}
     assert all(v > 0 for v in out["generate_p50_ms"].values())
     assert all(v >= 0 for v in out["stream_itl_p50_ms"].values())  # gaps between 4 streamed tokens (nan: none)

@@ -1,11 +1,14 @@
 """Structured output (serve/guided) on SmolLM2 with real grammars (xgrammar): every output of 24 JSON schemas
 parses and validates, regex outputs match fully, the mask changes nothing but forbidden tokens (greedy picks the
-unconstrained argmax wherever the grammar allows it), bad guides are refused before admission, and guided
-requests keep their grammar state through preemption, sampling, penalties and prefix caching."""
+unconstrained argmax wherever the grammar allows it), bad guides are refused (malformed ones before admission, those
+the grammar engine refuses or cannot compile in time as the request's end, kind invalid input), guides compile off
+the admission path (issue 44, finding 3), and guided requests keep their grammar state through preemption,
+sampling, penalties and prefix caching."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -17,8 +20,10 @@ from policy.decision import MorphDecision
 from serve.config import EngineConfig
 from serve.engine import sampler as sampler_module
 from serve.engine.engine import LLMEngine
+from serve.engine.outputs import OutputCollector
+from serve.engine.sequence import SequenceStatus
 from serve.engine.sampling_params import SamplingParams
-from serve.guided.compiler import GuideError
+from serve.error_kinds import ErrorKind
 from serve.guided.spec import MAX_GUIDE_BYTES, GuidedDecoding
 from serve.guided.state import apply_bitmask, mask_guided_rows
 from tests.morph_support import morph
@@ -80,8 +85,8 @@ def test_the_llguidance_backend_behind_the_same_seam(smollm) -> None:
             jsonschema.validate(json.loads(out["text"]), schema)
         for (subject, rx), out in zip(REGEXES, outs[len(SCHEMAS):]):
             assert re.fullmatch(rx, out["text"]), (subject, out["text"])
-        with pytest.raises(GuideError, match="invalid regex guide"):
-            e.add_request("hi", SamplingParams(max_tokens=4, guided_decoding={"type": "regex", "guide": "([a-z"}))
+        bad = e.generate(["hi"], SamplingParams(max_tokens=4, guided_decoding={"type": "regex", "guide": "([a-z"}))[0]
+        assert bad["error_kind"] == "invalid_input" and "invalid regex guide" in bad["error"], bad
         assert e.num_waiting() == 0
     finally:
         e.shutdown()
@@ -174,7 +179,6 @@ def test_the_torch_mask_for_other_devices_equals_xgrammars_kernel(engine) -> Non
 
 
 @pytest.mark.parametrize("guided, match", [
-    ({"type": "regex", "guide": "([a-z"}, "invalid regex guide"),
     ({"type": "json_schema", "guide": "{not json"}, "not valid JSON"),
     ({"type": "json_schema", "guide": "[1, 2]"}, "must be a JSON object"),
     ({"type": "yaml", "guide": "a: 1"}, "must be one of"),
@@ -190,15 +194,78 @@ def test_bad_guides_are_refused_before_admission(engine, guided, match) -> None:
     assert (engine.num_waiting(), len(engine._requests)) == before == (0, 0)
 
 
-def test_a_slow_compile_is_refused_and_the_engine_goes_on(smollm) -> None:
-    e = LLMEngine(EngineConfig(num_kv_blocks=64, guided_compile_timeout_s=1e-6), loaded=smollm)
+@pytest.mark.parametrize("guided, match", [
+    ({"type": "regex", "guide": "([a-z"}, "invalid regex guide: .*Unclosed"),
+    ({"type": "json_schema", "guide": '{"$ref": "#"}'}, "accepts no text"),     # issue 44: these answered 500
+    ({"type": "ebnf_grammar", "guide": "root ::= root"}, "accepts no text"),
+])
+def test_guides_the_grammar_engine_refuses_end_the_request_as_invalid_input(engine, guided, match) -> None:
+    """Compiled off the admission path, a guide the grammar engine refuses ends its request with the reason, kind
+    invalid input (HTTP 400), and leaves nothing waiting."""
+    out = engine.generate(["hi"], SamplingParams(max_tokens=4, guided_decoding=guided))[0]
+    assert out["finish_reason"] == "error" and out["error_kind"] == ErrorKind.INVALID_INPUT.value, out
+    assert re.search(match, out["error"]), out["error"]
+    assert (engine.num_waiting(), len(engine._requests), len(engine.grammars)) == (0, 0, 0)
+
+
+def test_a_guide_that_reaches_a_dead_end_ends_as_invalid_input(engine) -> None:
+    """A grammar that allows a first token but nothing after it: the request ends as its own input's fault
+    (GuideViolation, invalid input) instead of sampling from no token at all (an engine error, HTTP 500)."""
+    grammar = 'root ::= "Yes" tail\ntail ::= tail'
+    out = engine.generate(["Say yes."], SamplingParams(max_tokens=8, guided_decoding={"type": "ebnf_grammar",
+                                                                                       "guide": grammar}))[0]
+    assert out["error_kind"] == ErrorKind.INVALID_INPUT.value and "allows no token after" in out["error"], out
+    assert out["text"] == "Yes"
+
+
+SLOW_REGEX = "(" + "|".join(f"[\\s\\S]{{0,{3000 + 7 * j}}}q0_{j}" for j in range(20)) + ")"
+"""The issue's 391-byte regex: ~50 CPU seconds of xgrammar compile on this 2-core host."""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def test_a_slow_compile_waits_apart_is_stopped_and_the_engine_goes_on(smollm) -> None:
+    """Off the admission path: add_request returns at once, an ordinary request added after the slow guide is
+    scheduled in the very next step while the guided one waits for its grammar, and past guided_compile_timeout_s
+    (CPU time) the compile's process is killed (it kept burning a core for ~50 s after the refusal) and the request
+    ends as invalid input."""
+    e = LLMEngine(EngineConfig(num_kv_blocks=64, guided_compile_timeout_s=1.0), loaded=smollm)
+    collect = OutputCollector()
     try:
-        schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "^[a-z]{3,9}$"}
-                                                   for i in range(40)}}
-        with pytest.raises(GuideError, match="did not compile within"):
-            e.add_request("hi", _schema_params(schema))
-        assert e.num_waiting() == 0
-        assert e.generate(["hi"], SamplingParams(max_tokens=3))[0]["finish_reason"] == "length"
+        slow = e.add_request("hi", SamplingParams(max_tokens=4, guided_decoding={"type": "regex", "guide": SLOW_REGEX}),
+                             callback=collect)
+        plain = e.add_request("hi", SamplingParams(max_tokens=3), callback=collect)
+        e.step()
+        assert [c.request_id for c in e.scheduler.running] == [plain] and e.num_waiting() == 1
+        assert e._requests[slow].status is SequenceStatus.WAITING_FOR_GRAMMAR and len(e.grammars) == 1
+        seen: set[int] = set()
+        while not collect.finished(slow):
+            if (worker := e.guides.pool.worker_pid()) is not None:
+                seen.update(_children(worker))
+            if not e.step():
+                e.grammars.wait(0.1)
+        assert collect.results[plain]["finish_reason"] == "length"
+        assert collect.results[slow]["error_kind"] == ErrorKind.INVALID_INPUT.value
+        assert "did not compile within 1 s of CPU time" in collect.results[slow]["error"]
+        assert seen and not any(os.path.exists(f"/proc/{pid}") for pid in seen)  # the compile was stopped
+        assert _children(e.guides.pool.worker_pid()) == [] and e.num_waiting() == 0 and not e.has_unfinished_requests()
+    finally:
+        e.shutdown()
+
+
+def test_an_aborted_guided_request_stops_its_compile(smollm) -> None:
+    e = LLMEngine(EngineConfig(num_kv_blocks=64, guided_compile_timeout_s=600.0), loaded=smollm)
+    try:
+        rid = e.add_request("hi", SamplingParams(max_tokens=4, guided_decoding={"type": "regex", "guide": SLOW_REGEX}))
+        while not (e.guides.pool.worker_pid() and _children(e.guides.pool.worker_pid())):
+            e.grammars.wait(0.1)
+        compiling = _children(e.guides.pool.worker_pid())
+        assert e.abort_request(rid)
+        while any(os.path.exists(f"/proc/{pid}") for pid in compiling):
+            e.grammars.wait(0.1)
+        assert len(e.grammars) == 0 and e.guides.pool.compiling == 0
     finally:
         e.shutdown()
 
@@ -268,6 +335,9 @@ def test_guided_requests_under_slai_with_layers_swapped_mid_request(smollm) -> N
                 r["finish_reason"] = out.finish_reason.value
 
         rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema in picks]
+        while len(e.grammars):  # the swaps below must land mid-request: first let every grammar compile
+            e.has_unfinished_requests()
+            e.grammars.wait(0.1)
         order = morph(e).controller.swap_order
         for step in range(400):
             if step == 3:

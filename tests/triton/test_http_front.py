@@ -414,3 +414,62 @@ def test_tritonserver_down_is_503_not_a_refused_connection() -> None:
             await client.close()
 
     asyncio.run(main())
+
+
+# ---- issue 44: closed APIs, bounded connections, cheap refusals ------------------------------------------------------
+
+def test_apis_closed_to_clients_are_refused_before_tritonserver_sees_them() -> None:
+    """Finding 4: shared memory, logging, trace and the repository answer 403 at the door, unknown paths 404; the
+    open ones (health, metadata, config, infer) are forwarded."""
+    async def scenario(client: TestClient, backend: FakeBackend, front: FrontApp) -> None:
+        for path, says in (("/v2/systemsharedmemory/region/pb/register", "shared-memory"),
+                           ("/v2/cudasharedmemory/status", "shared-memory"), ("/v2/logging", "logging"),
+                           ("/v2/trace/setting", "trace"), ("/v2/models/morphserve/trace/setting", "trace"),
+                           ("/v2/repository/index", "model-repository")):
+            r = await client.post(path, data=b"{}")
+            assert r.status == 403 and f"the {says} API is not open to clients" in (await r.json())["error"], path
+        r = await client.post("/v2/nosuch", data=b"{}")
+        assert r.status == 404
+        assert (await client.get("/v2/health/ready")).status == 200
+        assert (await client.get("/v2/models/morphserve/config")).status == 200
+        opened = FrontOptions(open_apis=front.options.open_apis | {"logging"})
+        front.options = opened
+        r = await client.post("/v2/logging", data=b"{}")
+        assert r.status == 404 and "no such endpoint" not in await r.text()  # forwarded: the fake Triton's own 404
+
+    _run(scenario)
+
+
+def test_connections_over_the_limit_get_503_at_once() -> None:
+    """Finding 7: the number of open connections is bounded; one more is answered 503 + Retry-After and closed."""
+    import socket
+
+    from serve.triton.http_front import HttpFront
+    from serve.triton.server import free_port
+
+    front = HttpFront("127.0.0.1", free_port(), "127.0.0.1:1", "http://127.0.0.1:1", FrontOptions(max_connections=3))
+    front.start()
+    try:
+        held = [socket.create_connection(("127.0.0.1", front.port)) for _ in range(3)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", front.port))
+        extra.settimeout(5)
+        reply = extra.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply and b"too many open connections" in reply
+        assert extra.recv(4096) == b""  # and closed
+        for s in [*held, extra]:
+            s.close()
+    finally:
+        front.stop()
+
+
+def test_a_body_over_the_models_limits_is_refused_by_its_size_first() -> None:
+    """Finding 11 (a flood of refused 940 KB bodies slowed other clients 5x): the door checks a field's size before
+    its type and text, so such a body costs one parse and a length, not an encode and a walk of every character."""
+    limits = RequestLimits(262144, 64, 4096, 4096)
+    spec = ModelSpec("morphserve", "", 0, dict(MORPHSERVE.inputs), limits)
+    body = load_json(json.dumps({"text_input": "\ud800" + "é" * 470_000, "stop": 5}).encode(), 32, check_text=False)
+    with pytest.raises(FrontError, match="max_prompt_bytes"):
+        build_request(spec, "", body)
+    with pytest.raises(FrontError, match="lone UTF-16 surrogate"):  # the same text within the limit: its text checked
+        build_request(spec, "", {"text_input": "\ud800" + "é" * 10})

@@ -19,6 +19,7 @@ Threads in this stub process:
   lock, so it must not run on the responder thread).
 - ``morphserve-operator`` (with an ``operator_port``): the operator's controls, loopback only
   (serve/triton/operator_port.py); the inference ports refuse them (serve/triton/controls.py).
+- ``morphserve-watchdog``: ends the process at once when tritonserver is gone (serve/triton/stale.py).
 
 Every bad input is answered with a TritonError response carrying the FINAL flag; nothing in
 execute() is allowed to raise, so one bad request never takes the model down.
@@ -53,6 +54,7 @@ from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
 from serve.triton.operator_port import OperatorPort  # noqa: E402
 from serve.triton.request_inputs import InputError, InputLimits, parse_request, parse_slo_inputs  # noqa: E402
+from serve.triton.stale import exit_with_parent  # noqa: E402
 from serve.triton.trtllm import with_parameters  # noqa: E402
 
 log = get_logger("triton_model")
@@ -117,6 +119,8 @@ class TritonPythonModel:
     """Triton entry points: initialize / execute / finalize."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        # tritonserver gone (its launcher killed): end at once, freeing the engine's memory (serve/triton/stale.py)
+        exit_with_parent(lambda parent: log.error("tritonserver_gone", parent_pid=parent, action="exiting"))
         self.model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", self.model_config.get("name", "morphserve"))
         self.model_version = str(args.get("model_version", "1"))

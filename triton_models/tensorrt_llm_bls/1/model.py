@@ -29,6 +29,7 @@ from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.triton.controls import CANCEL_PARAMETER, new_inner_request_id  # noqa: E402
 from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
 from serve.triton.request_inputs import InputError  # noqa: E402
+from serve.triton.stale import exit_with_parent  # noqa: E402
 from serve.triton.trtllm import batched, trtllm_to_morphserve  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -50,6 +51,7 @@ class TritonPythonModel:
     """Triton entry points: initialize / execute / finalize."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        exit_with_parent()  # tritonserver gone (its launcher killed): this stub ends too (serve/triton/stale.py)
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.target = params.get("morphserve_model_name") or "morphserve"
