@@ -1,8 +1,7 @@
 """The engine loop: admission, schedule -> execute -> sample -> stream, in one thread.
 
-Callers add requests from any thread; `step()` runs one iteration; `start_background()` runs steps in a
-loop thread while there is work. Callbacks are called from the stepping thread after the iteration's
-state is updated, so a callback may abort requests.
+Callers add requests from any thread; `step()` runs one iteration; `start_background()` runs steps in a loop thread
+while there is work. Callbacks run in the stepping thread after the iteration's state is updated (they may abort).
 """
 
 from __future__ import annotations
