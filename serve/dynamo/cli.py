@@ -17,7 +17,7 @@ DEFAULT_MODEL_NAME = "morphserve"
 ENGINE_FIELDS = ("model", "morph_mode", "device", "dtype", "device_memory", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_threads", "slo_ttft_s",
                  "scheduler", "enable_prefix_caching", "prefix_cache_across_morph", "memory_floor",
-                 "memory_reclaim_mark", "memory_pressure_source")
+                 "memory_reclaim_mark", "memory_pressure_source", "kv_cache_dtype")
 """The EngineConfig fields a worker's command line sets (serve/config_flags.py turns them into flags)."""
 
 

@@ -13,7 +13,8 @@ it; a block taken by several sequences is freed when the last one lets it go. ``
 hash (``LLMEngine.reset_prefix_cache``).
 
 Across morph transitions (``EngineConfig.prefix_cache_across_morph``): every hash chain starts from the pool's
-``cache_root``, its epoch plus the layer configuration the cache serves (``set_config_tag``). Under ``exact`` the
+``cache_root``, its epoch, its KV format (``kv_cache_dtype``: int8 KV is never served as, nor found by, another
+format's) plus the layer configuration the cache serves (``set_config_tag``). Under ``exact`` the
 runtime sets the tag to the new configuration at every transition: blocks computed under another configuration
 stay cached, are not found until that configuration comes back (the LIFO ladder makes that likely), and are
 evicted as usual. Under ``preserve`` the tag never changes: cached blocks serve under any configuration, as the
@@ -60,7 +61,8 @@ class CacheEvents(Protocol):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, max_blocks: int | None = None) -> None:
+    def __init__(self, num_blocks: int, max_blocks: int | None = None, kv_format: str = "auto") -> None:
+        """``kv_format``: the KV cache's ``kv_cache_dtype``; every hash chain starts from it (``cache_root``)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.max_blocks = max_blocks if max_blocks is not None else num_blocks
@@ -75,6 +77,9 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self.cache_epoch = 0                       # bumped by clear_cache(); part of every hash chain
         self.config_tag = b""                      # the layer configuration the cache serves (set_config_tag)
+        # the KV format in every root: a block computed at one KV precision is never found under another (an
+        # engine's static format, and every worker's root a KV-aware router sees); nothing for "auto"
+        self.kv_tag = b"" if kv_format == "auto" else f"kv={kv_format};".encode()
         self.events: CacheEvents | None = None
 
     @property
@@ -139,8 +144,8 @@ class BlockPool:
     # ---- prefix caching --------------------------------------------------------------------------
     @property
     def cache_root(self) -> bytes:
-        """Where every hash chain starts now: the epoch and the configuration tag."""
-        return self.cache_epoch.to_bytes(8, "little") + self.config_tag
+        """Where every hash chain starts now: the epoch, the KV format and the configuration tag."""
+        return self.cache_epoch.to_bytes(8, "little") + self.kv_tag + self.config_tag
 
     def set_config_tag(self, tag: bytes) -> None:
         """The cache now serves KV computed under configuration ``tag`` (blocks of other tags stay cached)."""

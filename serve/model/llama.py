@@ -3,13 +3,16 @@
 One forward serves a mixed batch: decode tokens (one per sequence) followed by prefill chunks (each attended
 causally, offset by the tokens already cached). GQA is computed without repeating K/V: the query heads of a
 group become extra query rows against their shared KV head. On fp32 CPU our kernels attend (decode straight over
-the paged blocks, prompt chunks with the prompt attention kernel); elsewhere torch's SDPA does, decodes as a
-padded batch and chunks after cached tokens under an explicit mask.
+the paged blocks, fp32 or int8 KV, prompt chunks with the prompt attention kernel); elsewhere torch's SDPA does,
+decodes as a padded batch and chunks after cached tokens under an explicit mask, over K/V read back from the cache
+(8-bit KV dequantized). With 8-bit KV every attention sees K/V as stored: a whole prompt attends over its own
+fresh K/V after their round trip through the codes, so chunking and prefix hits do not change what is attended.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +115,7 @@ class _BatchKV:
 
     new: KVIndex
     decode_blocks: torch.Tensor | None   # [B, nb] physical slots of the decodes' blocks
-    decode_entries: torch.Tensor | None  # [B, nb] their layer-0 K entries in kv.blocks (layer i: + i)
+    decode_entries: Any                  # kv.decode_index of them: the paged kernel's layer-0 entries (layer i: + i)
     decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool; None when nothing is padding (or unmasked)
     decode_lens: torch.Tensor | None     # [B] context length of each decode (its new token included)
     prefills: list[_ChunkContext | None]  # None for a chunk at position 0 (attends over its own fresh K/V)
@@ -129,7 +132,7 @@ class _BatchKV:
             assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
             blocks, lens = kv.block_map[batch.decode_block_tables], batch.decode_context_lens
             if not dense_decodes:
-                entries = kv.block_entries(0, blocks)
+                entries = kv.decode_index(blocks)
             elif batch.decode_ragged:
                 width = blocks.shape[1] * kv.block_size
                 mask = (torch.arange(width, device=lens.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
@@ -211,7 +214,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = self.embedding.weight_rows(batch.input_ids)
-        where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is None, self.prompt_attention is None)
+        where = _BatchKV.locate(batch, kv, self.rope, self._decode_kernel(kv) is None, self.prompt_attention is None)
         delta = None  # each layer's MLP output, added to h by the next norm
         keep = batch.sample_indices
         trim = bool(self.trim_last_layer) and keep is not None and keep.numel() < h.shape[0]
@@ -223,6 +226,10 @@ class LlamaModel:
             delta = None if delta is None else delta.index_select(0, keep)
         h = self.rms_norm(h, self.norm, delta)
         return self.logits(h)
+
+    def _decode_kernel(self, kv: PagedKVCache):
+        """The CPU kernels when decodes attend straight over ``kv``'s blocks: fp32 or int8 KV (fp8 KV is CUDA's)."""
+        return self.paged_attention if kv.kv_cache_dtype in ("auto", "int8") else None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states: from the int8 blocks up to INT8_HEAD_MAX_ROWS rows (same
@@ -240,7 +247,7 @@ class LlamaModel:
         qkv = layer.qkv(x)
         T = x.shape[0]
         fused = self.fused_elementwise
-        if fused is not None and qkv.is_contiguous():  # rotated in place, k and v copied into the cache
+        if fused is not None and qkv.is_contiguous() and not kv.is_quantized:  # rotated in place, k/v into the cache
             fused.rope_kv_write_(qkv, where.cos.view(T, -1), where.sin.view(T, -1), cfg.num_heads, cfg.num_kv_heads,
                                  kv.rows, where.new.row, i * kv.block_size, kv.v_rows)
             q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
@@ -252,7 +259,7 @@ class LlamaModel:
                         where.cos, where.sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-            kv.write(i, where.new, k, v)
+            k, v = kv.write(i, where.new, k, v)  # 8-bit KV: k and v as stored (dequantized), for a whole prompt
         attn = self._attention(i, q, k, v, batch, kv, where)
         if keep is not None:
             h, attn = h.index_select(0, keep), attn.index_select(0, keep)
@@ -270,10 +277,9 @@ class LlamaModel:
         kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
         B = batch.num_decodes
-        if B and self.paged_attention is not None:  # straight over the paged blocks, no dense K/V copies
-            out[:B] = self.paged_attention.paged_decode_attention(
-                q[:B].reshape(B, cfg.q_size).contiguous(), kv.blocks, where.decode_entries, i, kv.num_layers,
-                where.decode_lens, self.scale)
+        if B and self._decode_kernel(kv) is not None:  # straight over the paged blocks, no dense K/V copies
+            out[:B] = kv.paged_decode(self.paged_attention, q[:B].reshape(B, cfg.q_size).contiguous(),
+                                      where.decode_entries, i, where.decode_lens, self.scale)
         elif B:
             qd = q[:B].view(B, kvh, group, hd)
             kd, vd = kv.read_blocks(i, where.decode_blocks)

@@ -25,7 +25,7 @@ class FakeClock:
         return self.t
 
 
-def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, scheduler="fcfs",
+def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, scheduler="fcfs", kv_cache_dtype="auto",
                  **overrides) -> LLMEngine:
     # cost_aware off: these tests are about the swap machinery, which must not depend on this machine's kernel speed
     policy = {"persist_iters": 1, "restore_persist_s": 5.0, "cost_aware": False, **overrides}
@@ -33,7 +33,7 @@ def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, sc
         policy = {}
     return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
                                   morph_mode=mode, policy_overrides=policy, max_model_len=256, dtype=dtype,
-                                  scheduler=scheduler),
+                                  scheduler=scheduler, kv_cache_dtype=kv_cache_dtype),
                      loaded=tiny, clock=clock or FakeClock())
 
 
@@ -231,6 +231,13 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
     clock = FakeClock()
     e = morph_engine(tiny, mode, blocks=blocks, clock=clock, scheduler=scheduler, persist_iters=1 + seed % 3,
                      restore_persist_s=float(seed % 4))
+    run_random_load_to_base(e, clock, reqs, seed)
+
+
+def run_random_load_to_base(e: LLMEngine, clock: FakeClock, reqs, seed: int, shared_prefix: int = 0) -> None:
+    """Requests ``(prompt tokens, max_tokens, arrival step, abort after)`` arrive, run and are aborted; after every step
+    the arena, the ledger and every block's holders are exact; then the engine drains back to full precision with
+    every block free. ``shared_prefix``: every other prompt starts with the same tokens (prefix hits)."""
     base = e.pool.num_blocks
     plan = sorted((arrive, i) for i, (_, _, arrive, _) in enumerate(reqs))
     rids: dict[int, str] = {}
@@ -239,7 +246,8 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
         while plan and plan[0][0] <= step:
             _, i = plan.pop(0)
             n, max_tokens, _, _ = reqs[i]
-            rids[i] = e.add_request([(seed + 13 * i + j) % 4000 + 10 for j in range(n)],
+            prefix = [(seed + j) % 4000 + 10 for j in range(shared_prefix)] if i % 2 else []
+            rids[i] = e.add_request(prefix + [(seed + 13 * i + j) % 4000 + 10 for j in range(n)],
                                     SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         for i, (_, _, arrive, abort_after) in enumerate(reqs):
             if abort_after is not None and i in rids and step == arrive + abort_after:
