@@ -19,8 +19,8 @@ from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, auto_budget, resolve_budget
 from serve.memory.sizing import plan_arena
-from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
-from serve.model.kv_format import check_kv_cache_dtype
+from serve.model.kv_cache import BlockStore, PagedKVCache, block_shape, kv_bytes_per_block
+from serve.model.kv_format import KVLayout, check_kv_cache_dtype
 from serve.model.llama import LlamaModel
 from serve.morph.layer_bank import LayerBank
 from serve.morph.placement import arena_nbytes, remap
@@ -60,10 +60,14 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
         model.layers[i] = remap(model.layers[i], arena.allocator(r).place)
     base_range = sizes.base
     bank = LayerBank(model, arena, sizes.regions, sizes.staging, host) if host is not None else None
-    pool = BlockPool(sizes.base_blocks, max_blocks=sizes.max_blocks, kv_format=config.kv_cache_dtype)
+    rung = kv_rung_layout(config, model, policy)
+    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every base slot
+    rung_ids = 0 if rung is None else -(-sizes.base_blocks * slot // rung.block_bytes) + 1
+    pool = BlockPool(sizes.base_blocks, max_blocks=sizes.max_blocks + rung_ids, kv_format=config.kv_cache_dtype)
     if config.kv_cache_dtype == "auto":
         kv = PagedKVCache(model.config, config.block_size,
-                          arena.slots_as(model.dtype, block_shape(model.config, config.block_size)), pool.max_blocks)
+                          arena.slots_as(model.dtype, block_shape(model.config, config.block_size)), pool.max_blocks,
+                          None if rung is None else BlockStore.quantized(rung, arena.buf))
     else:
         kv = PagedKVCache.quantized(model.config, config.block_size, arena.buf, pool.max_blocks, config.kv_cache_dtype,
                                     model.dtype)
@@ -72,3 +76,15 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
     return EngineMemory(arena, pool, ledger, kv, bank, base_range)
 
 
+
+
+def kv_rung_layout(config: EngineConfig, model: LlamaModel, policy: PolicyConfig | None) -> KVLayout | None:
+    """The 8-bit block layout of the KV-precision rung (``PolicyConfig.kv_rung``; serve/engine/kv_rung.py) when it
+    runs: a dynamic mode over a full-precision KV cache. A clear error for a format the device cannot serve."""
+    if policy is None or policy.kv_rung is None or policy.strategy != "dynamic":
+        return None
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"the KV rung (kv_rung={policy.kv_rung}) writes 8-bit blocks into a full-precision KV cache; "
+                         f"kv_cache_dtype {config.kv_cache_dtype} is 8-bit already")
+    check_kv_cache_dtype(policy.kv_rung, model.device.type)
+    return KVLayout.of(model.config, config.block_size, model.dtype, policy.kv_rung)

@@ -149,13 +149,14 @@ def test_int8_decode_kernel_rejects_bad_operands() -> None:
     cfg = _cfg(layers=1, kvh=1, hd=8)
     kv = PagedKVCache.standalone(cfg, 2, 4, torch.device("cpu"), torch.float32, "int8")
     q = torch.randn(1, 8)
-    entries, scales = kv.decode_index(torch.tensor([[0]]))
+    kind, entries, scales = kv.decode_index(torch.tensor([[0]]))
+    assert kind == "q8"
     with pytest.raises(RuntimeError, match="lens"):
-        kv.paged_decode(OPS, q, (entries, scales), 0, torch.tensor([5]), 1.0)  # one block holds 4 tokens
+        kv.paged_decode(OPS, q, (kind, entries, scales), 0, torch.tensor([5]), 1.0)  # one block holds 4 tokens
     with pytest.raises(RuntimeError, match="k_index.*out of range"):
-        kv.paged_decode(OPS, q, (entries + 10_000, scales), 0, torch.tensor([2]), 1.0)
+        kv.paged_decode(OPS, q, (kind, entries + 10_000, scales), 0, torch.tensor([2]), 1.0)
     with pytest.raises(RuntimeError, match="s_index.*out of range"):
-        kv.paged_decode(OPS, q, (entries, scales + 10_000), 0, torch.tensor([2]), 1.0)
+        kv.paged_decode(OPS, q, (kind, entries, scales + 10_000), 0, torch.tensor([2]), 1.0)
     with pytest.raises(RuntimeError, match="codes must be"):
         OPS.paged_decode_attention_q8(q, kv.blocks.float(), kv.scale_blocks, entries, scales, 0, 1, torch.tensor([2]),
                                       1.0)

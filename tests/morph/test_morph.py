@@ -13,6 +13,8 @@ from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.latency_window import percentile
+from serve.model.kv_cache import Q8_BLOCK
+from serve.engine.kv_rung import KVPrecisionRung
 from serve.morph.runtime import MorphRuntime
 from tests.morph_support import morph
 
@@ -44,7 +46,11 @@ def assert_memory_exact(engine: LLMEngine) -> None:
     led, m, kv, arena = engine.ledger, morph(engine), engine.kv, engine.memory.arena
     led.check()
     assert led.used_slots == led.arena_slots
-    assert led.kv_blocks == engine.pool.num_blocks
+    rung = engine.resource_manager(KVPrecisionRung)
+    if rung is not None:
+        assert_kv_rung_exact(engine, rung)
+    net = 0 if rung is None else rung.kv_blocks_8bit - rung.slots_converted  # the rung's 8-bit blocks, in KV slots
+    assert led.kv_blocks == engine.pool.num_blocks - net
     bank = m.bank
     restoring = {p.layer for p in m.pending if p.kind == "restore"}
     for i, layer in enumerate(engine.model.layers):
@@ -53,7 +59,7 @@ def assert_memory_exact(engine: LLMEngine) -> None:
         assert all(lo <= a and b <= hi for a, b in bank.resident_ranges(i)), f"layer {i} outside {where}"
         if i not in restoring:
             assert led.layer_slots[i] == bank.slots(i, layer.precision)
-    chunks = engine.pool.chunks[1:]
+    chunks = [c for c in engine.pool.chunks[1:] if not c.quantized]
     with_chunks = [t for t in m.stack if t.owner]
     assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack if not t.yielded)
     assert led.yielded_slots == sum(t.blocks for t in m.stack if t.yielded)  # given back: in no chunk
@@ -63,6 +69,28 @@ def assert_memory_exact(engine: LLMEngine) -> None:
         region = bank.regions[t.layer]
         assert region.start <= t.slots.start and t.slots.end <= region.end
         assert t.blocks == bank.slots(t.layer, t.from_precision) - bank.slots(t.layer, t.to_precision)
+
+
+def assert_kv_rung_exact(engine: LLMEngine, rung: KVPrecisionRung) -> None:
+    """The KV rung's conversions: each one's retired blocks are out of service base blocks, its chunk is in the pool
+    (in order) and maps to exactly its 8-bit blocks, every 8-bit block lies wholly inside its retired slots' bytes,
+    and no two conversions share a byte."""
+    pool, kv = engine.pool, engine.kv
+    ours = [c for c in pool.chunks if c.quantized]
+    assert [c.owner for c in ours] == [conv.owner for conv in rung.conversions]
+    assert pool.num_retired == rung.slots_converted
+    slot, cell = kv.full.layout.block_bytes, kv.q8.layout.block_bytes
+    taken: set[int] = set()
+    for c, conv in zip(ours, rung.conversions):
+        assert all(i < pool.base_blocks for i in conv.retired)
+        assert kv.block_map[c.start:c.end].tolist() == conv.cells
+        assert bool((kv.block_format[c.start:c.end] == Q8_BLOCK).all())
+        spans = {kv.physical_slot(i) for i in conv.retired}
+        for p in conv.cells:
+            first, last = p * cell // slot, ((p + 1) * cell - 1) // slot
+            assert all(s in spans for s in range(first, last + 1)), f"8-bit block {p} outside its slots"
+        assert not taken & set(conv.cells)
+        taken |= set(conv.cells)
 
 
 def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "int4",
@@ -99,7 +127,7 @@ def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000)
     asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
     land (as a real iteration's forward time would)."""
     steps = 0
-    while engine.has_unfinished_requests() or not morph(engine).is_settled():
+    while engine.has_unfinished_requests() or not all(m.is_settled() for m in engine.resources):
         if morph(engine).pending:
             morph(engine).pending[0].job.result()
         engine.step()
