@@ -133,8 +133,6 @@ class EngineConfig:
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8" and self.device == "cpu":
-            raise ValueError("kv_cache_dtype fp8 (e4m3) needs a CUDA device; on CPU use int8 or auto")
         check_device_memory(self.device_memory)
         parse_size(self.memory_reserve)
         for name in ("memory_floor", "memory_reclaim_mark"):

@@ -173,8 +173,9 @@ def test_the_prefix_cache_root_names_the_kv_format(model):
 def test_formats_a_device_cannot_serve_are_clear_errors(model):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp16")
-    with pytest.raises(ValueError, match="fp8.*CUDA"):
-        EngineConfig(device="cpu", kv_cache_dtype="fp8")
-    if not torch.cuda.is_available():  # device auto resolves to the CPU here: refused when the engine is built
-        with pytest.raises(ValueError, match="fp8.*needs a CUDA device"):
-            LLMEngine(EngineConfig(device="auto", kv_cache_dtype="fp8", num_kv_blocks=4), loaded=model)
+    # refused when the engine is built on a CPU (the planner models fp8 KV on a GPU system from a CPU config)
+    with pytest.raises(ValueError, match="fp8.*needs a CUDA device"):
+        LLMEngine(EngineConfig(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=4), loaded=model)
+    with pytest.raises(ValueError, match="kv_rung.*int8 already|8-bit already"):
+        LLMEngine(EngineConfig(kv_cache_dtype="int8", num_kv_blocks=4, morph_mode="default",
+                               policy_overrides={"kv_rung": "int8", "cost_aware": False}), loaded=model)
