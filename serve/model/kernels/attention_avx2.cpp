@@ -28,39 +28,6 @@
 namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled per task
-constexpr int kVecs = 4;       // 8-lane vectors of the head dimension per P.V register tile
-
-// out[g] (g < GC) += sum_t p[g][t] * v_t over NV vectors of the head from lane 8 * j0: GC * NV
-// accumulators stay in registers while every V row is read once.
-template <int GC, int NV>
-void weighted_rows(const float* p, int64_t lenp, int64_t len, const float* const* vrow,
-                   int64_t j0, const float* inv, float* out, int64_t hd) {
-  __m256 acc[GC][NV];
-  for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = _mm256_loadu_ps(vrow[t] + 8 * (j0 + j));
-    for (int g = 0; g < GC; ++g) {
-      const __m256 pt = _mm256_broadcast_ss(p + g * lenp + t);
-      for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_fmadd_ps(pt, v[j], acc[g][j]);
-    }
-  }
-  for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j)
-      _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
-}
-
-template <int GC>
-void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const float* const* vrow, int64_t j0, int64_t nv,
-                       const float* inv, float* out, int64_t hd) {
-  switch (nv) {
-    case 1: weighted_rows<GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    case 2: weighted_rows<GC, 2>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    case 3: weighted_rows<GC, 3>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    default: weighted_rows<GC, kVecs>(p, lenp, len, vrow, j0, inv, out, hd); break;
-  }
-}
 
 struct Scratch {
   std::vector<float> scores;         // [G, lenp]: scaled scores, then their exps
@@ -114,18 +81,7 @@ void attend(const float* q, float* out, const float* blocks, const int64_t* kidx
   }
   float inv[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) inv[g] = softmax_row(scores + g * lenp, len, len);
-  // out_g = inv_g * sum_t p_gt v_t: up to three query heads x four vectors of the head per register tile
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const int64_t gc = std::min<int64_t>(3, G - g0);
-    for (int64_t j0 = 0; j0 < vecs; j0 += kVecs) {
-      const int64_t nv = std::min<int64_t>(kVecs, vecs - j0);
-      const float* p = scores + g0 * lenp;
-      float* o = out + g0 * hd;
-      if (gc == 3) weighted_rows_any<3>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
-      else if (gc == 2) weighted_rows_any<2>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
-      else weighted_rows_any<1>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
-    }
-  }
+  weighted_heads(scores, lenp, len, sc.vrow.data(), inv, out, G, hd);  // out_g = inv_g * sum_t p_gt v_t
 }
 
 }  // namespace

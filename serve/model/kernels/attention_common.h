@@ -54,3 +54,62 @@ inline float softmax_row(float* s, int64_t len, int64_t zero_to) {
   }
   return 1.0f / hsum(sum);
 }
+
+// Eight values of a V row as floats: fp32 rows as they are, int8 codes converted (their scale is in the weights).
+inline __m256 load8_values(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_values(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+constexpr int kVecs = 4;  // 8-lane vectors of the head dimension per P.V register tile
+
+// out[g] (g < GC) = inv[g] * sum_t p[g][t] * v_t over NV vectors of the head from lane 8 * j0: GC * NV
+// accumulators stay in registers while every V row is read (and, for int8 codes, converted) once.
+template <int GC, int NV, typename T>
+void weighted_rows(const float* p, int64_t lenp, int64_t len, const T* const* vrow, int64_t j0, const float* inv,
+                   float* out, int64_t hd) {
+  __m256 acc[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m256 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load8_values(vrow[t] + 8 * (j0 + j));
+    for (int g = 0; g < GC; ++g) {
+      const __m256 pt = _mm256_broadcast_ss(p + g * lenp + t);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_fmadd_ps(pt, v[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int j = 0; j < NV; ++j)
+      _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
+}
+
+template <int GC, typename T>
+void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const T* const* vrow, int64_t j0, int64_t nv,
+                       const float* inv, float* out, int64_t hd) {
+  switch (nv) {
+    case 1: weighted_rows<GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 2: weighted_rows<GC, 2>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 3: weighted_rows<GC, 3>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    default: weighted_rows<GC, kVecs>(p, lenp, len, vrow, j0, inv, out, hd); break;
+  }
+}
+
+// out_g = inv_g * sum_t p_gt v_t for the G query heads of a kv head (`scores`: their weights, lenp apart): up to
+// three query heads x four vectors of the head per register tile.
+template <typename T>
+void weighted_heads(const float* scores, int64_t lenp, int64_t len, const T* const* vrow, const float* inv, float* out,
+                    int64_t G, int64_t hd) {
+  const int64_t vecs = hd / 8;
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int64_t gc = std::min<int64_t>(3, G - g0);
+    for (int64_t j0 = 0; j0 < vecs; j0 += kVecs) {
+      const int64_t nv = std::min<int64_t>(kVecs, vecs - j0);
+      const float* p = scores + g0 * lenp;
+      float* o = out + g0 * hd;
+      if (gc == 3) weighted_rows_any<3>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
+      else if (gc == 2) weighted_rows_any<2>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
+      else weighted_rows_any<1>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
+    }
+  }
+}

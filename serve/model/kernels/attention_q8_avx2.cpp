@@ -29,44 +29,6 @@
 namespace {
 
 constexpr int kMaxGroupQ8 = 16;  // query heads per kv head handled per task
-constexpr int kVecsQ8 = 4;       // 8-lane vectors of the head dimension per P.V register tile
-
-// Eight int8 codes as eight floats.
-inline __m256 load8_codes(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// out[g] (g < GC) = inv[g] * sum_t p[g][t] * code_t over NV vectors of the head from lane 8 * j0 (p already holds
-// each token's V scale): GC * NV accumulators in registers, each V row read and converted once for all heads.
-template <int GC, int NV>
-void weighted_rows_q8(const float* p, int64_t lenp, int64_t len, const int8_t* const* vrow, int64_t j0,
-                      const float* inv, float* out, int64_t hd) {
-  __m256 acc[GC][NV];
-  for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load8_codes(vrow[t] + 8 * (j0 + j));
-    for (int g = 0; g < GC; ++g) {
-      const __m256 pt = _mm256_broadcast_ss(p + g * lenp + t);
-      for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_fmadd_ps(pt, v[j], acc[g][j]);
-    }
-  }
-  for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j)
-      _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
-}
-
-template <int GC>
-void weighted_rows_q8_any(const float* p, int64_t lenp, int64_t len, const int8_t* const* vrow, int64_t j0,
-                          int64_t nv, const float* inv, float* out, int64_t hd) {
-  switch (nv) {
-    case 1: weighted_rows_q8<GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    case 2: weighted_rows_q8<GC, 2>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    case 3: weighted_rows_q8<GC, 3>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    default: weighted_rows_q8<GC, kVecsQ8>(p, lenp, len, vrow, j0, inv, out, hd); break;
-  }
-}
 
 struct ScratchQ8 {
   std::vector<float> scores;          // [G, lenp]: scaled scores, then their exps times V's scales
@@ -110,7 +72,7 @@ void attend_q8(const float* q, float* out, const int8_t* codes, const float* sca
   for (int64_t t0 = 0; t0 < lenp; t0 += 8) {
     const int8_t* const* k = sc.krow.data() + t0;
     for (int i = 0; i < 8; ++i)
-      for (int64_t j = 0; j < vecs; ++j) _mm256_storeu_ps(tile + i * hd + 8 * j, load8_codes(k[i] + 8 * j));
+      for (int64_t j = 0; j < vecs; ++j) _mm256_storeu_ps(tile + i * hd + 8 * j, load8_values(k[i] + 8 * j));
     const __m256 pad = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(len - t0 - 1))));
     const __m256 kscale = _mm256_mul_ps(vscale, _mm256_loadu_ps(sc.ks.data() + t0));
     for (int64_t g = 0; g < G; ++g) {
@@ -131,17 +93,7 @@ void attend_q8(const float* q, float* out, const int8_t* codes, const float* sca
       _mm256_storeu_ps(scores + g * lenp + t,
                        _mm256_mul_ps(_mm256_loadu_ps(scores + g * lenp + t), _mm256_loadu_ps(sc.vs.data() + t)));
   }
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const int64_t gc = std::min<int64_t>(3, G - g0);
-    for (int64_t j0 = 0; j0 < vecs; j0 += kVecsQ8) {
-      const int64_t nv = std::min<int64_t>(kVecsQ8, vecs - j0);
-      const float* p = scores + g0 * lenp;
-      float* o = out + g0 * hd;
-      if (gc == 3) weighted_rows_q8_any<3>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
-      else if (gc == 2) weighted_rows_q8_any<2>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
-      else weighted_rows_q8_any<1>(p, lenp, len, sc.vrow.data(), j0, nv, inv + g0, o, hd);
-    }
-  }
+  weighted_heads(scores, lenp, len, sc.vrow.data(), inv, out, G, hd);  // V's scales are in the weights
 }
 
 void check_index(const torch::Tensor& index, const char* name, int64_t B) {
