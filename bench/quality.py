@@ -107,7 +107,9 @@ class QualityEvaluator:
     """Perplexity of configuration signatures with one engine (see the module docstring)."""
 
     def __init__(self, model: str, text_path: str | Path | None = None, num_tokens: int = 2048, window: int = 512,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, kv_cache_dtype: str = "auto") -> None:
+        """``kv_cache_dtype``: the windows' K/V are stored (and read back) in this format (int8: the engine's 8-bit
+        KV blocks, decode kernel aside)."""
         from serve.config import EngineConfig  # noqa: PLC0415 - heavy imports only when evaluating
         from serve.engine.engine import LLMEngine  # noqa: PLC0415
 
@@ -133,7 +135,7 @@ class QualityEvaluator:
         from serve.model.kv_cache import PagedKVCache  # noqa: PLC0415
 
         m = self.engine.model
-        self._kv = PagedKVCache.standalone(m.config, math.ceil(window / 16), 16, m.device, m.dtype)
+        self._kv = PagedKVCache.standalone(m.config, math.ceil(window / 16), 16, m.device, m.dtype, kv_cache_dtype)
 
     @property
     def precisions(self) -> set[str]:

@@ -7,7 +7,9 @@ non-overlapping ``--window``-token windows; perplexity = exp(mean next-token NLL
 Quantized layers use the engine directory's own runtime variants (``load_engine_dir`` ->
 ``layer_variant``): by default their dequantized weights in an fp32 dense forward (AWQ pre_quant_scale
 folded in; exactly the weights the kernels use, the fastest path on CPU), or with ``--kernels`` the
-runtime aten kernels themselves (bf16 activations, ~3e-3 relative difference per linear, slower).
+runtime aten kernels themselves (bf16 activations, ~3e-3 relative difference per linear, slower). With
+``--kv-cache-dtypes auto,int8`` (the default) the weight rows of the first order are repeated with every K/V rounded
+as int8 KV blocks hold them (``kv_cache_dtype``; the KV column of the table).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from builder.forward import DenseLayer, DenseLlama
+from policy.precisions import KV_CACHE_DTYPES
 from serve.model.engine_dir import EngineDir, EngineDirError, load_engine_dir
 
 ORDER_LABELS = {"lis": "LIS", "front_to_back": "front-to-back", "back_to_front": "back-to-front"}
@@ -42,11 +45,12 @@ def window_batches(token_ids: list[int], window: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model: DenseLlama, layers: list[DenseLayer], windows: torch.Tensor, batch: int = 2) -> float:
+def perplexity(model: DenseLlama, layers: list[DenseLayer], windows: torch.Tensor, batch: int = 2,
+               kv_cache_dtype: str = "auto") -> float:
     nll, count = 0.0, 0
     for start in range(0, windows.shape[0], batch):
         ids = windows[start : start + batch]
-        logits = model.forward(ids, layers)[:, :-1]
+        logits = model.forward(ids, layers, kv_cache_dtype)[:, :-1]
         targets = ids[:, 1:]
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
         count += targets.numel()
@@ -60,7 +64,7 @@ class QualityEval:
         self.kernels = kernels
         self.model = DenseLlama(engine.config, engine.loaded.weights, max_positions=windows.shape[1])
         self._quant: dict[tuple[int, str], DenseLayer] = {}
-        self._cache: dict[tuple[str, frozenset[int]], float] = {}
+        self._cache: dict[tuple[str, frozenset[int], str], float] = {}
 
     def _quant_layer(self, i: int, precision: str) -> DenseLayer:
         if (i, precision) not in self._quant:
@@ -68,12 +72,12 @@ class QualityEval:
                                                                      kernels=self.kernels)
         return self._quant[(i, precision)]
 
-    def ppl(self, precision: str, quantized: frozenset[int]) -> float:
-        key = (precision if quantized else "", quantized)
+    def ppl(self, precision: str, quantized: frozenset[int], kv_cache_dtype: str = "auto") -> float:
+        key = (precision if quantized else "", quantized, kv_cache_dtype)
         if key not in self._cache:
             layers = [self._quant_layer(i, precision) if i in quantized else self.model.full_layers[i]
                       for i in range(self.engine.config.num_layers)]
-            self._cache[key] = perplexity(self.model, layers, self.windows)
+            self._cache[key] = perplexity(self.model, layers, self.windows, kv_cache_dtype=kv_cache_dtype)
         return self._cache[key]
 
 
@@ -82,7 +86,10 @@ def orders(engine: EngineDir) -> dict[str, list[int]]:
 
 
 def evaluate(engine: EngineDir, token_ids: list[int], precisions: list[str], order_names: list[str],
-             fractions: list[float], window: int, kernels: bool = False, progress: bool = True) -> dict[str, Any]:
+             fractions: list[float], window: int, kernels: bool = False, progress: bool = True,
+             kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+    """Rows per (weight precision, order) with full-precision KV, and per 8-bit ``kv_cache_dtypes`` entry the same
+    weight rows under the first order with K/V rounded as the engine's 8-bit KV blocks hold them."""
     from tqdm import tqdm
 
     windows = window_batches(token_ids, window)
@@ -90,13 +97,15 @@ def evaluate(engine: EngineDir, token_ids: list[int], precisions: list[str], ord
     all_orders = orders(engine)
     num_layers = engine.config.num_layers
     rows = []
-    jobs = [(p, o, f) for p in precisions for o in order_names for f in fractions]
+    jobs = [(p, o, f, "auto") for p in precisions for o in order_names for f in fractions]
+    jobs += [(p, order_names[0], f, kv) for kv in kv_cache_dtypes if kv != "auto" for p in precisions for f in fractions]
     start = time.perf_counter()
-    for precision, order, frac in tqdm(jobs, desc="perplexity", unit="config", disable=not progress):
+    for precision, order, frac, kv in tqdm(jobs, desc="perplexity", unit="config", disable=not progress):
         n = num_quantized(frac, num_layers)
         layers = all_orders[order][:n]
         rows.append({"precision": precision, "order": order, "fraction_pct": frac, "num_quantized": n,
-                     "quantized_layers": layers, "perplexity": ev.ppl(precision, frozenset(layers))})
+                     "kv_cache_dtype": kv, "quantized_layers": layers,
+                     "perplexity": ev.ppl(precision, frozenset(layers), kv)})
     return {
         "engine_dir": str(engine.root), "tokens": int(windows.numel()), "window": window, "windows": windows.shape[0],
         "weights": "runtime kernels (bf16 activations)" if kernels else "dequantized runtime weights, fp32 forward",
@@ -109,13 +118,14 @@ def evaluate(engine: EngineDir, token_ids: list[int], precisions: list[str], ord
 def markdown_table(result: dict[str, Any]) -> str:
     fractions = sorted({r["fraction_pct"] for r in result["rows"]})
     counts = {r["fraction_pct"]: r["num_quantized"] for r in result["rows"]}
-    head = "| precision | order | " + " | ".join(f"{f:g} % ({counts[f]})" for f in fractions) + " |"
-    lines = [head, "|" + "---|" * (len(fractions) + 2)]
-    keys = list(dict.fromkeys((r["precision"], r["order"]) for r in result["rows"]))
-    for precision, order in keys:
+    head = "| precision | order | KV | " + " | ".join(f"{f:g} % ({counts[f]})" for f in fractions) + " |"
+    lines = [head, "|" + "---|" * (len(fractions) + 3)]
+    keys = list(dict.fromkeys((r["precision"], r["order"], r.get("kv_cache_dtype", "auto")) for r in result["rows"]))
+    for precision, order, kv in keys:
         vals = {r["fraction_pct"]: r["perplexity"] for r in result["rows"]
-                if r["precision"] == precision and r["order"] == order}
-        lines.append(f"| {precision} | {ORDER_LABELS[order]} | " + " | ".join(f"{vals[f]:.2f}" for f in fractions) + " |")
+                if (r["precision"], r["order"], r.get("kv_cache_dtype", "auto")) == (precision, order, kv)}
+        lines.append(f"| {precision} | {ORDER_LABELS[order]} | {'full' if kv == 'auto' else kv} | "
+                     + " | ".join(f"{vals[f]:.2f}" for f in fractions) + " |")
     return "\n".join(lines)
 
 
@@ -128,6 +138,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precisions", default="int8,int4")
     p.add_argument("--orders", default="lis,front_to_back", help="from lis, front_to_back, back_to_front")
     p.add_argument("--fractions", default="0,25,50,75,100", help="percent of layers quantized")
+    p.add_argument("--kv-cache-dtypes", default="auto,int8",
+                   help="KV-cache storage per row set: auto (full precision) and 8-bit formats (int8, fp8), whose rows "
+                        "repeat the weight rows of the first order with K/V rounded as the engine's 8-bit KV blocks "
+                        "hold them")
     p.add_argument("--kernels", action="store_true", help="run the runtime aten kernels instead of dequantized weights")
     p.add_argument("--json", default=None, help="output JSON (default: <engine-dir>/quality_<text stem>.json)")
     p.add_argument("--quiet", action="store_true")
@@ -144,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     order_names = [o.strip() for o in args.orders.split(",") if o.strip()]
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    kv_dtypes = tuple(k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip())
     bad = [o for o in order_names if o not in ORDER_LABELS] + [p for p in precisions if p not in engine.precisions]
+    bad += [k for k in kv_dtypes if k not in KV_CACHE_DTYPES]
     if bad:
         print(f"error: unknown order or precision not in the engine dir: {', '.join(bad)}", file=sys.stderr)
         return 2
     token_ids = engine.loaded.tokenizer.encode(text)[: args.max_tokens]
     result = evaluate(engine, token_ids, precisions, order_names, [float(f) for f in args.fractions.split(",")],
-                      args.window, args.kernels, progress=not args.quiet)
+                      args.window, args.kernels, progress=not args.quiet, kv_cache_dtypes=kv_dtypes)
     result["text"] = str(args.text)
     out = Path(args.json) if args.json else Path(args.engine_dir) / f"quality_{Path(args.text).stem}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

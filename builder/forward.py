@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from serve.model.kv_format import dequantize, quantize
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import DenseLinear
 from serve.model.llama import rms_norm
@@ -88,7 +89,9 @@ class DenseLlama:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_weight)
 
-    def layer_forward(self, layer: DenseLayer, h: torch.Tensor) -> torch.Tensor:
+    def layer_forward(self, layer: DenseLayer, h: torch.Tensor, kv_cache_dtype: str = "auto") -> torch.Tensor:
+        """``kv_cache_dtype`` int8 / fp8: attention reads K/V as the engine's 8-bit KV blocks hold them (each row and
+        head rounded to its codes and scale, serve/model/kv_format.py), its own tokens' too, as the engine does."""
         cfg = self.config
         b, t, _ = h.shape
         x = self._rms_norm(h, layer.input_norm)
@@ -96,6 +99,8 @@ class DenseLlama:
         q = self.rope.apply(layer.projs["q_proj"](x).view(b, t, cfg.num_heads, cfg.head_dim), positions)
         k = self.rope.apply(layer.projs["k_proj"](x).view(b, t, cfg.num_kv_heads, cfg.head_dim), positions)
         v = layer.projs["v_proj"](x).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if kv_cache_dtype != "auto":
+            k, v = (kv_round_trip(x, kv_cache_dtype) for x in (k, v))
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
@@ -110,9 +115,16 @@ class DenseLlama:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.final_hidden(h), self.lm_head_weight)
 
-    def forward(self, input_ids: torch.Tensor, layers: list[DenseLayer] | None = None) -> torch.Tensor:
-        """Logits ``[B, T, V]``; ``layers`` default to the full-precision ones."""
+    def forward(self, input_ids: torch.Tensor, layers: list[DenseLayer] | None = None,
+                kv_cache_dtype: str = "auto") -> torch.Tensor:
+        """Logits ``[B, T, V]``; ``layers`` default to the full-precision ones; K/V stored as ``kv_cache_dtype``."""
         h = self.embed(input_ids)
         for layer in layers if layers is not None else self.full_layers:
-            h = self.layer_forward(layer, h)
+            h = self.layer_forward(layer, h, kv_cache_dtype)
         return self.logits(h)
+
+
+def kv_round_trip(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """``x [..., kv_heads, head_dim]`` as an 8-bit KV block gives it back (codes times per row-and-head scales)."""
+    codes, scales = quantize(x.reshape(-1, *x.shape[-2:]), kv_cache_dtype)
+    return dequantize(codes, scales, kv_cache_dtype, x.dtype).view(x.shape)

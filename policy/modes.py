@@ -76,6 +76,10 @@ class PolicyConfig:
     them back (None: ``memory_floor_bytes``); a mark above the floor adds hysteresis."""
     memory_reclaim_calm_s: float = 10.0
     """Seconds the reclaim condition must hold unbroken before each reclaim (one transition, LIFO)."""
+    kv_rung: str | None = None
+    """The KV-precision rung (``policy/kv_rung.py``, dynamic modes on a full-precision KV cache): under KV pressure
+    free full-precision KV slots become 8-bit blocks of this format (int8; fp8 on CUDA) before any layer is
+    swapped, and turn back when calm (``kv_low``, ``restore_persist_s``). None (the default): no rung."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -131,6 +135,8 @@ class PolicyConfig:
                           f"({self.memory_floor_bytes}), or reclaiming would fall straight back under the floor")
         if not 0 <= self.memory_reclaim_calm_s < float("inf"):
             errors.append(f"memory_reclaim_calm_s must be a finite number >= 0, got {self.memory_reclaim_calm_s!r}")
+        if self.kv_rung is not None and self.kv_rung not in ("int8", "fp8"):
+            errors.append(f"kv_rung must be int8, fp8 or None, got {self.kv_rung!r}")
         if errors:
             raise ValueError("invalid PolicyConfig: " + "; ".join(errors))
 

@@ -14,6 +14,9 @@ QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "int4", "fp8")
 ALL_PRECISIONS: tuple[str, ...] = (FULL, *QUANTIZED_PRECISIONS)
 PRECISION_CODE: dict[str, str] = {FULL: "f", "int8": "8", "int4": "4", "fp8": "e"}
 CODE_PRECISION: dict[str, str] = {code: precision for precision, code in PRECISION_CODE.items()}
+# The KV cache's storage formats (EngineConfig.kv_cache_dtype; serve/model/kv_format.py): "auto" keeps K/V at the
+# engine's dtype, "int8" / "fp8" store 8-bit codes with per token-head scales (fp8: CUDA only).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "fp8")
 
 
 def check_quantized_precision(precision: str) -> str:

@@ -67,6 +67,10 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None   # overrides kv_cache_memory
     kv_cache_memory: str = "1GiB"
+    # KV-cache storage (vLLM's --kv-cache-dtype): auto (the engine's dtype), int8 (int8 codes + per token-head
+    # scales: ~3.75x the KV tokens of fp32 in the same bytes) or fp8 (e4m3 codes + scales, CUDA only);
+    # serve/model/kv_format.py
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of a prompt prefix seen before (vLLM's APC)
@@ -155,6 +159,10 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         parse_size(self.kv_cache_memory)
+        from policy.precisions import KV_CACHE_DTYPES  # noqa: PLC0415
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         check_device_memory(self.device_memory)
         parse_size(self.memory_reserve)
         for name in ("memory_floor", "memory_reclaim_mark"):

@@ -16,6 +16,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from policy.precisions import KV_CACHE_DTYPES
 from serve.config import EMBEDDED_MODEL, PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig, without_none
 
 ENGINE_FLAG_HELP: dict[str, str] = {
@@ -25,6 +26,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "block_size": "tokens per KV block",
     "num_kv_blocks": "fixed KV pool size in blocks (overrides --kv-cache-memory)",
     "kv_cache_memory": "KV pool size when no memory budget is given (e.g. 1GiB)",
+    "kv_cache_dtype": "KV-cache storage: auto (the model dtype), int8 (int8 codes + per token-head scales, ~3.75x "
+                      "the KV tokens of fp32 in the same memory) or fp8 (e4m3 codes + scales, CUDA only)",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_prefix_caching": "reuse the KV of prompt prefixes seen before (vLLM's automatic prefix caching)",
@@ -57,6 +60,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
 UNSET_MEANS: dict[str, str] = {
     "dtype": "float32 on CPU, bfloat16 on CUDA",
     "enable_prefix_caching": "on",
+    "kv_cache_dtype": "auto",
     "prefix_cache_across_morph": "exact",
     "max_model_len": "the model's context length",
     "num_threads": "torch's choice",
@@ -76,6 +80,7 @@ ENGINE_FLAG_CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler": SCHEDULERS,
     "prefix_cache_across_morph": PREFIX_CACHE_ACROSS_MORPH,
     "memory_pressure_source": ("auto", "nvml", "host", "none"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 

@@ -56,6 +56,15 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  "memory_yields_total"),
     EngineMetric("morphserve_memory_reclaims_total", "counter", "Yielded transitions taken back.",
                  "memory_reclaims_total"),
+    EngineMetric("morphserve_kv_blocks_8bit", "gauge",
+                 "KV-cache blocks the KV-precision rung holds in 8 bits (the rest of kv_blocks_total are full "
+                 "precision, or all 8-bit with kv_cache_dtype int8/fp8).", "kv_blocks_8bit"),
+    EngineMetric("morphserve_kv_precision_conversions_total", "counter",
+                 "Free full-precision KV slots turned into 8-bit blocks (conversions).", "kv_precision_conversions_total"),
+    EngineMetric("morphserve_kv_precision_reverts_total", "counter",
+                 "8-bit KV chunks turned back into full-precision slots.", "kv_precision_reverts_total"),
+    EngineMetric("morphserve_kv_precision_bytes_gained", "gauge",
+                 "Full-precision KV bytes the KV-precision rung's extra blocks stand for.", "kv_precision_bytes_gained"),
 )
 LAYERS_QUANTIZED = EngineMetric("morphserve_layers_quantized", "gauge",
                                 "Decoder layers currently held in each quantized precision.", "layers_quantized")

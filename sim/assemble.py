@@ -8,6 +8,7 @@ one from this machine's engine.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from serve.engine.assembly import EngineParts
 from serve.engine.engine import LLMEngine
 from serve.memory.block_pool import BlockPool
 from serve.memory.sizing import plan_arena
+from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
 from serve.engine.memory_assembly import EngineMemory
@@ -30,7 +32,7 @@ from serve.morph.setup import build_runtime
 from sim.bank import SimKV, SimLayerBank
 from sim.clock import VirtualClock
 from sim.executor import SimExecutor
-from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError
+from sim.kernel_tables import GEMM_DTYPE, KV_TABLE_DTYPE, KernelTables, TableError
 from sim.model_specs import kv_block_nbytes, layer_nbytes, load_model_config, non_layer_nbytes
 from sim.step_model import TableStepModel
 
@@ -88,8 +90,26 @@ def resolve_budget(target: Target, text: str) -> int:
                         f"a fractional --device-memory needs a GPU system; {target.system} takes a size such as 600MiB")
 
 
+def with_kv_cache_dtype(target: Target, config: EngineConfig) -> Target:
+    """``target`` with the KV format ``config`` names: its block bytes (the engine's 8-bit layout: codes and per
+    token-head scales) and, on the tables, the attention rows of that KV dtype (fp8; int8 KV has none: refused)."""
+    if config.kv_cache_dtype == "auto":
+        return target
+    if not isinstance(target.step_model, TableStepModel):
+        raise TableError(f"kv_cache_dtype {config.kv_cache_dtype}: the planner models it on a GPU system's tables "
+                         f"(fp8 KV rows), not on {target.device}")
+    if config.kv_cache_dtype not in KV_TABLE_DTYPE:
+        raise TableError(f"the attention tables have no {config.kv_cache_dtype}-KV rows (they have bf16 and fp8)")
+    step_model = copy.copy(target.step_model)
+    step_model.kv_cache_dtype = config.kv_cache_dtype
+    slot = kv_bytes_per_block(target.model_config, config.block_size, torch.bfloat16, config.kv_cache_dtype)
+    return dataclasses.replace(target, slot_bytes=slot, step_model=step_model,
+                               notes={**target.notes, "kv_cache_dtype": config.kv_cache_dtype, "kv_block_bytes": slot})
+
+
 def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> LLMEngine:
-    """The planner's engine for ``config`` (its mode, memory budget, scheduler) on ``target``."""
+    """The planner's engine for ``config`` (its mode, memory budget, scheduler, KV format) on ``target``."""
+    target = with_kv_cache_dtype(target, config)
     policy = config.policy_config()
     morphing = policy.strategy != "off"
     extra = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
@@ -104,7 +124,7 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     variants = [{p: n for p, n in s.items() if p != FULL} for s in sizes] if morphing else None
     arena = plan_arena(config, target.slot_bytes, [s[FULL] for s in sizes], variants, target.non_arena_bytes,
                        lambda text: resolve_budget(target, text))
-    pool = BlockPool(arena.base_blocks, max_blocks=arena.max_blocks)
+    pool = BlockPool(arena.base_blocks, max_blocks=arena.max_blocks, kv_format=config.kv_cache_dtype)
     ledger = arena.ledger()
     bank = SimLayerBank(sizes, arena.regions, arena.staging, target.slot_bytes, clock, target.h2d_bytes_per_s,
                         target.d2d_bytes_per_s) if morphing else None

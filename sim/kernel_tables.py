@@ -12,7 +12,8 @@ Interpolation (every lookup returns the table's own value at a measured point):
   beyond the last: along the last segment), then bilinear in ``(n, k)`` between the bracketing measured
   ``n`` and ``k``; beyond the largest ``n`` or ``k`` the time scales in proportion (a GEMM that wide is
   bandwidth or compute bound, both linear in ``n`` and ``k``).
-* Generation attention ``(batch, kv_len)``: bilinear in batch size and KV length (``step + 1``) the same way.
+* Generation attention ``(batch, kv_len)``: bilinear in batch size and KV length (``step + 1``) the same way, over
+  bf16 or fp8 KV (``kv_cache_dtype``).
 * Context attention ``(batch, isl)``: bilinear in batch size and prompt length.
 """
 
@@ -32,6 +33,8 @@ from serve.model.quantized_linear.registry import REGISTRY
 
 GEMM_DTYPE = {FULL: "bfloat16", **{p: f.trtllm.gemm_dtype for p, f in REGISTRY.items()}}
 """Our layer precisions -> the GEMM table's dtypes (the format registry's: int8 / int4 AWQ weight-only, fp8)."""
+KV_TABLE_DTYPE = {"auto": "bfloat16", "fp8": "fp8"}
+"""Our ``kv_cache_dtype`` -> the attention tables' ``kv_cache_dtype`` (they have no int8-KV rows)."""
 
 
 class TableError(ValueError):
@@ -172,28 +175,32 @@ class KernelTables:
 
     # ---- attention -------------------------------------------------------------------------------
     @functools.cached_property
-    def _generation(self) -> dict[tuple[int, int, int], dict[int, dict[float, float]]]:
+    def _generation(self) -> dict[tuple[str, int, int, int], dict[int, dict[float, float]]]:
         return self._attention("generation", "step", lambda s: s + 1)
 
     @functools.cached_property
-    def _context(self) -> dict[tuple[int, int, int], dict[int, dict[float, float]]]:
+    def _context(self) -> dict[tuple[str, int, int, int], dict[int, dict[float, float]]]:
         return self._attention("context", "isl", lambda s: s)
 
     def _attention(self, kind: str, length_col: str, length) -> dict:
+        """bf16 attention over bf16 or fp8 KV (the tables' ``kv_cache_dtype`` column), no window."""
         cols = ["batch_size", length_col, "num_heads", "num_key_value_heads", "head_dim", "window_size",
                 "attn_dtype", "kv_cache_dtype", "latency"]
         a = _column_dicts(self._attn_dir / f"{kind}_attention_perf.parquet", cols)
-        out: dict[tuple[int, int, int], dict[int, dict[float, float]]] = {}
+        out: dict[tuple[str, int, int, int], dict[int, dict[float, float]]] = {}
         for b, s, h, kvh, hd, win, ad, kd, lat in zip(*(a[c] for c in cols)):
-            if win == 0 and ad == "bfloat16" and kd == "bfloat16":
-                out.setdefault((h, kvh, hd), {}).setdefault(b, {})[float(length(s))] = lat / 1e3
+            if win == 0 and ad == "bfloat16" and kd in ("bfloat16", "fp8"):
+                out.setdefault((kd, h, kvh, hd), {}).setdefault(b, {})[float(length(s))] = lat / 1e3
         return out
 
-    def _heads(self, table: dict, kind: str, heads: tuple[int, int, int]) -> dict[int, dict[float, float]]:
-        if heads not in table:
+    def _heads(self, table: dict, kind: str, heads: tuple[int, int, int],
+               kv_cache_dtype: str = "auto") -> dict[int, dict[float, float]]:
+        kd = KV_TABLE_DTYPE.get(kv_cache_dtype)
+        if kd is None or (kd, *heads) not in table:
             raise TableError(f"{self.spec.name}: no {kind} attention measured for num_heads={heads[0]}, "
-                             f"num_key_value_heads={heads[1]}, head_dim={heads[2]} (bf16 KV, no window)")
-        return table[heads]
+                             f"num_key_value_heads={heads[1]}, head_dim={heads[2]} ({kv_cache_dtype} KV, no window; "
+                             f"the tables have bf16 and fp8 KV)")
+        return table[(kd, *heads)]
 
     def _bilinear(self, per_batch: dict[int, dict[float, float]], batch: float, length: float) -> float:
         batches = sorted(per_batch)
@@ -204,13 +211,16 @@ class KernelTables:
 
         return max(at(batches[i]) + (at(batches[j]) - at(batches[i])) * w, 1e-9)
 
-    def generation_attention_s(self, heads: tuple[int, int, int], batch: int, kv_len: float) -> float:
-        """One layer's decode attention for ``batch`` sequences of ``kv_len`` cached tokens each."""
-        return self._bilinear(self._heads(self._generation, "generation", heads), batch, kv_len)
+    def generation_attention_s(self, heads: tuple[int, int, int], batch: int, kv_len: float,
+                               kv_cache_dtype: str = "auto") -> float:
+        """One layer's decode attention for ``batch`` sequences of ``kv_len`` cached tokens each (``kv_cache_dtype``
+        auto: bf16 KV; fp8: the tables' fp8-KV rows)."""
+        return self._bilinear(self._heads(self._generation, "generation", heads, kv_cache_dtype), batch, kv_len)
 
-    def context_attention_s(self, heads: tuple[int, int, int], batch: int, isl: float) -> float:
+    def context_attention_s(self, heads: tuple[int, int, int], batch: int, isl: float,
+                            kv_cache_dtype: str = "auto") -> float:
         """One layer's prefill attention for ``batch`` prompts of ``isl`` tokens each."""
-        return self._bilinear(self._heads(self._context, "context", heads), batch, isl)
+        return self._bilinear(self._heads(self._context, "context", heads, kv_cache_dtype), batch, isl)
 
     def measured_points(self, precision: str, n: int, k: int) -> list[tuple[int, float]]:
         """(m, seconds) as the table lists them for this GEMM (tests compare lookups with them)."""

@@ -59,6 +59,7 @@ class TableStepModel:
         self.cfg = cfg
         self.overhead_s = overhead_s
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache_dtype = "auto"  # the attention rows read: bf16 KV (auto) or fp8 KV (set by sim/assemble.py)
         self.projections = projections(cfg)
         spec = tables.spec
         self._elementwise_bw = spec.mem_bw * 0.8
@@ -73,10 +74,10 @@ class TableStepModel:
         t = 0.0
         if batch.decode_kv_lens:
             mean = sum(batch.decode_kv_lens) / len(batch.decode_kv_lens)
-            t += self.tables.generation_attention_s(self.heads, len(batch.decode_kv_lens), mean)
+            t += self.tables.generation_attention_s(self.heads, len(batch.decode_kv_lens), mean, self.kv_cache_dtype)
         for start, end in batch.prefill_chunks:
             share = (end * end - start * start) / (end * end)
-            t += self.tables.context_attention_s(self.heads, 1, end) * share
+            t += self.tables.context_attention_s(self.heads, 1, end, self.kv_cache_dtype) * share
         return t
 
     def elementwise_s(self, m: int) -> float:

@@ -25,6 +25,7 @@ from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
 from serve.engine.memory_assembly import EngineMemory, build_memory
+from serve.engine.kv_rung import build_kv_rung
 from serve.engine.resources import ResourceManager
 from serve.morph.plan import load_model_and_plan, resolve_plan
 from serve.morph.setup import build_runtime
@@ -89,6 +90,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
                               if policy.strategy == "dynamic" else None)
         morph.step_token_budget = config.max_num_batched_tokens
         resources.append(morph)
+        if memory.kv.mixes_formats:  # the KV-precision rung, the cheapest lever, goes before layer swapping
+            resources.insert(0, build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph))
     return EngineParts(loaded.config, loaded.tokenizer, max_model_len, device, dtype, memory, resources,
                        TorchExecutor(model, memory.kv), model)
 

@@ -1,7 +1,8 @@
 """The engine's memory for every mode: the arena sized from the budget, the full weights placed in their regions,
 the base KV pool and paged KV cache, and (when the mode morphs) the layer bank.
 
-Arena layout (slots of one KV block each, see serve/memory/arena.py):
+Arena layout (slots of one KV block each, in the configured ``kv_cache_dtype``: at full precision, or 8-bit codes
+with their scales, about a quarter of an fp32 block; serve/model/kv_format.py; see serve/memory/arena.py):
 ``[layer 0 | layer 1 | ... | layer L-1 | staging | base KV]``. A layer region holds the layer's full
 weights (R slots); staging holds the largest variant (only when the mode morphs); every other slot is a
 KV block of the base pool. The pool's logical capacity bound is what the arena could ever give (base +
@@ -18,7 +19,8 @@ from serve.memory.arena import ALIGN, Arena, SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, auto_budget, resolve_budget
 from serve.memory.sizing import plan_arena
-from serve.model.kv_cache import PagedKVCache, block_shape, kv_bytes_per_block
+from serve.model.kv_cache import BlockStore, PagedKVCache, block_shape, kv_bytes_per_block
+from serve.model.kv_format import KVLayout, check_kv_cache_dtype
 from serve.model.llama import LlamaModel
 from serve.morph.layer_bank import LayerBank
 from serve.morph.placement import arena_nbytes, remap
@@ -38,7 +40,8 @@ class EngineMemory:
 def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None,
                  policy: PolicyConfig | None) -> EngineMemory:
     config = auto_budget(config, model.device.type, model.config.max_position_embeddings)  # device_memory="auto"
-    slot = kv_bytes_per_block(model.config, config.block_size, model.dtype)
+    check_kv_cache_dtype(config.kv_cache_dtype, model.device.type)
+    slot = kv_bytes_per_block(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
     if slot % ALIGN:
         raise ValueError(f"a KV block of {slot} bytes is not a multiple of {ALIGN}; choose another block_size")
     morphing = plan is not None and policy is not None and policy.strategy != "off"
@@ -57,11 +60,31 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
         model.layers[i] = remap(model.layers[i], arena.allocator(r).place)
     base_range = sizes.base
     bank = LayerBank(model, arena, sizes.regions, sizes.staging, host) if host is not None else None
-    pool = BlockPool(sizes.base_blocks, max_blocks=sizes.max_blocks)
-    kv = PagedKVCache(model.config, config.block_size, arena.slots_as(model.dtype, block_shape(model.config, config.block_size)),
-                      pool.max_blocks)
+    rung = kv_rung_layout(config, model, policy)
+    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every base slot
+    rung_ids = 0 if rung is None else -(-sizes.base_blocks * slot // rung.block_bytes) + 1
+    pool = BlockPool(sizes.base_blocks, max_blocks=sizes.max_blocks + rung_ids, kv_format=config.kv_cache_dtype)
+    if config.kv_cache_dtype == "auto":
+        kv = PagedKVCache(model.config, config.block_size,
+                          arena.slots_as(model.dtype, block_shape(model.config, config.block_size)), pool.max_blocks,
+                          None if rung is None else BlockStore.quantized(rung, arena.buf))
+    else:
+        kv = PagedKVCache.quantized(model.config, config.block_size, arena.buf, pool.max_blocks, config.kv_cache_dtype,
+                                    model.dtype)
     kv.map_blocks(0, list(range(base_range.start, base_range.end)))
     ledger = sizes.ledger()
     return EngineMemory(arena, pool, ledger, kv, bank, base_range)
 
 
+
+
+def kv_rung_layout(config: EngineConfig, model: LlamaModel, policy: PolicyConfig | None) -> KVLayout | None:
+    """The 8-bit block layout of the KV-precision rung (``PolicyConfig.kv_rung``; serve/engine/kv_rung.py) when it
+    runs: a dynamic mode over a full-precision KV cache. A clear error for a format the device cannot serve."""
+    if policy is None or policy.kv_rung is None or policy.strategy != "dynamic":
+        return None
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"the KV rung (kv_rung={policy.kv_rung}) writes 8-bit blocks into a full-precision KV cache; "
+                         f"kv_cache_dtype {config.kv_cache_dtype} is 8-bit already")
+    check_kv_cache_dtype(policy.kv_rung, model.device.type)
+    return KVLayout.of(model.config, config.block_size, model.dtype, policy.kv_rung)

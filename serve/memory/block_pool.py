@@ -13,7 +13,8 @@ it; a block taken by several sequences is freed when the last one lets it go. ``
 hash (``LLMEngine.reset_prefix_cache``).
 
 Across morph transitions (``EngineConfig.prefix_cache_across_morph``): every hash chain starts from the pool's
-``cache_root``, its epoch plus the layer configuration the cache serves (``set_config_tag``). Under ``exact`` the
+``cache_root``, its epoch, its KV format (``kv_cache_dtype``: int8 KV is never served as, nor found by, another
+format's) plus the layer configuration the cache serves (``set_config_tag``). Under ``exact`` the
 runtime sets the tag to the new configuration at every transition: blocks computed under another configuration
 stay cached, are not found until that configuration comes back (the LIFO ladder makes that likely), and are
 evicted as usual. Under ``preserve`` the tag never changes: cached blocks serve under any configuration, as the
@@ -41,6 +42,7 @@ class Chunk:
     owner: str
     start: int
     num_blocks: int
+    quantized: bool = False  # 8-bit KV blocks (the KV-precision rung's chunks); full precision otherwise
 
     @property
     def end(self) -> int:
@@ -60,7 +62,8 @@ class CacheEvents(Protocol):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, max_blocks: int | None = None) -> None:
+    def __init__(self, num_blocks: int, max_blocks: int | None = None, kv_format: str = "auto") -> None:
+        """``kv_format``: the KV cache's ``kv_cache_dtype``; every hash chain starts from it (``cache_root``)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.max_blocks = max_blocks if max_blocks is not None else num_blocks
@@ -75,11 +78,20 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self.cache_epoch = 0                       # bumped by clear_cache(); part of every hash chain
         self.config_tag = b""                      # the layer configuration the cache serves (set_config_tag)
+        # the KV format in every root: a block computed at one KV precision is never found under another (an
+        # engine's static format, and every worker's root a KV-aware router sees); nothing for "auto"
+        self.kv_tag = b"" if kv_format == "auto" else f"kv={kv_format};".encode()
         self.events: CacheEvents | None = None
+        self._retired: set[int] = set()            # free blocks out of service: their bytes hold 8-bit blocks now
+        self.register_quantized = True             # 8-bit blocks may hold registered prefixes (False: exact)
 
     @property
     def num_blocks(self) -> int:
-        return self.chunks[-1].end
+        return self.chunks[-1].end - len(self._retired)
+
+    @property
+    def num_retired(self) -> int:
+        return len(self._retired)
 
     @property
     def base_blocks(self) -> int:
@@ -139,8 +151,8 @@ class BlockPool:
     # ---- prefix caching --------------------------------------------------------------------------
     @property
     def cache_root(self) -> bytes:
-        """Where every hash chain starts now: the epoch and the configuration tag."""
-        return self.cache_epoch.to_bytes(8, "little") + self.config_tag
+        """Where every hash chain starts now: the epoch, the KV format and the configuration tag."""
+        return self.cache_epoch.to_bytes(8, "little") + self.kv_tag + self.config_tag
 
     def set_config_tag(self, tag: bytes) -> None:
         """The cache now serves KV computed under configuration ``tag`` (blocks of other tags stay cached)."""
@@ -204,14 +216,54 @@ class BlockPool:
             if self.events is not None:
                 self.events.removed(h)
 
-    def add_chunk(self, owner: str, n: int) -> Chunk:
+    # ---- the KV-precision rung: free blocks out of service while their bytes hold 8-bit blocks ---------------
+    def free_ids(self, below: int) -> list[int]:
+        """Every free block id under ``below`` (never-cached and cached), ascending."""
+        return sorted(i for i in (*self._free_set, *self._cached) if i < below)
+
+    def retire(self, ids: list[int]) -> None:
+        """Take free blocks out of service (cached ones lose their prefix): they count nowhere until
+        :meth:`unretire`. Their bytes are the caller's (8-bit blocks of a quantized chunk)."""
+        for i in ids:
+            if i not in self._free_set and i not in self._cached:
+                raise BlockPoolError(f"block {i} is not free")
+        for i in ids:
+            if i in self._cached:
+                del self._cached[i]
+                self._unregister(i)
+            else:
+                self._free_set.discard(i)
+        self._free = [i for i in self._free if i in self._free_set]
+        heapq.heapify(self._free)
+        self._retired.update(ids)
+
+    def unretire(self, ids: list[int]) -> None:
+        for i in ids:
+            if i not in self._retired:
+                raise BlockPoolError(f"block {i} is not retired")
+        for i in ids:
+            self._retired.discard(i)
+            self._free_set.add(i)
+            heapq.heappush(self._free, i)
+
+    def is_quantized(self, block: int) -> bool:
+        """Whether ``block`` lies in an 8-bit chunk."""
+        return any(c.quantized and c.start <= block < c.end for c in self.chunks[1:])
+
+    def may_register(self, block: int) -> bool:
+        """Whether ``block`` may hold a registered prefix: not an 8-bit one unless they are shared
+        (``register_quantized``, False under ``prefix_cache_across_morph = exact``)."""
+        return self.register_quantized or not self.is_quantized(block)
+
+    def add_chunk(self, owner: str, n: int, quantized: bool = False) -> Chunk:
         if n <= 0:
             raise ValueError(f"a chunk needs at least one block, got {n}")
         if any(c.owner == owner for c in self.chunks):
             raise BlockPoolError(f"chunk owner {owner!r} already present")
-        if self.num_blocks + n > self.max_blocks:
-            raise BlockPoolError(f"chunk of {n} blocks exceeds max_blocks {self.max_blocks} (have {self.num_blocks})")
-        chunk = Chunk(owner, self.num_blocks, n)
+        if self.chunks[-1].end + n > self.max_blocks:
+            raise BlockPoolError(f"chunk of {n} blocks exceeds max_blocks {self.max_blocks} (have ids up to "
+                                 f"{self.chunks[-1].end})")
+        chunk = Chunk(owner, self.chunks[-1].end, n, quantized)
         self.chunks.append(chunk)
         for i in range(chunk.start, chunk.end):
             heapq.heappush(self._free, i)
@@ -230,7 +282,7 @@ class BlockPool:
         if chunk is not self.chunks[-1]:
             raise BlockPoolError(f"chunks leave in LIFO order: {owner!r} is not the newest ({self.chunks[-1].owner!r})")
         if not self.chunk_is_free(owner):
-            raise BlockPoolError(f"chunk {owner!r} still has blocks in use")
+            raise BlockPoolError(f"chunk {owner!r} still has blocks in use (or retired)")
         self.chunks.pop()
         for i in [i for i in self._cached if i >= chunk.start]:  # cached prefixes in the chunk are evicted
             del self._cached[i]
@@ -249,9 +301,11 @@ class BlockPool:
     def check_invariants(self) -> None:
         """free + used = total, free ids unique and in range (tests call this after every step)."""
         assert len(self._free) == len(self._free_set), "free heap and set disagree"
-        assert all(0 <= i < self.num_blocks for i in self._free_set), "free id out of range"
+        assert all(0 <= i < self.chunks[-1].end for i in self._free_set), "free id out of range"
         assert not self._free_set & self._cached.keys() and not self._free_set & self._refs.keys(), "a block is twice"
         assert not self._cached.keys() & self._refs.keys(), "a cached block is also in use"
         assert all(i in self._hash_of for i in self._cached), "a cached block has no hash"
+        assert not self._retired & (self._free_set | self._cached.keys() | self._refs.keys()), "a retired block is live"
+        assert all(0 <= i < self.chunks[-1].end for i in self._retired), "retired id out of range"
         assert len(self._free_set) + len(self._cached) + len(self._refs) == self.num_blocks, "blocks lost or invented"
         assert all(self._block_of[h] == i for i, h in self._hash_of.items()), "hash index disagrees"

@@ -108,6 +108,9 @@ class KVCacheManager:
         hashes = extend_block_hashes(req.block_hashes, req.token_ids, bs, full, root)
         events = self.pool.events
         for j in range(num_computed_before // bs, full):
+            if not self.pool.may_register(req.block_ids[j]):
+                req.hash_root = None  # an 8-bit block under exact: it and every later block attend to 8-bit KV
+                return
             if self.pool.register(req.block_ids[j], hashes[j]) and events is not None:
                 events.stored(hashes[j], hashes[j - 1] if j else None, req.token_ids[j * bs:(j + 1) * bs], root)
 

@@ -3,13 +3,16 @@
 One forward serves a mixed batch: decode tokens (one per sequence) followed by prefill chunks (each attended
 causally, offset by the tokens already cached). GQA is computed without repeating K/V: the query heads of a
 group become extra query rows against their shared KV head. On fp32 CPU our kernels attend (decode straight over
-the paged blocks, prompt chunks with the prompt attention kernel); elsewhere torch's SDPA does, decodes as a
-padded batch and chunks after cached tokens under an explicit mask.
+the paged blocks, fp32 or int8 KV, prompt chunks with the prompt attention kernel); elsewhere torch's SDPA does,
+decodes as a padded batch and chunks after cached tokens under an explicit mask, over K/V read back from the cache
+(8-bit KV dequantized). With 8-bit KV every attention sees K/V as stored: a whole prompt attends over its own
+fresh K/V after their round trip through the codes, so chunking and prefix hits do not change what is attended.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +89,7 @@ class _ChunkContext:
     over them where SDPA attends (the prompt kernel needs none)."""
 
     blocks: torch.Tensor          # [1, nb] physical slots
+    formats: torch.Tensor         # [1, nb] their block formats (kv.block_format)
     length: int                   # tokens attended (cached + the chunk's own)
     mask: torch.Tensor | None     # [num_tokens, length] bool, query i sees keys up to its position
 
@@ -97,12 +101,13 @@ class _ChunkContext:
             dev = pc.block_table.device
             q_pos = torch.arange(pc.context_start, pc.context_len, device=dev)
             mask = torch.arange(pc.context_len, device=dev)[None, :] <= q_pos[:, None]
-        return _ChunkContext(kv.block_map[pc.block_table].view(1, -1), pc.context_len, mask)
+        return _ChunkContext(kv.block_map[pc.block_table].view(1, -1), kv.block_format[pc.block_table].view(1, -1),
+                             pc.context_len, mask)
 
     def read(self, kv: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[length, kv_heads, head_dim]`` (contiguous): whole blocks gathered, the tail past ``length``
         dropped."""
-        k, v = kv.read_blocks(layer, self.blocks)
+        k, v = kv.read_blocks(layer, self.blocks, self.formats)
         return k[0, : self.length], v[0, : self.length]
 
 
@@ -112,7 +117,9 @@ class _BatchKV:
 
     new: KVIndex
     decode_blocks: torch.Tensor | None   # [B, nb] physical slots of the decodes' blocks
-    decode_entries: torch.Tensor | None  # [B, nb] their layer-0 K entries in kv.blocks (layer i: + i)
+    decode_formats: torch.Tensor | None  # [B, nb] their block formats (kv.block_format)
+    decode_entries: Any                  # kv.decode_index of them: the paged kernel's layer-0 entries (layer i: + i);
+    #                                      None: the dense path attends (no kernel, or formats it cannot read)
     decode_mask: torch.Tensor | None     # [B, 1, 1, nb * block_size] bool; None when nothing is padding (or unmasked)
     decode_lens: torch.Tensor | None     # [B] context length of each decode (its new token included)
     prefills: list[_ChunkContext | None]  # None for a chunk at position 0 (attends over its own fresh K/V)
@@ -120,20 +127,22 @@ class _BatchKV:
     sin: torch.Tensor
 
     @staticmethod
-    def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding, dense_decodes: bool,
+    def locate(batch: ForwardBatch, kv: PagedKVCache, rope: RotaryEmbedding, decode_kernel: bool,
                dense_chunks: bool) -> _BatchKV:
-        """``dense_decodes``/``dense_chunks``: SDPA attends those over gathered K/V, so they need masks (the paged
-        decode kernel takes the lengths, the prompt kernel is causal by construction)."""
-        blocks = entries = mask = lens = None
+        """``decode_kernel``: the paged decode kernels may attend (they take the lengths; where they cannot read
+        the blocks, SDPA does, over gathered K/V under a mask); ``dense_chunks``: SDPA attends the chunks after
+        cached tokens, so they need masks (the prompt kernel is causal by construction)."""
+        blocks = formats = entries = mask = lens = None
         if batch.num_decodes:
             assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
-            blocks, lens = kv.block_map[batch.decode_block_tables], batch.decode_context_lens
-            if not dense_decodes:
-                entries = kv.block_entries(0, blocks)
-            elif batch.decode_ragged:
+            tables, lens = batch.decode_block_tables, batch.decode_context_lens
+            blocks, formats = kv.block_map[tables], kv.block_format[tables]
+            if decode_kernel:
+                entries = kv.decode_index(blocks, formats)
+            if entries is None and batch.decode_ragged:
                 width = blocks.shape[1] * kv.block_size
                 mask = (torch.arange(width, device=lens.device)[None, :] < lens[:, None]).view(-1, 1, 1, width)
-        return _BatchKV(kv.locate(batch.slot_mapping), blocks, entries, mask, lens,
+        return _BatchKV(kv.locate(batch.slot_mapping), blocks, formats, entries, mask, lens,
                         [None if pc.context_start == 0 else _ChunkContext.of(pc, kv, dense_chunks)
                          for pc in batch.prefills],
                         *rope.tables(batch.positions))
@@ -211,7 +220,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
         h = self.embedding.weight_rows(batch.input_ids)
-        where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is None, self.prompt_attention is None)
+        where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is not None, self.prompt_attention is None)
         delta = None  # each layer's MLP output, added to h by the next norm
         keep = batch.sample_indices
         trim = bool(self.trim_last_layer) and keep is not None and keep.numel() < h.shape[0]
@@ -240,9 +249,9 @@ class LlamaModel:
         qkv = layer.qkv(x)
         T = x.shape[0]
         fused = self.fused_elementwise
-        if fused is not None and qkv.is_contiguous():  # rotated in place, k and v copied into the cache
+        if fused is not None and qkv.is_contiguous() and where.new.kind == "full":  # rotated in place, k/v cached
             fused.rope_kv_write_(qkv, where.cos.view(T, -1), where.sin.view(T, -1), cfg.num_heads, cfg.num_kv_heads,
-                                 kv.rows, where.new.row, i * kv.block_size, kv.v_rows)
+                                 kv.full.rows, where.new.row, i * kv.block_size, kv.v_rows)
             q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
             k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -252,7 +261,7 @@ class LlamaModel:
                         where.cos, where.sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-            kv.write(i, where.new, k, v)
+            k, v = kv.write(i, where.new, k, v)  # 8-bit KV: k and v as stored (dequantized), for a whole prompt
         attn = self._attention(i, q, k, v, batch, kv, where)
         if keep is not None:
             h, attn = h.index_select(0, keep), attn.index_select(0, keep)
@@ -270,13 +279,12 @@ class LlamaModel:
         kvh, group, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], cfg.q_size, device=q.device, dtype=q.dtype)
         B = batch.num_decodes
-        if B and self.paged_attention is not None:  # straight over the paged blocks, no dense K/V copies
-            out[:B] = self.paged_attention.paged_decode_attention(
-                q[:B].reshape(B, cfg.q_size).contiguous(), kv.blocks, where.decode_entries, i, kv.num_layers,
-                where.decode_lens, self.scale)
+        if B and where.decode_entries is not None:  # straight over the paged blocks, no dense K/V copies
+            out[:B] = kv.paged_decode(self.paged_attention, q[:B].reshape(B, cfg.q_size).contiguous(),
+                                      where.decode_entries, i, where.decode_lens, self.scale)
         elif B:
             qd = q[:B].view(B, kvh, group, hd)
-            kd, vd = kv.read_blocks(i, where.decode_blocks)
+            kd, vd = kv.read_blocks(i, where.decode_blocks, where.decode_formats)
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, kvh, L, hd]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=where.decode_mask, scale=self.scale)
             out[:B] = o.reshape(B, cfg.q_size)

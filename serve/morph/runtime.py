@@ -92,7 +92,7 @@ class MorphRuntime:
     def telemetry(self, now: float, scheduler: SchedulerView) -> Telemetry:
         oldest = scheduler.oldest_waiting_arrival()
         top = self.stack[-1] if self.stack else None
-        top_free = top is not None and (not top.owner or self.pool.chunk_is_free(top.owner))
+        top_free = top is not None and (not top.owner or self._chunk_removable(top.owner))
         mem = query_device_memory(self.bank.device)
         critical_unscheduled, ttft_slack = scheduler.slo_signals(now)
         self.last_free = free = self.pressure.free(now) if self.pressure is not None else None
@@ -185,7 +185,7 @@ class MorphRuntime:
         """Give the newest transition's KV chunk back to the system as it stands (every block of it is free:
         the controller checked, and nothing ran since)."""
         top = self.stack[-1] if self.stack else None
-        if top is None or top.layer != layer or top.yielded or not top.owner or not self.pool.chunk_is_free(top.owner):
+        if top is None or top.layer != layer or top.yielded or not top.owner or not self._chunk_removable(top.owner):
             self._event("yield_skipped", layer=layer, reason="the newest transition has no free KV chunk")
             return
         chunk = self.pool.remove_chunk(top.owner)
@@ -218,8 +218,9 @@ class MorphRuntime:
         if top is None or top.layer != layer or top.from_precision != target:
             self._event("restore_skipped", layer=layer, to_precision=target, reason="not the newest transition")
             return False
-        if top.owner and not self.pool.chunk_is_free(top.owner):
-            self._event("restore_skipped", layer=layer, to_precision=target, reason="its KV chunk is in use")
+        if top.owner and not self._chunk_removable(top.owner):
+            self._event("restore_skipped", layer=layer, to_precision=target,
+                        reason="its KV chunk is in use (or a newer chunk, the KV rung's, lies above it)")
             return False
         if top.yielded:  # the bytes come back before anything is copied over them
             recommitted = self.bank.arena.recommit(top.slots)
@@ -419,6 +420,10 @@ class MorphRuntime:
         idle engine sleeps in; otherwise it keeps ticking so the controller can restore, yield or reclaim)."""
         watching = (self.config.memory_floor_bytes is not None and self.pressure is not None) or bool(self.yield_request)
         return not self.pending and not self.queued and not self.stack and not watching
+
+    def _chunk_removable(self, owner: str) -> bool:
+        """Chunks leave the pool LIFO: ``owner``'s must be the newest (the KV rung adds chunks too) and free."""
+        return self.pool.chunks[-1].owner == owner and self.pool.chunk_is_free(owner)
 
     def _memory_moved(self) -> None:
         if self.pressure is not None:

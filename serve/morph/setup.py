@@ -65,3 +65,4 @@ def build_runtime(policy: PolicyConfig, plan: MorphPlan, bank: LayerBank, pool: 
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)
     return runtime
+

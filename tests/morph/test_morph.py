@@ -13,6 +13,8 @@ from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.latency_window import percentile
+from serve.model.kv_cache import Q8_BLOCK
+from serve.engine.kv_rung import KVPrecisionRung
 from serve.morph.runtime import MorphRuntime
 from tests.morph_support import decode_with_direct_swap_at, morph
 
@@ -25,7 +27,7 @@ class FakeClock:
         return self.t
 
 
-def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, scheduler="fcfs",
+def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, scheduler="fcfs", kv_cache_dtype="auto",
                  **overrides) -> LLMEngine:
     # cost_aware off: these tests are about the swap machinery, which must not depend on this machine's kernel speed
     policy = {"persist_iters": 1, "restore_persist_s": 5.0, "cost_aware": False, **overrides}
@@ -33,7 +35,7 @@ def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, sc
         policy = {}
     return LLMEngine(EngineConfig(num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=16,
                                   morph_mode=mode, policy_overrides=policy, max_model_len=256, dtype=dtype,
-                                  scheduler=scheduler),
+                                  scheduler=scheduler, kv_cache_dtype=kv_cache_dtype),
                      loaded=tiny, clock=clock or FakeClock())
 
 
@@ -44,7 +46,11 @@ def assert_memory_exact(engine: LLMEngine) -> None:
     led, m, kv, arena = engine.ledger, morph(engine), engine.kv, engine.memory.arena
     led.check()
     assert led.used_slots == led.arena_slots
-    assert led.kv_blocks == engine.pool.num_blocks
+    rung = engine.resource_manager(KVPrecisionRung)
+    if rung is not None:
+        assert_kv_rung_exact(engine, rung)
+    net = 0 if rung is None else rung.kv_blocks_8bit - rung.slots_converted  # the rung's 8-bit blocks, in KV slots
+    assert led.kv_blocks == engine.pool.num_blocks - net
     bank = m.bank
     restoring = {p.layer for p in m.pending if p.kind == "restore"}
     for i, layer in enumerate(engine.model.layers):
@@ -53,7 +59,7 @@ def assert_memory_exact(engine: LLMEngine) -> None:
         assert all(lo <= a and b <= hi for a, b in bank.resident_ranges(i)), f"layer {i} outside {where}"
         if i not in restoring:
             assert led.layer_slots[i] == bank.slots(i, layer.precision)
-    chunks = engine.pool.chunks[1:]
+    chunks = [c for c in engine.pool.chunks[1:] if not c.quantized]
     with_chunks = [t for t in m.stack if t.owner]
     assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack if not t.yielded)
     assert led.yielded_slots == sum(t.blocks for t in m.stack if t.yielded)  # given back: in no chunk
@@ -63,6 +69,28 @@ def assert_memory_exact(engine: LLMEngine) -> None:
         region = bank.regions[t.layer]
         assert region.start <= t.slots.start and t.slots.end <= region.end
         assert t.blocks == bank.slots(t.layer, t.from_precision) - bank.slots(t.layer, t.to_precision)
+
+
+def assert_kv_rung_exact(engine: LLMEngine, rung: KVPrecisionRung) -> None:
+    """The KV rung's conversions: each one's retired blocks are out of service base blocks, its chunk is in the pool
+    (in order) and maps to exactly its 8-bit blocks, every 8-bit block lies wholly inside its retired slots' bytes,
+    and no two conversions share a byte."""
+    pool, kv = engine.pool, engine.kv
+    ours = [c for c in pool.chunks if c.quantized]
+    assert [c.owner for c in ours] == [conv.owner for conv in rung.conversions]
+    assert pool.num_retired == rung.slots_converted
+    slot, cell = kv.full.layout.block_bytes, kv.q8.layout.block_bytes
+    taken: set[int] = set()
+    for c, conv in zip(ours, rung.conversions):
+        assert all(i < pool.base_blocks for i in conv.retired)
+        assert kv.block_map[c.start:c.end].tolist() == conv.cells
+        assert bool((kv.block_format[c.start:c.end] == Q8_BLOCK).all())
+        spans = {kv.physical_slot(i) for i in conv.retired}
+        for p in conv.cells:
+            first, last = p * cell // slot, ((p + 1) * cell - 1) // slot
+            assert all(s in spans for s in range(first, last + 1)), f"8-bit block {p} outside its slots"
+        assert not taken & set(conv.cells)
+        taken |= set(conv.cells)
 
 
 def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "int4",
@@ -110,7 +138,7 @@ def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000)
     asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
     land (as a real iteration's forward time would)."""
     steps = 0
-    while engine.has_unfinished_requests() or not morph(engine).is_settled():
+    while engine.has_unfinished_requests() or not all(m.is_settled() for m in engine.resources):
         if morph(engine).pending:
             morph(engine).pending[0].job.result()
         engine.step()
@@ -245,6 +273,13 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
     clock = FakeClock()
     e = morph_engine(tiny, mode, blocks=blocks, clock=clock, scheduler=scheduler, persist_iters=1 + seed % 3,
                      restore_persist_s=float(seed % 4))
+    run_random_load_to_base(e, clock, reqs, seed)
+
+
+def run_random_load_to_base(e: LLMEngine, clock: FakeClock, reqs, seed: int, shared_prefix: int = 0) -> None:
+    """Requests ``(prompt tokens, max_tokens, arrival step, abort after)`` arrive, run and are aborted; after every step
+    the arena, the ledger and every block's holders are exact; then the engine drains back to full precision with
+    every block free. ``shared_prefix``: every other prompt starts with the same tokens (prefix hits)."""
     base = e.pool.num_blocks
     plan = sorted((arrive, i) for i, (_, _, arrive, _) in enumerate(reqs))
     rids: dict[int, str] = {}
@@ -253,7 +288,8 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
         while plan and plan[0][0] <= step:
             _, i = plan.pop(0)
             n, max_tokens, _, _ = reqs[i]
-            rids[i] = e.add_request([(seed + 13 * i + j) % 4000 + 10 for j in range(n)],
+            prefix = [(seed + j) % 4000 + 10 for j in range(shared_prefix)] if i % 2 else []
+            rids[i] = e.add_request(prefix + [(seed + 13 * i + j) % 4000 + 10 for j in range(n)],
                                     SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         for i, (_, _, arrive, abort_after) in enumerate(reqs):
             if abort_after is not None and i in rids and step == arrive + abort_after:

@@ -1,0 +1,202 @@
+"""The KV-precision rung: a resource manager ahead of the morph runtime that answers KV pressure by writing new
+blocks in 8 bits, before any layer is quantized (``PolicyConfig.kv_rung``; its rule is policy/kv_rung.py). It lives beside the seam it plugs into
+(serve/engine/resources.py) and is appended ahead of the morph runtime in serve/engine/assembly.py.
+
+How: the cache holds full-precision blocks and, over the same arena bytes, a grid of 8-bit blocks
+(serve/model/kv_cache.py). Converting takes free full-precision blocks of the base pool out of service
+(``BlockPool.retire``) and adds the 8-bit blocks lying wholly inside their bytes as a new pool chunk (``quantized``):
+block p of the 8-bit grid is bytes ``[p * B8, (p + 1) * B8)`` of the arena, so a run of slots ``[a, b)`` (``S`` bytes
+each) holds the 8-bit blocks ``ceil(a S / B8) .. floor(b S / B8) - 1``: 3 or 4 per slot on SmolLM2 (S / B8 = 3.75).
+Nothing is copied (the slots were free). New allocations take the lowest free ids, so full-precision blocks still go
+first and the 8-bit ones when they run out: under pressure new KV is written in 8 bits. Reverting (calm, the newest
+conversion's chunk entirely free and the pool's newest: chunks leave LIFO, the morph runtime's too) removes the chunk
+and puts the slots back. A sequence's block table may then mix formats: the decode kernels take batches of one
+format (fp32 or int8) and a batch mixing them goes to the dense path (gather, dequantize, SDPA), which reads any
+table. Blocks are never converted while in use (8-bit blocks live until freed).
+
+Prefix cache: under ``exact`` an 8-bit block is never registered (nor any later block of its sequence: they attend to
+8-bit KV), so a cached prefix is always full-precision KV; under ``preserve`` 8-bit blocks are shared as any other.
+The arena's partition (the ledger, in slots) does not change: retired slots stay KV bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policy import PolicyConfig
+from policy.kv_rung import KVRungDecision, KVRungRule, KVRungTelemetry
+from serve.engine.resources import ResourceManagerBase
+from serve.logging_setup import get_logger
+from serve.memory.block_pool import BlockPool
+from serve.model.kv_cache import Q8_BLOCK, PagedKVCache
+from serve.morph.runtime import MorphRuntime
+from serve.morph.scheduler_view import SchedulerView
+
+log = get_logger("morphserve.kv_rung")
+
+
+@dataclass
+class Conversion:
+    owner: str
+    retired: list[int]  # base-pool block ids out of service
+    cells: list[int]    # the 8-bit blocks (physical, in the 8-bit grid) in their bytes, now logical chunk ``owner``
+
+
+@dataclass(frozen=True)
+class KVRungStats:
+    """The rung's snapshot (``EngineStats.resources["kv_precision"]``)."""
+
+    kv_cache_dtype: str
+    kv_blocks_8bit: int
+    slots_converted: int
+    conversions_total: int
+    reverts_total: int
+    bytes_gained: int  # full-precision bytes the net extra blocks would take
+
+    def engine_fields(self) -> dict[str, Any]:
+        return {"kv_blocks_8bit": self.kv_blocks_8bit, "kv_precision_conversions_total": self.conversions_total,
+                "kv_precision_reverts_total": self.reverts_total, "kv_precision_bytes_gained": self.bytes_gained}
+
+
+def cells_in(slot_runs: list[tuple[int, int]], slot_bytes: int, cell_bytes: int) -> list[int]:
+    """The 8-bit blocks wholly inside the byte ranges of the slot runs ``[a, b)``."""
+    cells: list[int] = []
+    for a, b in slot_runs:
+        cells.extend(range(-(-a * slot_bytes // cell_bytes), b * slot_bytes // cell_bytes))
+    return cells
+
+
+def runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Sorted slot numbers as maximal runs ``[a, b)``."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(slots):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], s + 1)
+        else:
+            out.append((s, s + 1))
+    return out
+
+
+class KVPrecisionRung(ResourceManagerBase):
+    name = "kv_precision"
+    grows_pool = True
+
+    def __init__(self, rule: KVRungRule, pool: BlockPool, kv: PagedKVCache, prefix_cache: str = "exact",
+                 layer_chunk: Callable[[], tuple[int, str]] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``layer_chunk()``: the blocks the next layer swap would add and its precision (the morph runtime's), for
+        the rule's price comparison; None: no layer swapping."""
+        if not kv.mixes_formats:
+            raise ValueError("the KV rung needs a cache holding full-precision and 8-bit blocks")
+        self.rule, self.pool, self.kv, self.clock = rule, pool, kv, clock
+        self.layer_chunk = layer_chunk
+        self.slot_bytes = kv.full.layout.block_bytes
+        self.cell_bytes = kv.q8.layout.block_bytes
+        self.conversions: list[Conversion] = []
+        self.conversions_total = self.reverts_total = 0
+        self.last: KVRungDecision | None = None
+        pool.register_quantized = prefix_cache == "preserve"
+
+    # ---- state ---------------------------------------------------------------------------------------------------
+    @property
+    def kv_blocks_8bit(self) -> int:
+        return sum(len(c.cells) for c in self.conversions)
+
+    @property
+    def slots_converted(self) -> int:
+        return sum(len(c.retired) for c in self.conversions)
+
+    def telemetry(self, now: float, scheduler: SchedulerView | None = None) -> KVRungTelemetry:
+        top = self.conversions[-1] if self.conversions else None
+        top_free = top is not None and self.pool.chunks[-1].owner == top.owner and self.pool.chunk_is_free(top.owner)
+        layer_blocks, precision = self.layer_chunk() if self.layer_chunk is not None else (0, "int4")
+        return KVRungTelemetry(
+            now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+            free_full_slots=len(self.pool.free_ids(self.pool.base_blocks)),
+            blocks_per_slot=self.slot_bytes / self.cell_bytes, kv_blocks_8bit=self.kv_blocks_8bit, top_free=top_free,
+            top_blocks=len(top.cells) if top else 0, top_slots=len(top.retired) if top else 0,
+            blocks_needed_waiting=scheduler.blocks_needed_by_waiting() if scheduler is not None else 0,
+            layer_chunk_blocks=layer_blocks, layer_precision=precision)
+
+    # ---- the seam ------------------------------------------------------------------------------------------------
+    def before_schedule(self, scheduler: SchedulerView) -> KVRungDecision:
+        decision = self.rule.decide(self.telemetry(self.clock(), scheduler))
+        self.apply(decision)
+        return decision
+
+    def cover_shortfall(self, scheduler: SchedulerView, blocks: int) -> int:
+        """The scheduler is ``blocks`` short: convert the free full-precision slots that cover it (some may be free
+        while the pool lacks more than they are); returns the blocks added."""
+        before = self.pool.num_free
+        free = len(self.pool.free_ids(self.pool.base_blocks))
+        per_slot = self.slot_bytes / self.cell_bytes - 1
+        if blocks <= 0 or free == 0 or per_slot <= 0:
+            return 0
+        slots = min(free, math.ceil(blocks / per_slot))
+        self.apply(KVRungDecision("convert", slots, f"shortfall of {blocks} block(s): write {slots} free slot(s) as "
+                                                    f"8-bit blocks before a layer is quantized or a request preempted"))
+        return max(0, self.pool.num_free - before)
+
+    def apply(self, decision: KVRungDecision) -> None:
+        self.last = decision
+        if decision.action == "convert":
+            self._convert(decision.slots, decision.reason)
+        elif decision.action == "revert":
+            self._revert(decision.reason)
+
+    def _convert(self, slots: int, reason: str) -> None:
+        """Retire the ``slots`` highest free base blocks and add the 8-bit blocks in their bytes as a chunk."""
+        ids = self.pool.free_ids(self.pool.base_blocks)[-slots:]
+        physical = [self.kv.physical_slot(i) for i in ids]
+        cells = cells_in(runs(physical), self.slot_bytes, self.cell_bytes)
+        if len(cells) <= len(ids):
+            log.info("kv_rung_skipped", slots=len(ids), cells=len(cells), reason="too few 8-bit blocks fit")
+            return
+        owner = f"kv8:{self.conversions_total}"
+        self.pool.retire(ids)
+        chunk = self.pool.add_chunk(owner, len(cells), quantized=True)
+        self.kv.map_blocks(chunk.start, cells, Q8_BLOCK)
+        self.conversions.append(Conversion(owner, ids, cells))
+        self.conversions_total += 1
+        log.info("kv_convert", slots=len(ids), blocks_8bit=len(cells), kv_blocks_total=self.pool.num_blocks,
+                 reason=reason)
+
+    def _revert(self, reason: str) -> None:
+        top = self.conversions[-1]
+        chunk = self.pool.remove_chunk(top.owner)
+        self.kv.unmap_blocks(chunk.start, chunk.num_blocks)
+        self.pool.unretire(top.retired)
+        self.conversions.pop()
+        self.reverts_total += 1
+        log.info("kv_revert", slots=len(top.retired), blocks_8bit=len(top.cells), kv_blocks_total=self.pool.num_blocks,
+                 reason=reason)
+
+    def extra_reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
+        """None promised: the rung converts only free slots, so a request cannot count on it (admission)."""
+        return 0, ""
+
+    def resource_stats(self) -> KVRungStats:
+        gained = self.kv_blocks_8bit - self.slots_converted
+        return KVRungStats(self.kv.q8.layout.kv_cache_dtype, self.kv_blocks_8bit, self.slots_converted,
+                           self.conversions_total, self.reverts_total, gained * self.slot_bytes)
+
+    def is_settled(self) -> bool:
+        return not self.conversions
+
+
+def build_kv_rung(policy: PolicyConfig, pool: BlockPool, kv: PagedKVCache, prefix_cache: str,
+                  morph: MorphRuntime) -> KVPrecisionRung:
+    """The rung (``PolicyConfig.kv_rung``) over the engine's pool and mixed-format cache, weighing its price against
+    the morph runtime's next layer swap (its first rung, while layers are left to quantize)."""
+    rung_precision = policy.ladder[0]
+
+    def layer_chunk() -> tuple[int, str]:
+        left = morph.num_quantized < morph.controller.max_quantized_layers
+        return (morph.blocks_per_layer_chunk[rung_precision] if left else 0), rung_precision
+
+    rule = KVRungRule(policy.kv_rung, policy.kv_high, policy.kv_low, policy.restore_persist_s)
+    return KVPrecisionRung(rule, pool, kv, prefix_cache, layer_chunk, clock=morph.clock)
