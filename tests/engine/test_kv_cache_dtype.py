@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.tiny_model import make_tiny_model
+from serve.model.random_model import make_tiny_model
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
