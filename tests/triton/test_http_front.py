@@ -488,3 +488,27 @@ def test_a_body_without_a_required_input_is_400_at_the_door(body: dict[str, Any]
         build_request(spec, "", body)
     assert info.value.status == 400
     build_request(spec, "", {"text_input": "x", **body})
+
+
+def test_a_body_slower_than_the_body_timeout_is_answered_408_and_closed() -> None:
+    """Finding 7: a client whose body does not come within body_timeout_s is told so (408) and cut. The 408 used to
+    be lost: the connection was closed before the answer was written (bench.reliability_probe, 2026-12-04)."""
+    import socket
+
+    from serve.triton.http_front import HttpFront
+    from serve.triton.server import free_port
+
+    front = HttpFront("127.0.0.1", free_port(), "127.0.0.1:1", "http://127.0.0.1:1",
+                      FrontOptions(header_timeout_s=5.0, body_timeout_s=0.5))
+    front.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", front.port))
+        s.sendall(b"POST /v2/models/morphserve/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        s.settimeout(30)
+        reply = b""
+        while chunk := s.recv(4096):  # until the server closes
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request body not received within 0.5 s" in reply, reply
+        s.close()
+    finally:
+        front.stop()
