@@ -46,7 +46,11 @@ def launch(engine_dir: str, log: Path) -> tuple[subprocess.Popen[str], Target]:
         [sys.executable, "-m", "serve.triton", "--engine-dir", engine_dir, "--http-port", "0", "--grpc-port", "0",
          "--metrics-port", "0", "--operator-port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=log.open("w"),
         text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+    except BaseException:  # stopped (SIGTERM) while it loads: stop it too
+        proc.terminate()
+        raise
     found = re.search(r"http=(\S+) grpc=(\S+) metrics=http://([^/]+)/\S* operator=\S+:(\d+)", line)
     if not found:
         proc.kill()
