@@ -124,12 +124,18 @@ def streams(t: Target, n: int, tokens: int, started: list[threading.Event]) -> t
     results: dict[int, Any] = {}
 
     def one(i: int) -> None:
+        events = [0]
+
+        def on_text(_t: str) -> None:
+            events[0] += 1
+            started[i].set()
+
         try:
             c = generate_http(f"Client {i}: count slowly: 1, 2,", url=t.http, stream=True, max_tokens=tokens,
-                              ignore_eos=True, temperature=0.0, timeout=600, on_text=lambda _t: started[i].set())
+                              ignore_eos=True, temperature=0.0, timeout=600, on_text=on_text)
             results[i] = (c.num_output_tokens, c.finish_reason)
         except Exception as e:  # noqa: BLE001 - how a stream ended is what the row reports
-            results[i] = f"{type(e).__name__}: {str(e)[:80]}"
+            results[i] = f"{type(e).__name__} after {events[0]} text events: {str(e)[:80]}"
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for th in threads:
