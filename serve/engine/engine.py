@@ -357,9 +357,8 @@ class LLMEngine:
                     return
                 self._admit_handoff()
                 idle = not (self.scheduler.has_work() or self.grammars.has_failures())
-                settled = self.resources.is_settled()
-            if idle:
-                # Unsettled morph state: keep ticking so the controller can restore layers when calm.
+                settled = self.resources.is_settled() and not len(self.grammars)  # grammar waiters' deadlines tick
+            if idle:  # unsettled morph state or requests waiting for a grammar: tick so that calm restores / expiry run
                 woke = self._handoff.work.wait(None if settled else 0.05)
                 if settled or woke:
                     continue

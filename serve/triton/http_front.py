@@ -189,7 +189,7 @@ class FrontApp:
             headers["Retry-After"] = str(err.retry_after)
         body = _sse({"error": err.message}) if sse else _dumps({"error": err.message}).encode("utf-8")
         resp = web.Response(status=err.status, body=body, headers=headers)
-        if err.status in (413, 415):
+        if err.status in (408, 413, 415):
             resp.force_close()  # the body was not read: close rather than read (or inflate) the rest of it
         return resp
 
@@ -198,8 +198,7 @@ class FrontApp:
         try:
             async with asyncio.timeout(self.options.body_timeout_s):
                 return await self._read_body(request)
-        except TimeoutError:
-            request.protocol.force_close()  # the rest of a body this slow is not worth waiting for
+        except TimeoutError:  # the rest of a body this slow is not worth waiting for: 408, then closed
             raise FrontError(408, f"request body not received within {self.options.body_timeout_s:g} s "
                                   "(http body timeout)") from None
 

@@ -55,6 +55,7 @@ class ModelSpec:
     max_batch_size: int
     inputs: Mapping[str, InputSpec]
     limits: RequestLimits | None = None
+    required: frozenset[str] = frozenset()  # inputs the config does not mark optional
 
 
 def _limits_from_parameters(params: Mapping[str, Any]) -> RequestLimits | None:
@@ -74,13 +75,15 @@ def _limits_from_parameters(params: Mapping[str, Any]) -> RequestLimits | None:
 
 def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
     """A ModelSpec from a model configuration as JSON (Triton's ``/config`` or the gRPC config as dict)."""
-    inputs = {}
+    inputs, required = {}, set()
     for inp in config.get("input", []):
         dt = str(inp.get("data_type", "TYPE_STRING")).removeprefix("TYPE_")
         dt = "BYTES" if dt == "STRING" else dt
         inputs[inp["name"]] = InputSpec(inp["name"], dt, tuple(int(d) for d in inp.get("dims", [])))
+        if not inp.get("optional", False):
+            required.add(inp["name"])
     return ModelSpec(str(config.get("name", "")), "", int(config.get("max_batch_size", 0) or 0), inputs,
-                     _limits_from_parameters(config.get("parameters", {})))
+                     _limits_from_parameters(config.get("parameters", {})), frozenset(required))
 
 
 def _utf8_len_over(value: str, limit: int) -> int | None:
@@ -222,6 +225,11 @@ def build_request(spec: ModelSpec, version: str, body: Any, request_id: str = ""
         shape, raw = encode_tensor(inp, value, batched)
         req.inputs.add(name=key, datatype=inp.datatype, shape=shape)
         req.raw_input_contents.append(raw)
+    # checked here, not left to tritonserver: a body of parameters only (no input at all) was answered 500 by it
+    for name in sorted(spec.required - set(body)):
+        inp = spec.inputs[name]
+        raise FrontError(400, f"missing required input {name!r} ({inp.datatype}, shape {list(inp.dims)}) of model "
+                              f"{spec.name!r}")
     req.parameters["triton_enable_empty_final_response"].bool_param = True
     return req
 

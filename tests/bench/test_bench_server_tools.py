@@ -106,3 +106,21 @@ def test_memory_yield_demo_yields_and_reclaims_through_the_operator_control(serv
     summary = summarize(timeline, events, {"ok": 3, "failed": 0}, "")
     assert summary["manual_yielded_mib"] == held["yielded_mib"] and summary["manual_seconds_to_reclaim"] == 0.5
     assert summary["yielded_max_mib"] == held["yielded_mib"] and summary["reclaimed"] is True
+
+
+def test_reliability_probe_rows_report_what_was_sent_and_what_came_back(server: TritonServer) -> None:
+    """bench.reliability_probe's cheap rows against the module's server (the probe itself starts its own launcher):
+    each row says what was sent and what came back, and every one holds on this code."""
+    from bench import reliability_held as held
+    from bench import reliability_probe as probe
+    from bench.reliability_common import Target
+
+    assert server.operator_port is not None
+    t = Target(server.http_url, server.grpc_url, f"127.0.0.1:{server.metrics_port}", server.operator_port, os.getpid())
+    rows = {"4": probe.f4_apis(t), "5": probe.f5_client_errors(t), "6": probe.f6_aliases(t), "8": probe.f8_cache(t, 50),
+            "typed": held.typed(t), "sampling": held.sampling(t), "grpc-tensors": held.grpc_tensors(t),
+            "fuzz": held.fuzz(t, 30)}
+    assert {k: (r["held"], r["got"]) for k, r in rows.items() if not r["held"]} == {}
+    assert all(r["sent"] and r["got"] for r in rows.values())
+    assert rows["8"]["got"].startswith("statuses {400: 50}") and "21/21 answered 400" in rows["typed"]["got"]
+    assert "25/25 refused" in rows["grpc-tensors"]["got"] and "30 mutated" in rows["fuzz"]["sent"]

@@ -270,6 +270,45 @@ def test_an_aborted_guided_request_stops_its_compile(smollm) -> None:
         e.shutdown()
 
 
+class _NeverCompiles:
+    """A guide whose compile never finishes (a stand-in for a compile slower than any deadline)."""
+
+    cancelled = False
+
+    def done(self) -> bool:
+        return False
+
+    def add_done_callback(self, fn) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_request_waiting_for_its_grammar_meets_its_queue_deadline_in_a_background_loop(smollm) -> None:
+    """With nothing else to run, the background loop slept until a compile finished, so a guided request's queue
+    deadline (and timeout_s) went unchecked while its grammar compiled: the issue-44 probe's three slow guides were
+    answered 503 at 41 s, not 30 (bench.reliability_probe, 2026-12-04). The loop now ticks while grammars compile:
+    the request ends past its deadline, kind overloaded, and its compile is cancelled."""
+    e = LLMEngine(EngineConfig(num_kv_blocks=64, queue_timeout_s=0.5), loaded=smollm)
+    pending = _NeverCompiles()
+    e.guides.submit = lambda spec: pending  # type: ignore[method-assign]
+    collect = OutputCollector()
+    e.start_background()
+    try:
+        rid = e.add_request("hi", SamplingParams(max_tokens=4, guided_decoding={"type": "regex", "guide": "[ab]+"}),
+                            callback=collect)
+        for _ in range(600):  # a bound against a hang, not a timing: the deadline is 0.5 s
+            if collect.finished(rid):
+                break
+            e.grammars.wait(0.1)
+        assert collect.finished(rid), "the request waiting for its grammar never met its queue deadline"
+        assert collect.results[rid]["error_kind"] == ErrorKind.OVERLOADED.value
+        assert "queue_timeout_s" in collect.results[rid]["error"] and pending.cancelled and len(e.grammars) == 0
+    finally:
+        e.shutdown()
+
+
 def test_min_tokens_with_a_guide_is_refused() -> None:
     with pytest.raises(ValueError, match="min_tokens together with guided decoding"):
         SamplingParams(max_tokens=8, min_tokens=2, guided_decoding={"type": "json"})

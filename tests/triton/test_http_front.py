@@ -473,3 +473,42 @@ def test_a_body_over_the_models_limits_is_refused_by_its_size_first() -> None:
         build_request(spec, "", body)
     with pytest.raises(FrontError, match="lone UTF-16 surrogate"):  # the same text within the limit: its text checked
         build_request(spec, "", {"text_input": "\ud800" + "é" * 10})
+
+
+@pytest.mark.parametrize("body", [{}, {"min_tokens": 1}, {"max_new_tokens": 2, "x": 1}, {"max_tokens": 2}])
+def test_a_body_without_a_required_input_is_400_at_the_door(body: dict[str, Any]) -> None:
+    """A body of parameters only sent tritonserver a request of no inputs, which it answered 500 ("expected number of
+    inputs between 1 and 43 but got 0"; bench.reliability_probe's fuzz, 2026-12-04). Inputs the model's config does
+    not mark optional are checked at the door, whatever else the body holds."""
+    spec = spec_from_config({"name": "morphserve", "input": [
+        {"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},
+        {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": ["1"], "optional": True}]})
+    assert spec.required == {"text_input"}
+    with pytest.raises(FrontError, match="missing required input 'text_input' .* of model 'morphserve'") as info:
+        build_request(spec, "", body)
+    assert info.value.status == 400
+    build_request(spec, "", {"text_input": "x", **body})
+
+
+def test_a_body_slower_than_the_body_timeout_is_answered_408_and_closed() -> None:
+    """Finding 7: a client whose body does not come within body_timeout_s is told so (408) and cut. The 408 used to
+    be lost: the connection was closed before the answer was written (bench.reliability_probe, 2026-12-04)."""
+    import socket
+
+    from serve.triton.http_front import HttpFront
+    from serve.triton.server import free_port
+
+    front = HttpFront("127.0.0.1", free_port(), "127.0.0.1:1", "http://127.0.0.1:1",
+                      FrontOptions(header_timeout_s=5.0, body_timeout_s=0.5))
+    front.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", front.port))
+        s.sendall(b"POST /v2/models/morphserve/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        s.settimeout(30)
+        reply = b""
+        while chunk := s.recv(4096):  # until the server closes
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request body not received within 0.5 s" in reply, reply
+        s.close()
+    finally:
+        front.stop()
