@@ -326,15 +326,19 @@ def test_max_tokens_before_the_grammar_ends_is_a_stated_length_finish(engine) ->
 @pytest.mark.slow
 def test_guided_requests_survive_preemption_with_the_same_tokens(smollm) -> None:
     """A pool too small for the batch preempts (recompute keeps the tokens, so the matcher stays right):
-    outputs equal those of a pool with room for all, and still validate."""
+    outputs equal those of a pool with room for all, and still validate. The grammars are compiled first (one
+    token each, then served from the compiler's cache), so all six reach the scheduler together: requests that
+    waited for their compiles one by one could run one after another and never preempt."""
     picks = [SCHEMAS[i] for i in (0, 4, 8, 9, 15, 22)]
     outs = {}
     for blocks in (512, 18):
         e = LLMEngine(EngineConfig(num_kv_blocks=blocks, max_num_seqs=8), loaded=smollm)
         try:
             prompts = [_chat(e, schema_prompt(s)) for s, _ in picks]
+            e.generate(prompts, [_schema_params(schema, max_tokens=1) for _, schema in picks])
+            before = e.scheduler.num_preemptions
             outs[blocks] = e.generate(prompts, [_schema_params(schema) for _, schema in picks])
-            preempted = e.scheduler.num_preemptions
+            preempted = e.scheduler.num_preemptions - before
         finally:
             e.shutdown()
         if blocks == 18:
