@@ -42,9 +42,12 @@ def test_a_swap_adds_int8_blocks_in_the_layers_own_bytes(tiny):
 
 
 def test_a_swap_mid_decode_keeps_int8_kv_state(tiny):
+    """With int8 KV blocks, quantizing layers mid-decode gives the tokens of a mode-off int8-KV engine that swaps the
+    same layers in place at the same step (its KV never moved): the swap neither loses nor remaps an 8-bit block."""
     assert_swap_mid_decode_keeps_state(lambda step: decode_with_swap_at(
         lambda: morph_engine(tiny, "performance", blocks=64, kv_cache_dtype="int8", kv_high=1.0,
-                             queue_delay_high_s=1e9, restore_persist_s=1e9), step))
+                             queue_delay_high_s=1e9, restore_persist_s=1e9), step),
+        lambda: morph_engine(tiny, "off", blocks=64, kv_cache_dtype="int8"), tiny)
 
 
 request = st.tuples(st.integers(4, 40), st.integers(1, 16), st.integers(0, 30), st.sampled_from([None, 2, 5, 11]))
