@@ -12,10 +12,17 @@ first and the 8-bit ones when they run out: under pressure new KV is written in 
 conversion's chunk entirely free and the pool's newest: chunks leave LIFO, the morph runtime's too) removes the chunk
 and puts the slots back. A sequence's block table may then mix formats: the decode kernels take batches of one
 format (fp32 or int8) and a batch mixing them goes to the dense path (gather, dequantize, SDPA), which reads any
-table. Blocks are never converted while in use (8-bit blocks live until freed).
+table. 8-bit blocks live until freed.
+
+When free slots are not enough the rung converts running sequences' cold blocks in place (the rule says how many):
+blocks whose every token is computed, in the base pool, held by one sequence, oldest first (``cold_blocks``). They are
+retired with the free slots of the same conversion, every one read and quantized before any 8-bit block of the new
+chunk is written (the chunk lies in their bytes), each written into one of the chunk's blocks; the pool moves the
+hold (``BlockPool.move_holds``) and the scheduler repoints the table (``Scheduler.replace_blocks``).
 
 Prefix cache: under ``exact`` an 8-bit block is never registered (nor any later block of its sequence: they attend to
-8-bit KV), so a cached prefix is always full-precision KV; under ``preserve`` 8-bit blocks are shared as any other.
+8-bit KV), so a cached prefix is always full-precision KV (a converted block's hash ends, and a KV-aware router hears
+it removed); under ``preserve`` 8-bit blocks are shared as any other (a converted block keeps its hash).
 The arena's partition (the ledger, in slots) does not change: retired slots stay KV bytes.
 """
 
