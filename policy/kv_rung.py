@@ -12,6 +12,13 @@ stated prices it is one to three orders of magnitude below (~1000x on SmolLM2 at
 first and layer swaps take over once no free
 full-precision slot is left to convert (or the conversion cannot cover the pressure).
 
+Then running sequences' cold blocks (every token computed, held by that sequence alone, oldest first; the engine lists
+them as ``cold_blocks``): each one converted is re-written as an 8-bit block inside the bytes it and the other
+converted slots free, so it gains ``blocks_per_slot - 1`` blocks as a free slot does, but it rounds KV a running
+request already attends to. So the rule converts only as many as the pressure needs (:meth:`KVRungRule.blocks_needed`:
+the waiting prompts' blocks beyond what is free after the free slots, and at ``kv_high`` the blocks that bring usage
+back to the middle of the band), never more, and only while the price per block is below a layer swap's.
+
 Convert: KV usage at or above ``kv_high``, or the waiting prompts needing more blocks than are free: every free
 full-precision slot. Not just "enough": allocation takes the lowest ids, full-precision blocks first, so the free
 slots left unconverted are the next ones handed out, and at the next sign of pressure there are none left to
@@ -51,6 +58,7 @@ class KVRungTelemetry:
     blocks_needed_waiting: int = 0  # KV blocks the waiting requests' prompts need
     layer_chunk_blocks: int = 0   # blocks a layer swap would add now (0: no layer swap available)
     layer_precision: str = "int4"  # the precision that swap would quantize to
+    cold_blocks: int = 0          # running sequences' blocks the rung may re-write as 8-bit (filled under pressure)
 
     @property
     def usage(self) -> float:
@@ -62,6 +70,7 @@ class KVRungDecision:
     action: Literal["none", "convert", "revert"]
     slots: int
     reason: str
+    blocks: int = 0  # convert: running sequences' cold blocks to re-write as 8-bit blocks, oldest first
 
 
 class KVRungRule:
@@ -86,29 +95,69 @@ class KVRungRule:
             layer = LAYER_PRICE_PCT.get(t.layer_precision, LAYER_PRICE_PCT["int4"]) / t.layer_chunk_blocks
         return rung, layer
 
+    def under_pressure(self, t: KVRungTelemetry) -> bool:
+        """KV usage at ``kv_high`` or more, or the waiting prompts needing more blocks than are free."""
+        return t.usage >= self.kv_high or t.blocks_needed_waiting > t.kv_blocks_total - t.kv_blocks_used
+
+    def blocks_needed(self, t: KVRungTelemetry, slots: int, short: int | None = None) -> int:
+        """Running sequences' cold blocks to convert after ``slots`` free slots: enough for ``short`` more free
+        blocks (a shortfall), else for the waiting prompts and, at ``kv_high``, for usage back at the middle of the
+        band; at most ``cold_blocks``."""
+        per = t.blocks_per_slot - 1
+        if per <= 0 or t.cold_blocks <= 0:
+            return 0
+        gained = slots * per
+        if short is not None:
+            deficit = short - gained
+        else:
+            free = t.kv_blocks_total - t.kv_blocks_used + gained
+            deficit = t.blocks_needed_waiting - free
+            if t.usage >= self.kv_high:
+                mid = (self.kv_low + self.kv_high) / 2
+                deficit = max(deficit, t.kv_blocks_used / mid - (t.kv_blocks_total + gained))
+        return min(t.cold_blocks, math.ceil(deficit / per)) if deficit > 0 else 0
+
+    def for_shortfall(self, t: KVRungTelemetry, short: int) -> KVRungDecision:
+        """The scheduler is ``short`` blocks short and would preempt: the free slots that cover it, then running
+        sequences' cold blocks for the rest."""
+        per = t.blocks_per_slot - 1
+        slots = min(t.free_full_slots, math.ceil(short / per)) if per > 0 and short > 0 else 0
+        return self._convert(t, slots, self.blocks_needed(t, slots, short), f"shortfall of {short} block(s)", "")
+
+    def _convert(self, t: KVRungTelemetry, slots: int, blocks: int, why: str, state: str) -> KVRungDecision:
+        if t.blocks_per_slot <= 1:
+            return KVRungDecision("none", 0, f"{why}: an 8-bit block is no smaller than a full one {state}")
+        if slots <= 0 and blocks <= 0:
+            more = "no free full-precision slot" + (" and no cold running block needed" if t.cold_blocks else
+                                                    " and no cold running block")
+            return KVRungDecision("none", 0, f"{why}: {more} to convert {state}")
+        rung, layer = self.price_per_block(t, slots + blocks)
+        if layer is not None and rung > layer:
+            if slots <= 0:
+                return KVRungDecision("none", 0, f"{why}: a layer swap to {t.layer_precision} costs less quality "
+                                                 f"per block ({layer:.2e} % vs {rung:.2e} %) {state}")
+            blocks = 0  # the free slots alone, when they are still the cheaper lever
+            rung, layer = self.price_per_block(t, slots)
+            if rung > layer:
+                return KVRungDecision("none", 0, f"{why}: a layer swap to {t.layer_precision} costs less quality "
+                                                 f"per block ({layer:.2e} % vs {rung:.2e} %) {state}")
+        gained = int((slots + blocks) * (t.blocks_per_slot - 1))
+        running = f" and {blocks} cold block(s) of running sequences" if blocks else ""
+        return KVRungDecision("convert", slots, (
+            f"{why}: write {slots} free slot(s){running} as 8-bit blocks "
+            f"(~{gained} more blocks, {rung:.2e} % perplexity per block vs a layer swap's "
+            f"{'none left' if layer is None else f'{layer:.2e} %'}) {state}"), blocks)
+
     def decide(self, t: KVRungTelemetry) -> KVRungDecision:
         usage = t.usage
         free = t.kv_blocks_total - t.kv_blocks_used
         state = (f"(KV {t.kv_blocks_used}/{t.kv_blocks_total} = {usage:.2f}, waiting need {t.blocks_needed_waiting}, "
                  f"{t.free_full_slots} free full-precision slots, {t.kv_blocks_8bit} 8-bit blocks)")
-        if usage >= self.kv_high or t.blocks_needed_waiting > free:
+        if self.under_pressure(t):
             self._calm_since = None
-            if t.free_full_slots <= 0:
-                return KVRungDecision("none", 0, f"KV pressure but no free full-precision slot to convert {state}")
-            if t.blocks_per_slot <= 1:
-                return KVRungDecision("none", 0, f"an 8-bit block is no smaller than a full one {state}")
-            slots = t.free_full_slots
-            rung, layer = self.price_per_block(t, slots)
-            if layer is not None and rung > layer:
-                return KVRungDecision("none", 0, f"KV pressure: a layer swap to {t.layer_precision} costs less "
-                                                 f"quality per block ({layer:.2e} % vs {rung:.2e} %) {state}")
-            gained = int(slots * (t.blocks_per_slot - 1))
             why = f"KV usage {usage:.2f} >= kv_high {self.kv_high}" if usage >= self.kv_high else \
                 f"waiting prompts need {t.blocks_needed_waiting} blocks, {free} free"
-            return KVRungDecision("convert", slots, (
-                f"{why}: write {slots} free slot(s) as 8-bit blocks "
-                f"(~{gained} more blocks, {rung:.2e} % perplexity per block vs a layer swap's "
-                f"{'none left' if layer is None else f'{layer:.2e} %'}) {state}"))
+            return self._convert(t, t.free_full_slots, self.blocks_needed(t, t.free_full_slots), why, state)
         if t.kv_blocks_8bit == 0:
             self._calm_since = None
             return KVRungDecision("none", 0, f"no pressure, nothing converted {state}")

@@ -63,6 +63,9 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  "Free full-precision KV slots turned into 8-bit blocks (conversions).", "kv_precision_conversions_total"),
     EngineMetric("morphserve_kv_precision_reverts_total", "counter",
                  "8-bit KV chunks turned back into full-precision slots.", "kv_precision_reverts_total"),
+    EngineMetric("morphserve_kv_precision_blocks_rewritten_total", "counter",
+                 "Running sequences' full-precision KV blocks re-written as 8-bit blocks in place.",
+                 "kv_precision_blocks_rewritten_total"),
     EngineMetric("morphserve_kv_precision_bytes_gained", "gauge",
                  "Full-precision KV bytes the KV-precision rung's extra blocks stand for.", "kv_precision_bytes_gained"),
 )

@@ -27,6 +27,7 @@ from sim.assemble import Target, build_engine, table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
+from serve.engine.kv_rung import KVPrecisionRung
 from serve.morph.runtime import MorphRuntime
 
 DEFAULT_TABLE_MODEL = "llama-2-7b"
@@ -101,6 +102,7 @@ class Planner:
         result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
                   **replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=False, sleep=clock.sleep)}
         m = engine.resource_manager(MorphRuntime)
+        rung = engine.resource_manager(KVPrecisionRung)
         result["plan"] = {
             "system": self.target.system, "device": self.target.device, "notes": self.target.notes,
             "wall_s": round(time.perf_counter() - wall, 3), "virtual_s": round(clock(), 3),
@@ -108,6 +110,7 @@ class Planner:
             "kv_blocks_base": engine.pool.base_blocks, "kv_block_tokens": config.block_size,
             "kv_block_bytes": self.target.slot_bytes, "memory": engine.ledger.as_dict(),
             "swap_bytes_copied": m.bank.bytes_copied if m else 0,
+            "kv_rung": dataclasses.asdict(rung.resource_stats()) if rung else None,
         }
         engine.shutdown()
         if not args.quiet:

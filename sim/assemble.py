@@ -23,7 +23,9 @@ from serve.engine.assembly import EngineParts
 from serve.engine.engine import LLMEngine
 from serve.memory.block_pool import BlockPool
 from serve.memory.sizing import plan_arena
+from serve.engine.kv_rung import build_kv_rung
 from serve.model.kv_cache import kv_bytes_per_block
+from serve.model.kv_format import KVLayout
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
 from serve.engine.memory_assembly import EngineMemory
@@ -107,6 +109,23 @@ def with_kv_cache_dtype(target: Target, config: EngineConfig) -> Target:
                                notes={**target.notes, "kv_cache_dtype": config.kv_cache_dtype, "kv_block_bytes": slot})
 
 
+def kv_rung_layout(config: EngineConfig, policy: PolicyConfig, target: Target) -> KVLayout | None:
+    """The KV-precision rung's 8-bit layout when the plan runs it (``kv_rung``, a dynamic mode over bf16 KV), on a GPU
+    system's tables with rows for that format (fp8; int8 KV has none: refused, as ``--kv-cache-dtype int8``)."""
+    if policy.kv_rung is None or policy.strategy != "dynamic":
+        return None
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"the KV rung (kv_rung={policy.kv_rung}) writes 8-bit blocks into a full-precision KV cache; "
+                         f"kv_cache_dtype {config.kv_cache_dtype} is 8-bit already")
+    if not isinstance(target.step_model, TableStepModel):
+        raise TableError(f"kv_rung={policy.kv_rung}: the planner models it on a GPU system's tables (fp8 KV rows), "
+                         f"not on {target.device}")
+    if policy.kv_rung not in KV_TABLE_DTYPE:
+        raise TableError(f"kv_rung={policy.kv_rung}: the attention tables have no {policy.kv_rung}-KV rows (they have "
+                         f"bf16 and fp8); use kv_rung=fp8")
+    return KVLayout.of(target.model_config, config.block_size, torch.bfloat16, policy.kv_rung)
+
+
 def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> LLMEngine:
     """The planner's engine for ``config`` (its mode, memory budget, scheduler, KV format) on ``target``."""
     target = with_kv_cache_dtype(target, config)
@@ -124,11 +143,19 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     variants = [{p: n for p, n in s.items() if p != FULL} for s in sizes] if morphing else None
     arena = plan_arena(config, target.slot_bytes, [s[FULL] for s in sizes], variants, target.non_arena_bytes,
                        lambda text: resolve_budget(target, text))
-    pool = BlockPool(arena.base_blocks, max_blocks=arena.max_blocks, kv_format=config.kv_cache_dtype)
+    rung = kv_rung_layout(config, policy, target)
+    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every base slot (as
+    # serve/engine/memory_assembly.py)
+    rung_ids = 0 if rung is None else -(-arena.base_blocks * target.slot_bytes // rung.block_bytes) + 1
+    pool = BlockPool(arena.base_blocks, max_blocks=arena.max_blocks + rung_ids, kv_format=config.kv_cache_dtype)
     ledger = arena.ledger()
     bank = SimLayerBank(sizes, arena.regions, arena.staging, target.slot_bytes, clock, target.h2d_bytes_per_s,
                         target.d2d_bytes_per_s) if morphing else None
-    memory = EngineMemory(arena=None, pool=pool, ledger=ledger, kv=SimKV(), bank=bank, base=arena.base)  # type: ignore[arg-type]
+    kv = SimKV() if rung is None else SimKV(pool.max_blocks, KVLayout.of(target.model_config, config.block_size,
+                                                                          torch.bfloat16), rung, clock,
+                                            target.d2d_bytes_per_s)
+    kv.map_blocks(0, list(range(arena.base.start, arena.base.end)))
+    memory = EngineMemory(arena=None, pool=pool, ledger=ledger, kv=kv, bank=bank, base=arena.base)  # type: ignore[arg-type]
     resources = []
     if bank is not None:
         costs = target.step_costs(precisions) if policy.cost_aware else None
@@ -137,11 +164,16 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
                               clock=clock, costs=costs, prefix_cache=config.prefix_cache_across_morph)
         morph.step_token_budget = config.max_num_batched_tokens
         resources.append(morph)
+        if rung is not None:  # the KV-precision rung, the cheapest lever, goes before layer swapping (as the engine)
+            resources.insert(0, build_kv_rung(policy, pool, kv, config.prefix_cache_across_morph, morph))  # type: ignore[arg-type]
+            step_model = copy.copy(target.step_model)
+            step_model.kv_rung = rung.kv_cache_dtype  # type: ignore[attr-defined]
+            target = dataclasses.replace(target, step_model=step_model)
     tokenizer = prompt_tokenizer()
     cfg = target.model_config
     engine_cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
     token_id = tokenizer.encode(" the")[-1]
-    executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id)  # type: ignore[arg-type]
+    executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id, kv)  # type: ignore[arg-type]
     max_len = config.context_length(cfg.max_position_embeddings)
     parts = EngineParts(model_config=engine_cfg, tokenizer=tokenizer, max_model_len=max_len,
                         device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, resources=resources,

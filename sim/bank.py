@@ -17,6 +17,8 @@ import torch
 
 from policy import FULL
 from serve.memory.arena import SlotRange
+from serve.model.kv_cache import FULL_BLOCK, Q8_BLOCK
+from serve.model.kv_format import KVLayout
 from serve.morph.layer_bank import LayerBank
 from sim.clock import VirtualClock
 
@@ -46,14 +48,62 @@ class SimCopyJob:
         return self.layer
 
 
-class SimKV:
-    """The paged KV cache's mapping calls; a plan stores no KV."""
+@dataclass(frozen=True)
+class SimStore:
+    """One KV format's blocks as the KV-precision rung reads them: only their layout (bytes, format)."""
 
-    def map_blocks(self, logical_start: int, physical_slots: list[int]) -> None:
-        pass
+    layout: KVLayout
+
+
+class SimKV:
+    """The paged KV cache's mapping calls; a plan stores no KV. With the KV-precision rung (``q8``: its 8-bit layout)
+    it keeps what the rung's arithmetic needs (each logical block's physical slot) and which logical blocks are 8-bit
+    (the step model's share of 8-bit KV); re-writing running blocks as 8-bit takes their bytes (read full, write
+    8-bit) over the device bandwidth on the clock, as a device-local copy does."""
+
+    def __init__(self, max_blocks: int = 0, full: KVLayout | None = None, q8: KVLayout | None = None,
+                 clock: VirtualClock | None = None, d2d_bytes_per_s: float = 0.0) -> None:
+        self.full = SimStore(full) if full is not None else None
+        self.q8 = SimStore(q8) if q8 is not None else None
+        self.block_map = [-1] * max_blocks
+        self.is8 = bytearray(max_blocks)
+        self.clock, self.d2d = clock, d2d_bytes_per_s
+        self.blocks_8bit = 0
+
+    @property
+    def mixes_formats(self) -> bool:
+        return self.full is not None and self.q8 is not None
+
+    def map_blocks(self, logical_start: int, physical_slots: list[int], block_format: int = FULL_BLOCK) -> None:
+        if not self.block_map:
+            return
+        for k, p in enumerate(physical_slots):
+            self.block_map[logical_start + k] = p
+            was, now = self.is8[logical_start + k], int(block_format == Q8_BLOCK)
+            self.is8[logical_start + k] = now
+            self.blocks_8bit += now - was
 
     def unmap_blocks(self, logical_start: int, count: int) -> None:
-        pass
+        if not self.block_map:
+            return
+        for i in range(logical_start, logical_start + count):
+            self.block_map[i] = -1
+            self.blocks_8bit -= self.is8[i]
+            self.is8[i] = 0
+
+    def physical_slot(self, logical_block: int) -> int:
+        return self.block_map[logical_block]
+
+    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
+        if sources and self.clock is not None and self.d2d > 0:
+            self.clock.advance(len(sources) * (self.full.layout.block_bytes + self.q8.layout.block_bytes) / self.d2d)
+
+    def share_8bit(self, block_ids: list[int]) -> float:
+        """The share of ``block_ids`` that are 8-bit blocks (0 when none is)."""
+        if not self.blocks_8bit or not block_ids:
+            return 0.0
+        is8 = self.is8
+        return sum(is8[b] for b in block_ids) / len(block_ids)
 
 
 class SimLayerBank(LayerBank):

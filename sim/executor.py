@@ -3,12 +3,13 @@ first), with the step's time taken from a step model and added to the virtual cl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, Sequence
 
 import torch
 
 from serve.engine.scheduler import ScheduledChunk
-from sim.bank import SimLayerBank
+from sim.bank import SimKV, SimLayerBank
 from sim.clock import VirtualClock
 from sim.step_model import BatchShape
 
@@ -17,19 +18,28 @@ class StepModel(Protocol):
     def step_s(self, batch: BatchShape, precisions: Sequence[str]) -> float: ...
 
 
-def batch_shape(chunks: list[ScheduledChunk]) -> tuple[BatchShape, list[ScheduledChunk]]:
+def batch_shape(chunks: list[ScheduledChunk],
+                share_8bit: Callable[[list[int]], float] | None = None) -> tuple[BatchShape, list[ScheduledChunk]]:
+    """The step's shape; ``share_8bit(block_ids)`` (the KV-precision rung's mixed cache): the share of 8-bit KV the
+    decodes read (weighted by their KV lengths) and each prefill chunk's."""
     decodes = [c for c in chunks if c.is_decode]  # TorchExecutor.prepare's split
     prefills = [c for c in chunks if not c.is_decode]
     sampled = [c for c in decodes if c.samples] + [c for c in prefills if c.samples]
     shape = BatchShape(decode_kv_lens=[c.start + 1 for c in decodes],
                        prefill_chunks=[(c.start, c.start + c.num_tokens) for c in prefills], sampled=len(sampled))
+    if share_8bit is not None:
+        lens = shape.decode_kv_lens
+        if decodes:
+            shape.decode_kv8 = sum(share_8bit(c.seq.block_ids) * n for c, n in zip(decodes, lens)) / sum(lens)
+        shape.prefill_kv8 = [share_8bit(c.seq.block_ids) for c in prefills]
     return shape, sampled
 
 
 class SimExecutor:
     def __init__(self, step_model: StepModel, bank: SimLayerBank | None, num_layers: int, clock: VirtualClock,
-                 token_id: int) -> None:
+                 token_id: int, kv: SimKV | None = None) -> None:
         self.step_model = step_model
+        self.share_8bit = kv.share_8bit if kv is not None and kv.mixes_formats else None
         self.bank = bank
         self.num_layers = num_layers
         self.clock = clock
@@ -43,7 +53,7 @@ class SimExecutor:
         return [layer.precision for layer in self.bank.model.layers]
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        shape, sampled = batch_shape(chunks)
+        shape, sampled = batch_shape(chunks, self.share_8bit)
         dt = self.step_model.step_s(shape, self.precisions()) if chunks else 0.0
         self.clock.advance(dt)
         self.steps += 1

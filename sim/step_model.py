@@ -39,6 +39,8 @@ class BatchShape:
     decode_kv_lens: list[int] = field(default_factory=list)
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (start, end) token positions
     sampled: int = 0
+    decode_kv8: float = 0.0  # the KV-precision rung: share of the decodes' KV in 8-bit blocks (by KV length)
+    prefill_kv8: list[float] = field(default_factory=list)  # and of each prefill chunk's
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +62,7 @@ class TableStepModel:
         self.overhead_s = overhead_s
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache_dtype = "auto"  # the attention rows read: bf16 KV (auto) or fp8 KV (set by sim/assemble.py)
+        self.kv_rung: str | None = None  # the KV-precision rung's 8-bit format (fp8): its blocks read its rows
         self.projections = projections(cfg)
         spec = tables.spec
         self._elementwise_bw = spec.mem_bw * 0.8
@@ -70,14 +73,24 @@ class TableStepModel:
     def head_s(self, rows: int) -> float:
         return self.tables.gemm_s(FULL, max(rows, 1), self.cfg.vocab_size, self.cfg.hidden_size)
 
+    def _mixed(self, lookup, share8: float) -> float:
+        """A lookup over the cache's KV: with the rung's 8-bit share, the full-precision rows' time and the 8-bit
+        rows' weighted by their shares of the KV (attention at these lengths reads its KV once: its time follows the
+        bytes, and each format's rows are measured whole)."""
+        t = lookup(self.kv_cache_dtype)
+        if share8 > 0 and self.kv_rung is not None:
+            t = (1 - share8) * t + share8 * lookup(self.kv_rung)
+        return t
+
     def attention_s(self, batch: BatchShape) -> float:
         t = 0.0
         if batch.decode_kv_lens:
-            mean = sum(batch.decode_kv_lens) / len(batch.decode_kv_lens)
-            t += self.tables.generation_attention_s(self.heads, len(batch.decode_kv_lens), mean, self.kv_cache_dtype)
-        for start, end in batch.prefill_chunks:
-            share = (end * end - start * start) / (end * end)
-            t += self.tables.context_attention_s(self.heads, 1, end, self.kv_cache_dtype) * share
+            n, mean = len(batch.decode_kv_lens), sum(batch.decode_kv_lens) / len(batch.decode_kv_lens)
+            t += self._mixed(lambda kv: self.tables.generation_attention_s(self.heads, n, mean, kv), batch.decode_kv8)
+        shares = batch.prefill_kv8 or [0.0] * len(batch.prefill_chunks)
+        for (start, end), share8 in zip(batch.prefill_chunks, shares):
+            causal = (end * end - start * start) / (end * end)
+            t += self._mixed(lambda kv: self.tables.context_attention_s(self.heads, 1, end, kv), share8) * causal
         return t
 
     def elementwise_s(self, m: int) -> float:

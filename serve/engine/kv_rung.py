@@ -12,20 +12,26 @@ first and the 8-bit ones when they run out: under pressure new KV is written in 
 conversion's chunk entirely free and the pool's newest: chunks leave LIFO, the morph runtime's too) removes the chunk
 and puts the slots back. A sequence's block table may then mix formats: the decode kernels take batches of one
 format (fp32 or int8) and a batch mixing them goes to the dense path (gather, dequantize, SDPA), which reads any
-table. Blocks are never converted while in use (8-bit blocks live until freed).
+table. 8-bit blocks live until freed.
+
+When free slots are not enough the rung converts running sequences' cold blocks in place (the rule says how many):
+blocks whose every token is computed, in the base pool, held by one sequence, oldest first (``cold_blocks``). They are
+retired with the free slots of the same conversion, every one read and quantized before any 8-bit block of the new
+chunk is written (the chunk lies in their bytes), each written into one of the chunk's blocks; the pool moves the
+hold (``BlockPool.move_holds``) and the scheduler repoints the table (``Scheduler.replace_blocks``).
 
 Prefix cache: under ``exact`` an 8-bit block is never registered (nor any later block of its sequence: they attend to
-8-bit KV), so a cached prefix is always full-precision KV; under ``preserve`` 8-bit blocks are shared as any other.
+8-bit KV), so a cached prefix is always full-precision KV (a converted block's hash ends, and a KV-aware router hears
+it removed); under ``preserve`` 8-bit blocks are shared as any other (a converted block keeps its hash).
 The arena's partition (the ledger, in slots) does not change: retired slots stay KV bytes.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 from policy import PolicyConfig
 from policy.kv_rung import KVRungDecision, KVRungRule, KVRungTelemetry
@@ -39,10 +45,19 @@ from serve.morph.scheduler_view import SchedulerView
 log = get_logger("morphserve.kv_rung")
 
 
+@runtime_checkable
+class RunningBlocks(Protocol):
+    """What the rung needs of the scheduler to convert running sequences' blocks (serve/engine/scheduler.py)."""
+
+    def cold_full_blocks(self) -> list[int]: ...
+
+    def replace_blocks(self, moves: dict[int, int]) -> None: ...
+
+
 @dataclass
 class Conversion:
     owner: str
-    retired: list[int]  # base-pool block ids out of service
+    retired: list[int]  # base-pool block ids out of service (free slots, and running blocks re-written as 8-bit)
     cells: list[int]    # the 8-bit blocks (physical, in the 8-bit grid) in their bytes, now logical chunk ``owner``
 
 
@@ -56,10 +71,12 @@ class KVRungStats:
     conversions_total: int
     reverts_total: int
     bytes_gained: int  # full-precision bytes the net extra blocks would take
+    blocks_rewritten_total: int = 0  # running sequences' blocks re-written as 8-bit
 
     def engine_fields(self) -> dict[str, Any]:
         return {"kv_blocks_8bit": self.kv_blocks_8bit, "kv_precision_conversions_total": self.conversions_total,
-                "kv_precision_reverts_total": self.reverts_total, "kv_precision_bytes_gained": self.bytes_gained}
+                "kv_precision_reverts_total": self.reverts_total, "kv_precision_bytes_gained": self.bytes_gained,
+                "kv_precision_blocks_rewritten_total": self.blocks_rewritten_total}
 
 
 def cells_in(slot_runs: list[tuple[int, int]], slot_bytes: int, cell_bytes: int) -> list[int]:
@@ -97,7 +114,7 @@ class KVPrecisionRung(ResourceManagerBase):
         self.slot_bytes = kv.full.layout.block_bytes
         self.cell_bytes = kv.q8.layout.block_bytes
         self.conversions: list[Conversion] = []
-        self.conversions_total = self.reverts_total = 0
+        self.conversions_total = self.reverts_total = self.blocks_rewritten_total = 0
         self.last: KVRungDecision | None = None
         pool.register_quantized = prefix_cache == "preserve"
 
@@ -110,7 +127,20 @@ class KVPrecisionRung(ResourceManagerBase):
     def slots_converted(self) -> int:
         return sum(len(c.retired) for c in self.conversions)
 
+    def cold_blocks(self, scheduler: SchedulerView | None) -> list[int]:
+        """Running sequences' blocks the rung may re-write as 8-bit, oldest first: every token computed (never one
+        being written), in the base pool (full precision; a layer chunk must stay free to leave), one holder (a
+        prefix shared by several sequences is left alone)."""
+        if not isinstance(scheduler, RunningBlocks):
+            return []
+        base = self.pool.base_blocks
+        return [b for b in scheduler.cold_full_blocks() if b < base and self.pool.holders(b) == 1]
+
     def telemetry(self, now: float, scheduler: SchedulerView | None = None) -> KVRungTelemetry:
+        t = self._telemetry(now, scheduler)
+        return replace(t, cold_blocks=len(self.cold_blocks(scheduler))) if self.rule.under_pressure(t) else t
+
+    def _telemetry(self, now: float, scheduler: SchedulerView | None = None) -> KVRungTelemetry:
         top = self.conversions[-1] if self.conversions else None
         top_free = top is not None and self.pool.chunks[-1].owner == top.owner and self.pool.chunk_is_free(top.owner)
         layer_blocks, precision = self.layer_chunk() if self.layer_chunk is not None else (0, "int4")
@@ -125,45 +155,57 @@ class KVPrecisionRung(ResourceManagerBase):
     # ---- the seam ------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: SchedulerView) -> KVRungDecision:
         decision = self.rule.decide(self.telemetry(self.clock(), scheduler))
-        self.apply(decision)
+        self.apply(decision, scheduler)
         return decision
 
     def cover_shortfall(self, scheduler: SchedulerView, blocks: int) -> int:
         """The scheduler is ``blocks`` short: convert the free full-precision slots that cover it (some may be free
-        while the pool lacks more than they are); returns the blocks added."""
-        before = self.pool.num_free
-        free = len(self.pool.free_ids(self.pool.base_blocks))
-        per_slot = self.slot_bytes / self.cell_bytes - 1
-        if blocks <= 0 or free == 0 or per_slot <= 0:
+        while the pool lacks more than they are), then running sequences' cold blocks for the rest (the rule says how
+        many); returns the blocks added."""
+        if blocks <= 0:
             return 0
-        slots = min(free, math.ceil(blocks / per_slot))
-        self.apply(KVRungDecision("convert", slots, f"shortfall of {blocks} block(s): write {slots} free slot(s) as "
-                                                    f"8-bit blocks before a layer is quantized or a request preempted"))
+        before = self.pool.num_free
+        t = replace(self._telemetry(self.clock(), scheduler), cold_blocks=len(self.cold_blocks(scheduler)))
+        self.apply(self.rule.for_shortfall(t, blocks), scheduler)
         return max(0, self.pool.num_free - before)
 
-    def apply(self, decision: KVRungDecision) -> None:
+    def apply(self, decision: KVRungDecision, scheduler: SchedulerView | None = None) -> None:
+        """Carry out ``decision``; converting running sequences' blocks needs the scheduler that holds them."""
         self.last = decision
         if decision.action == "convert":
-            self._convert(decision.slots, decision.reason)
+            cold = self.cold_blocks(scheduler)[: decision.blocks] if decision.blocks > 0 else []
+            self._convert(decision.slots, cold, scheduler, decision.reason)
         elif decision.action == "revert":
             self._revert(decision.reason)
 
-    def _convert(self, slots: int, reason: str) -> None:
-        """Retire the ``slots`` highest free base blocks and add the 8-bit blocks in their bytes as a chunk."""
-        ids = self.pool.free_ids(self.pool.base_blocks)[-slots:]
-        physical = [self.kv.physical_slot(i) for i in ids]
+    def _convert(self, slots: int, cold: list[int], scheduler: SchedulerView | None, reason: str) -> None:
+        """Retire the ``slots`` highest free base blocks and the running blocks ``cold`` and add the 8-bit blocks in
+        their bytes as a chunk; each cold block's KV is re-written (quantized) into the chunk's first blocks, its
+        holder repointed there and its hold moved (serve/memory/block_pool.py ``move_holds``)."""
+        ids = self.pool.free_ids(self.pool.base_blocks)[-slots:] if slots > 0 else []
+        physical = [self.kv.physical_slot(i) for i in ids + cold]
         cells = cells_in(runs(physical), self.slot_bytes, self.cell_bytes)
-        if len(cells) <= len(ids):
-            log.info("kv_rung_skipped", slots=len(ids), cells=len(cells), reason="too few 8-bit blocks fit")
+        if len(cells) <= len(physical):
+            log.info("kv_rung_skipped", slots=len(ids), blocks=len(cold), cells=len(cells),
+                     reason="too few 8-bit blocks fit")
             return
+        # read and quantize every cold block before any cell (in the same bytes) is written
+        self.kv.quantize_blocks(physical[len(ids):], cells[: len(cold)])
         owner = f"kv8:{self.conversions_total}"
-        self.pool.retire(ids)
+        if ids:
+            self.pool.retire(ids)
         chunk = self.pool.add_chunk(owner, len(cells), quantized=True)
         self.kv.map_blocks(chunk.start, cells, Q8_BLOCK)
-        self.conversions.append(Conversion(owner, ids, cells))
+        if cold:
+            moves = {old: chunk.start + k for k, old in enumerate(cold)}
+            self.pool.move_holds(moves)
+            assert isinstance(scheduler, RunningBlocks)  # cold blocks come from it
+            scheduler.replace_blocks(moves)
+        self.conversions.append(Conversion(owner, ids + cold, cells))
         self.conversions_total += 1
-        log.info("kv_convert", slots=len(ids), blocks_8bit=len(cells), kv_blocks_total=self.pool.num_blocks,
-                 reason=reason)
+        self.blocks_rewritten_total += len(cold)
+        log.info("kv_convert", slots=len(ids), running_blocks=len(cold), blocks_8bit=len(cells),
+                 kv_blocks_total=self.pool.num_blocks, reason=reason)
 
     def _revert(self, reason: str) -> None:
         top = self.conversions[-1]
@@ -182,7 +224,8 @@ class KVPrecisionRung(ResourceManagerBase):
     def resource_stats(self) -> KVRungStats:
         gained = self.kv_blocks_8bit - self.slots_converted
         return KVRungStats(self.kv.q8.layout.kv_cache_dtype, self.kv_blocks_8bit, self.slots_converted,
-                           self.conversions_total, self.reverts_total, gained * self.slot_bytes)
+                           self.conversions_total, self.reverts_total, gained * self.slot_bytes,
+                           self.blocks_rewritten_total)
 
     def is_settled(self) -> bool:
         return not self.conversions

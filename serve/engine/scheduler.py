@@ -185,6 +185,20 @@ class Scheduler:
         kv = self.kv_cache_manager
         return sum(kv.num_blocks_needed(s, s.num_tokens - s.num_computed_tokens) for s in self.waiting)
 
+    # ---- the running blocks the KV-precision rung converts (serve/engine/kv_rung.py) ------------------------
+    def cold_full_blocks(self) -> list[int]:
+        """Blocks of running sequences whose every token is computed (never one being written), oldest first:
+        every sequence's first block (running order), then every second block, and so on."""
+        bs = self.block_size
+        tables = [s.block_ids[: s.num_computed_tokens // bs] for s in self.running]
+        depth = max((len(t) for t in tables), default=0)
+        return [t[j] for j in range(depth) for t in tables if j < len(t)]
+
+    def replace_blocks(self, moves: dict[int, int]) -> None:
+        """Blocks moved (``old -> new``): every sequence holding one now holds the new one."""
+        for seq in [*self.running, *self.waiting]:
+            self.kv_cache_manager.repoint(seq, moves)
+
     # ---- the SchedulerView the morph runtime reads ---------------------------------------------------
     def num_running(self) -> int:
         return len(self.running)

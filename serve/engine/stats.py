@@ -53,11 +53,12 @@ class EngineStats:
     memory_yields_total: int = 0
     memory_reclaims_total: int = 0
     memory_outside_free_bytes: int | None = None  # None: no pressure source reads it
-    # the KV-precision rung (serve/engine/kv_rung.py): 8-bit blocks it added, conversions, and the full-precision
-    # bytes its net extra blocks would take
+    # the KV-precision rung (serve/engine/kv_rung.py): 8-bit blocks it added, conversions, running blocks re-written
+    # as 8-bit, and the full-precision bytes its net extra blocks would take
     kv_blocks_8bit: int = 0
     kv_precision_conversions_total: int = 0
     kv_precision_reverts_total: int = 0
+    kv_precision_blocks_rewritten_total: int = 0
     kv_precision_bytes_gained: int = 0
     # every manager's own typed snapshot, by its name (e.g. resources["morph"]: MorphResourceStats)
     resources: dict[str, Any] = field(default_factory=dict)

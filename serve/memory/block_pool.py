@@ -246,6 +246,34 @@ class BlockPool:
             self._free_set.add(i)
             heapq.heappush(self._free, i)
 
+    def holders(self, block: int) -> int:
+        """Sequences holding ``block`` (0: free, cached or retired)."""
+        return self._refs.get(block, 0)
+
+    def move_holds(self, moves: dict[int, int]) -> None:
+        """Each in-use block ``old`` (one holder) now lives in the free block ``moves[old]`` (its KV was copied there,
+        8-bit, by the caller, who repoints the holder): the new block takes the hold, ``old`` is retired (its bytes
+        hold 8-bit blocks now). A registered prefix follows the block when 8-bit blocks may hold one
+        (``register_quantized``: ``preserve``; the hash is unchanged, so a KV-aware router hears nothing), else it
+        ends (``exact``: ``events.removed``)."""
+        for old, new in moves.items():
+            if self._refs.get(old) != 1:
+                raise BlockPoolError(f"block {old} is not in use by exactly one sequence")
+            if new not in self._free_set:
+                raise BlockPoolError(f"block {new} is not free (or holds a cached prefix)")
+        for old, new in moves.items():
+            self._free_set.discard(new)
+            self._refs[new] = self._refs.pop(old)
+            h = self._hash_of.get(old)
+            if h is not None and self.may_register(new):
+                del self._hash_of[old]
+                self._hash_of[new], self._block_of[h] = h, new
+            else:
+                self._unregister(old)
+            self._retired.add(old)
+        self._free = [i for i in self._free if i in self._free_set]
+        heapq.heapify(self._free)
+
     def is_quantized(self, block: int) -> bool:
         """Whether ``block`` lies in an 8-bit chunk."""
         return any(c.quantized and c.start <= block < c.end for c in self.chunks[1:])

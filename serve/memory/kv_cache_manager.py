@@ -114,6 +114,15 @@ class KVCacheManager:
             if self.pool.register(req.block_ids[j], hashes[j]) and events is not None:
                 events.stored(hashes[j], hashes[j - 1] if j else None, req.token_ids[j * bs:(j + 1) * bs], root)
 
+    def repoint(self, req: KVRequest, moves: dict[int, int]) -> None:
+        """Blocks of ``req`` moved (the KV-precision rung re-wrote them as 8-bit blocks elsewhere; the pool moved
+        their holds): its table follows. Under ``exact`` (the pool registers no 8-bit block) no later block of
+        ``req`` is registered either: it attends to 8-bit KV now."""
+        if any(b in moves for b in req.block_ids):
+            req.block_ids = [moves.get(b, b) for b in req.block_ids]
+            if not self.pool.register_quantized:
+                req.hash_root = None
+
     def free(self, req: KVRequest) -> None:
         if req.block_ids:
             self.pool.free(req.block_ids)

@@ -268,6 +268,29 @@ class PagedKVCache:
         k_out[q8], v_out[q8] = self.q8.write(layer, where.row[q8], where.scale_row[q8], k[q8], v[q8], self.dtype)
         return k_out, v_out
 
+    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
+        """Full-precision blocks ``sources`` (physical slots) re-written as the 8-bit blocks ``cells`` (physical, the
+        8-bit grid): every row quantized as the 8-bit writer does (``kv_format.quantize``: one scale per token and
+        kv head), codes and scales stored at the cells' entries. Every source is read and quantized before any cell
+        is written, so cells may lie in the sources' own bytes (the rung converts blocks in place)."""
+        if len(sources) != len(cells):
+            raise ValueError(f"{len(sources)} source blocks for {len(cells)} 8-bit blocks")
+        if not sources:
+            return
+        if not self.mixes_formats:
+            raise ValueError("quantize_blocks needs a cache holding full-precision and 8-bit blocks")
+        lay, full, q8 = self.q8.layout, self.full, self.q8
+        n_entries, kvh, hd = 2 * lay.num_layers, lay.kv_heads, lay.head_dim
+        src = torch.tensor(sources, dtype=torch.long, device=full.blocks.device)
+        rows = full.blocks.view(full.num_blocks, n_entries, -1, kvh, hd).index_select(0, src)
+        codes, scales = quantize(rows.reshape(-1, kvh, hd), lay.kv_cache_dtype)  # copies: sources may be overwritten
+        dst = torch.tensor(cells, dtype=torch.long, device=src.device)
+        entries = (dst * q8.entries_per_block).unsqueeze(1) + torch.arange(n_entries, device=src.device)
+        q8.blocks.index_copy_(0, entries.reshape(-1), codes.view(-1, lay.block_size, kvh, hd))
+        s_entries = (dst * lay.scale_entries_per_block + lay.scale_entry_offset).unsqueeze(1) + \
+            torch.arange(n_entries, device=src.device)
+        q8.scale_blocks.index_copy_(0, s_entries.reshape(-1), scales.view(-1, lay.block_size, kvh))
+
     def block_entries(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Entries of ``self.blocks`` holding layer ``layer``'s K for the physical slots ``slots`` (V: + num_layers)."""
         return (self.full or self.q8).entries(layer, slots)

@@ -142,8 +142,9 @@ def _round_trip_from(position: int):
 
 def test_a_request_crossing_a_conversion_continues_as_a_reference_rounding_the_same_positions(tiny):
     """Mid-decode the rung converts the last two free slots; the request's later blocks are 8-bit (its table mixes
-    formats: the dense path reads it). (1) Its greedy tokens equal transformers' with a cache that rounds exactly the
-    K/V of positions 8 on (the ones in 8-bit blocks). (2) Layer 0's stored K/V (which depend on the token alone) read
+    formats: the dense path reads it; 16 tokens leave one of the 5 8-bit blocks free, so no running block is
+    converted). (1) Its greedy tokens equal transformers' with a cache that rounds exactly the K/V of positions 8 on
+    (the ones in 8-bit blocks). (2) Layer 0's stored K/V (which depend on the token alone) read
     back as that reference's: unrounded at positions 0-7, rounded from 8 on, and the rounding is real there."""
     from serve.model.hf_reference import hf_llama  # noqa: PLC0415
 
@@ -151,24 +152,24 @@ def test_a_request_crossing_a_conversion_continues_as_a_reference_rounding_the_s
     e = morph_engine(tiny, "performance", blocks=20, kv_rung="int8", **CALM)
     held = e.pool.allocate(16)  # leaves blocks 16..19: the prompt's two, and two to convert
     tokens: list[int] = []
-    e.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+    e.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True),
                   callback=lambda o: tokens.extend(o.new_token_ids))
     e.step()  # the prompt (positions 0-7, full precision) and its first token
     seq = e.scheduler.running[0]
     assert len(tokens) == 1 and seq.block_ids == [16, 17]
     _rung(e).apply(KVRungDecision("convert", 2, "test"))
-    assert _rung(e).kv_blocks_8bit == 5  # positions 8-26 need 5 blocks: no layer swap, no preemption
+    assert _rung(e).kv_blocks_8bit == 5  # positions 8-22 need 4 blocks: no layer swap, no preemption
     blocks: list[int] = []
     while e.has_unfinished_requests():
         blocks = list(seq.block_ids) or blocks
         e.step()
         assert_memory_exact(e)
-    assert [e.pool.is_quantized(b) for b in blocks] == [False, False] + [True] * 5
-    assert morph(e).stats.swaps == 0 and e.scheduler.num_preemptions == 0
+    assert [e.pool.is_quantized(b) for b in blocks] == [False, False] + [True] * 4
+    assert morph(e).stats.swaps == 0 and e.scheduler.num_preemptions == 0 and _rung(e).blocks_rewritten_total == 0
     hf = hf_llama(tiny, attn_implementation="eager", for_generation=True)
     with torch.inference_mode():
         x = torch.tensor([prompt])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                           cache=_round_trip_from(8))[0, 8:].tolist()
         assert tokens == ref
         seen = prompt + tokens[:-1]  # every position whose K/V the engine stored

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -276,10 +278,12 @@ def test_random_load_keeps_memory_and_kv_exact_and_returns_to_base(tiny, reqs, m
     run_random_load_to_base(e, clock, reqs, seed)
 
 
-def run_random_load_to_base(e: LLMEngine, clock: FakeClock, reqs, seed: int, shared_prefix: int = 0) -> None:
+def run_random_load_to_base(e: LLMEngine, clock: FakeClock, reqs, seed: int, shared_prefix: int = 0,
+                            before_step: Callable[[int], object] | None = None) -> None:
     """Requests ``(prompt tokens, max_tokens, arrival step, abort after)`` arrive, run and are aborted; after every step
     the arena, the ledger and every block's holders are exact; then the engine drains back to full precision with
-    every block free. ``shared_prefix``: every other prompt starts with the same tokens (prefix hits)."""
+    every block free. ``shared_prefix``: every other prompt starts with the same tokens (prefix hits).
+    ``before_step(step)``: called before each step (a test's own intervention, checked like the engine's)."""
     base = e.pool.num_blocks
     plan = sorted((arrive, i) for i, (_, _, arrive, _) in enumerate(reqs))
     rids: dict[int, str] = {}
@@ -294,6 +298,10 @@ def run_random_load_to_base(e: LLMEngine, clock: FakeClock, reqs, seed: int, sha
         for i, (_, _, arrive, abort_after) in enumerate(reqs):
             if abort_after is not None and i in rids and step == arrive + abort_after:
                 e.abort_request(rids[i])
+        if before_step is not None:
+            before_step(step)
+            assert_memory_exact(e)
+            assert_exact_accounting(e)
         e.step()
         clock.t += 0.05
         assert_memory_exact(e)

@@ -63,3 +63,33 @@ def test_the_policy_field_is_validated():
         PolicyConfig.for_mode("default", kv_rung="int4")
     with pytest.raises(ValueError, match="int8 or fp8"):
         KVRungRule("int4", 0.85, 0.6, 1.0)
+
+
+def test_without_free_slots_it_rewrites_just_the_running_blocks_the_pressure_needs():
+    """No free slot left: cold running blocks, each gaining 2.75 blocks, only as many as bring usage back to the middle
+    of the band (0.725 here: 100 used need 138 blocks, 38 more = 14 blocks) or cover the waiting prompts, never more than
+    there are; none when there is none."""
+    rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
+    d = rule.decide(_t(used=100, total=100, free_slots=0, cold_blocks=40))
+    assert d.action == "convert" and (d.slots, d.blocks) == (0, 14) and "14 cold block(s) of running" in d.reason
+    d = rule.decide(_t(used=50, total=100, free_slots=0, cold_blocks=40, blocks_needed_waiting=61))
+    assert (d.action, d.slots, d.blocks) == ("convert", 0, 4)  # 11 short: 4 x 2.75 = 11
+    d = rule.decide(_t(used=100, total=100, free_slots=0, cold_blocks=5))
+    assert (d.slots, d.blocks) == (0, 5)
+    d = rule.decide(_t(used=99, free_slots=0, cold_blocks=0))
+    assert d.action == "none" and "no cold running block" in d.reason
+    # free slots first: with 10 of them (27.5 blocks) at kv_high only what they leave short
+    d = rule.decide(_t(used=90, total=100, free_slots=10, cold_blocks=40))
+    assert (d.slots, d.blocks) == (10, 0)  # 90 / 127.5 = 0.71 < 0.725
+    d = rule.decide(_t(used=100, total=100, free_slots=4, cold_blocks=40))
+    assert (d.slots, d.blocks) == (4, 10)  # 38 short - 11 from the slots = 27 -> 10 blocks
+
+
+def test_a_shortfall_takes_free_slots_then_running_blocks_and_a_cheaper_swap_keeps_running_blocks():
+    rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
+    d = rule.for_shortfall(_t(used=98, total=100, free_slots=2, cold_blocks=30), 12)
+    assert (d.action, d.slots, d.blocks) == ("convert", 2, 3) and "shortfall of 12" in d.reason  # 12 - 5.5 -> 3
+    d = rule.for_shortfall(_t(used=100, total=100, free_slots=0, cold_blocks=30), 3)
+    assert (d.slots, d.blocks) == (0, 2)
+    d = rule.decide(_t(used=100, free_slots=0, cold_blocks=40, layer_chunk_blocks=10**9, layer_precision="int8"))
+    assert d.action == "none" and "layer swap to int8 costs less" in d.reason
