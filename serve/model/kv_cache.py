@@ -325,13 +325,20 @@ class PagedKVCache:
     # ---- the CPU decode kernels ------------------------------------------------------------------------------
     def decode_index(self, slots: torch.Tensor, formats: torch.Tensor | None = None) -> Any:
         """What :meth:`paged_decode` needs of the decodes' physical blocks ``[B, nb]`` (``formats``: their
-        ``block_format`` in a mixed cache), computed once per forward; None when a kernel cannot read them all (a
-        batch mixing formats, or fp8 codes: the dense path reads those)."""
+        ``block_format`` in a mixed cache), computed once per forward: the layer-0 entries of each block in its own
+        format's grid, and for 8-bit blocks their scale entries. A batch of one format goes to that format's kernel,
+        a batch mixing fp32 and int8 blocks (in one table or across tables) to the mixed kernel; None for fp8 codes
+        (no CPU kernel reads them: the dense path does)."""
         if self.mixes_formats and formats is not None:
             is8 = formats == Q8_BLOCK
-            if bool(is8.any()) and not bool(is8.all()):
-                return None
-            store = self.q8 if bool(is8.any()) else self.full
+            any8 = bool(is8.any())
+            if any8 and not bool(is8.all()):
+                if self.q8.layout.kv_cache_dtype == "fp8":
+                    return None
+                entries = torch.where(is8, self.q8.entries(0, slots), self.full.entries(0, slots))
+                scale_entries = torch.where(is8, self.q8.scale_entries(0, slots), 0)
+                return "mixed", entries, scale_entries, is8.to(torch.uint8)
+            store = self.q8 if any8 else self.full
         else:
             store = self.full or self.q8
         if store.layout.kv_cache_dtype == "fp8":
@@ -342,9 +349,15 @@ class PagedKVCache:
     def paged_decode(self, ops: Any, q: torch.Tensor, index: Any, layer: int, lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
         """One query token per sequence over its paged blocks, read in place (attention_avx2.cpp at full precision,
-        attention_q8_avx2.cpp over int8 codes): ``q [B, heads * head_dim]`` fp32 -> the same shape."""
-        if index[0] == "full":
+        attention_q8_avx2.cpp over int8 codes, attention_mixed_avx2.cpp over tables mixing the two):
+        ``q [B, heads * head_dim]`` fp32 -> the same shape."""
+        kind = index[0]
+        if kind == "full":
             return ops.paged_decode_attention(q, self.full.blocks, index[1], layer, self.num_layers, lens, scale)
-        _, entries, scale_entries = index
-        return ops.paged_decode_attention_q8(q, self.q8.blocks, self.q8.scale_blocks, entries, scale_entries, layer,
-                                             self.num_layers, lens, scale)
+        if kind == "q8":
+            _, entries, scale_entries = index
+            return ops.paged_decode_attention_q8(q, self.q8.blocks, self.q8.scale_blocks, entries, scale_entries,
+                                                 layer, self.num_layers, lens, scale)
+        _, entries, scale_entries, is8 = index
+        return ops.paged_decode_attention_mixed(q, self.full.blocks, self.q8.blocks, self.q8.scale_blocks, entries,
+                                                scale_entries, is8, layer, self.num_layers, lens, scale)

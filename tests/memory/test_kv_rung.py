@@ -142,7 +142,7 @@ def _round_trip_from(position: int):
 
 def test_a_request_crossing_a_conversion_continues_as_a_reference_rounding_the_same_positions(tiny):
     """Mid-decode the rung converts the last two free slots; the request's later blocks are 8-bit (its table mixes
-    formats: the dense path reads it; 16 tokens leave one of the 5 8-bit blocks free, so no running block is
+    formats: the mixed decode kernel reads it; 16 tokens leave one of the 5 8-bit blocks free, so no running block is
     converted). (1) Its greedy tokens equal transformers' with a cache that rounds exactly the K/V of positions 8 on
     (the ones in 8-bit blocks). (2) Layer 0's stored K/V (which depend on the token alone) read
     back as that reference's: unrounded at positions 0-7, rounded from 8 on, and the rounding is real there."""

@@ -1,7 +1,8 @@
 """Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp`` with fp32 activations,
 ``q8act_avx2.cpp`` with int8 activations, the default: :func:`int8_activations`), the fp32 linears
 (``linear_avx2.cpp`` on plain weights, ``blocked_linear_avx2.cpp`` on oneDNN's blocked layout, with the non-owning
-oneDNN view of such weights), paged decode and prompt attention (``attention_avx2.cpp``; over int8 KV ``attention_q8_avx2.cpp``), RMSNorm (``norm_avx2.cpp``) and the fused
+oneDNN view of such weights), paged decode and prompt attention (``attention_avx2.cpp``; over int8 KV ``attention_q8_avx2.cpp``, over tables
+mixing fp32 and int8 blocks ``attention_mixed_avx2.cpp``), RMSNorm (``norm_avx2.cpp``) and the fused
 SwiGLU / RoPE + KV write (``elementwise_avx2.cpp``), one extension module.
 
 torch's own CPU kernels (``aten._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) are fast on
@@ -35,7 +36,7 @@ import torch
 _log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("qlinear_avx2.cpp", "q8act_avx2.cpp", "linear_avx2.cpp", "blocked_linear_avx2.cpp", "attention_avx2.cpp",
-                         "attention_q8_avx2.cpp", "norm_avx2.cpp",
+                         "attention_q8_avx2.cpp", "attention_mixed_avx2.cpp", "norm_avx2.cpp",
                          "elementwise_avx2.cpp", "bindings.cpp")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("avx2_common.h", "attention_common.h")]  # included by the sources: staged and hashed, not compiled
 _NAME = "morphserve_cpu_kernels"

@@ -40,7 +40,6 @@ struct Scratch {
 void attend(const float* q, float* out, const float* blocks, const int64_t* kidx, int64_t layer, int64_t v_offset,
             int64_t len, int64_t bs, int64_t row_stride, int64_t hd, int64_t G, float scale, Scratch& sc) {
   const int64_t lenp = (len + 7) & ~int64_t{7};
-  const int64_t vecs = hd / 8;
   sc.scores.resize(static_cast<size_t>(G * lenp));
   sc.krow.resize(static_cast<size_t>(lenp));
   sc.vrow.resize(static_cast<size_t>(len));
@@ -55,32 +54,17 @@ void attend(const float* q, float* out, const float* blocks, const int64_t* kidx
   // waited on each block in turn (~10 GB/s at 32 sequences of ~96 tokens, against ~26 GB/s a plain read reaches on
   // the 2-core EPYC; with these prefetches ~15 GB/s, README "Paged decode attention"). The V lines then arrive while
   // the scores are computed.
-  for (int64_t t = 0; t < len; ++t)
-    for (int64_t d = 0; d < hd; d += 16) _mm_prefetch(reinterpret_cast<const char*>(sc.krow[t] + d), _MM_HINT_T1);
-  for (int64_t t = 0; t < len; ++t)
-    for (int64_t d = 0; d < hd; d += 16) _mm_prefetch(reinterpret_cast<const char*>(sc.vrow[t] + d), _MM_HINT_T1);
+  prefetch_rows(sc.krow.data(), sc.vrow.data(), len, hd);
   float* scores = sc.scores.data();
-  // Scores, eight tokens at a time: eight independent FMA chains per query head, reduced together.
+  // Scores, eight tokens at a time (score8: eight independent FMA chains per query head, reduced together).
   const __m256 vscale = _mm256_set1_ps(scale);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t t0 = 0; t0 < lenp; t0 += 8) {
-    const float* const* k = sc.krow.data() + t0;
     for (int64_t t = t0 + 16; t < std::min(t0 + 24, len); ++t)  // and into L1 two groups of 8 tokens ahead
       for (int64_t d = 0; d < hd; d += 16) _mm_prefetch(reinterpret_cast<const char*>(sc.krow[t] + d), _MM_HINT_T0);
-    const __m256 pad = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(len - t0 - 1))));
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < vecs; ++j) {
-        const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * j);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + 8 * j), acc[i]);
-      }
-      const __m256 s = _mm256_mul_ps(hsum8(acc), vscale);
-      _mm256_storeu_ps(scores + g * lenp + t0, _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), pad));
-    }
+    score8(q, sc.krow.data() + t0, G, hd, vscale, pad_lanes(t0, len), scores + t0, lenp);
   }
   float inv[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) inv[g] = softmax_row(scores + g * lenp, len, len);
+  softmax_heads(scores, lenp, len, G, nullptr, inv);
   weighted_heads(scores, lenp, len, sc.vrow.data(), inv, out, G, hd);  // out_g = inv_g * sum_t p_gt v_t
 }
 

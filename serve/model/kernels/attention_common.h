@@ -1,5 +1,7 @@
-// AVX2 helpers of the attention kernels (attention_avx2.cpp: fp32 KV; attention_q8_avx2.cpp: 8-bit KV), staged and
-// hashed with them by kernels/__init__.py.
+// AVX2 helpers of the attention kernels (attention_avx2.cpp: fp32 KV; attention_q8_avx2.cpp: 8-bit KV;
+// attention_mixed_avx2.cpp: a block table mixing the two), staged and hashed with them by kernels/__init__.py. The
+// decode kernels share their arithmetic through these, in one order, so the mixed kernel equals each single-format
+// kernel bit for bit on a table of that format.
 #pragma once
 
 #include <immintrin.h>
@@ -61,19 +63,92 @@ inline __m256 load8_values(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// A K or V row of a table that mixes formats: fp32 values (f) or int8 codes (c), exactly one of them set.
+struct MixedRow {
+  const float* f;
+  const int8_t* c;
+};
+
+// Eight values from element i of a row, whatever the row's kind.
+inline __m256 load8_at(const float* row, int64_t i) { return load8_values(row + i); }
+inline __m256 load8_at(const int8_t* row, int64_t i) { return load8_values(row + i); }
+inline __m256 load8_at(const MixedRow& row, int64_t i) {
+  return row.c != nullptr ? load8_values(row.c + i) : load8_values(row.f + i);
+}
+
+// Every cache line of a row of hd values asked for (into L2): 16 fp32 values or 64 codes a line.
+inline void prefetch_row(const float* row, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
+}
+inline void prefetch_row(const int8_t* row, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 64) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
+}
+inline void prefetch_row(const MixedRow& row, int64_t hd) {
+  if (row.c != nullptr) prefetch_row(row.c, hd);
+  else prefetch_row(row.f, hd);
+}
+
+// Every K row of a task, then every V row, asked for up front: the V lines arrive while the scores are computed.
+template <typename Row>
+void prefetch_rows(const Row* krow, const Row* vrow, int64_t len, int64_t hd) {
+  for (int64_t t = 0; t < len; ++t) prefetch_row(krow[t], hd);
+  for (int64_t t = 0; t < len; ++t) prefetch_row(vrow[t], hd);
+}
+
+// An int8 row's codes as fp32 in dst (unscaled: conversion is exact); returns dst.
+inline const float* widen_row(const int8_t* codes, float* dst, int64_t hd) {
+  for (int64_t j = 0; j < hd / 8; ++j) _mm256_storeu_ps(dst + 8 * j, load8_values(codes + 8 * j));
+  return dst;
+}
+
+// scores[g * lenp + i] = kscale_i * (q_g . k_i) for eight fp32 K rows k[0..8) and the G query rows of q (hd apart),
+// -inf in the lanes of `pad`: eight independent FMA chains per query head, reduced together.
+inline void score8(const float* q, const float* const* k, int64_t G, int64_t hd, __m256 kscale, __m256 pad,
+                   float* scores, int64_t lenp) {
+  const int64_t vecs = hd / 8;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < vecs; ++j) {
+      const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * j);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + 8 * j), acc[i]);
+    }
+    const __m256 s = _mm256_mul_ps(hsum8(acc), kscale);
+    _mm256_storeu_ps(scores + g * lenp, _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), pad));
+  }
+}
+
+// The lanes t0 + i >= len of a group of eight tokens (padding), as a blend mask.
+inline __m256 pad_lanes(int64_t t0, int64_t len) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(len - t0 - 1))));
+}
+
+// Softmax of each query head's scores (inv[g]: 1 / its sum), then the weights times V's per-token scales `vs`
+// (zero past len) when the rows are int8 codes; fp32 rows' weights stay as they are (a scale of 1).
+inline void softmax_heads(float* scores, int64_t lenp, int64_t len, int64_t G, const float* vs, float* inv) {
+  for (int64_t g = 0; g < G; ++g) {
+    inv[g] = softmax_row(scores + g * lenp, len, len);
+    if (vs == nullptr) continue;
+    for (int64_t t = 0; t < lenp; t += 8)
+      _mm256_storeu_ps(scores + g * lenp + t,
+                       _mm256_mul_ps(_mm256_loadu_ps(scores + g * lenp + t), _mm256_loadu_ps(vs + t)));
+  }
+}
+
 constexpr int kVecs = 4;  // 8-lane vectors of the head dimension per P.V register tile
 
 // out[g] (g < GC) = inv[g] * sum_t p[g][t] * v_t over NV vectors of the head from lane 8 * j0: GC * NV
 // accumulators stay in registers while every V row is read (and, for int8 codes, converted) once.
-template <int GC, int NV, typename T>
-void weighted_rows(const float* p, int64_t lenp, int64_t len, const T* const* vrow, int64_t j0, const float* inv,
+template <int GC, int NV, typename Row>
+void weighted_rows(const float* p, int64_t lenp, int64_t len, const Row* vrow, int64_t j0, const float* inv,
                    float* out, int64_t hd) {
   __m256 acc[GC][NV];
   for (int g = 0; g < GC; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load8_values(vrow[t] + 8 * (j0 + j));
+    for (int j = 0; j < NV; ++j) v[j] = load8_at(vrow[t], 8 * (j0 + j));
     for (int g = 0; g < GC; ++g) {
       const __m256 pt = _mm256_broadcast_ss(p + g * lenp + t);
       for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_fmadd_ps(pt, v[j], acc[g][j]);
@@ -84,8 +159,8 @@ void weighted_rows(const float* p, int64_t lenp, int64_t len, const T* const* vr
       _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
 }
 
-template <int GC, typename T>
-void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const T* const* vrow, int64_t j0, int64_t nv,
+template <int GC, typename Row>
+void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const Row* vrow, int64_t j0, int64_t nv,
                        const float* inv, float* out, int64_t hd) {
   switch (nv) {
     case 1: weighted_rows<GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
@@ -96,9 +171,10 @@ void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const T* const
 }
 
 // out_g = inv_g * sum_t p_gt v_t for the G query heads of a kv head (`scores`: their weights, lenp apart): up to
-// three query heads x four vectors of the head per register tile.
-template <typename T>
-void weighted_heads(const float* scores, int64_t lenp, int64_t len, const T* const* vrow, const float* inv, float* out,
+// three query heads x four vectors of the head per register tile. A Row is a const float*, a const int8_t* or a
+// MixedRow.
+template <typename Row>
+void weighted_heads(const float* scores, int64_t lenp, int64_t len, const Row* vrow, const float* inv, float* out,
                     int64_t G, int64_t hd) {
   const int64_t vecs = hd / 8;
   for (int64_t g0 = 0; g0 < G; g0 += 3) {

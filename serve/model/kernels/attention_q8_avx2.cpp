@@ -45,7 +45,7 @@ void attend_q8(const float* q, float* out, const int8_t* codes, const float* sca
                const int64_t* sidx, int64_t layer, int64_t v_offset, int64_t len, int64_t bs, int64_t kvh, int64_t hd,
                int64_t G, float scale, ScratchQ8& sc) {
   const int64_t lenp = (len + 7) & ~int64_t{7};
-  const int64_t vecs = hd / 8, row_stride = kvh * hd;
+  const int64_t row_stride = kvh * hd;
   sc.scores.resize(static_cast<size_t>(G * lenp));
   sc.krow.resize(static_cast<size_t>(lenp));
   sc.vrow.resize(static_cast<size_t>(len));
@@ -60,39 +60,18 @@ void attend_q8(const float* q, float* out, const int8_t* codes, const float* sca
     sc.vs[t] = scales[(srow + v_offset * bs) * kvh];
   }
   for (int64_t t = len; t < lenp; ++t) sc.krow[t] = sc.krow[0];
-  // Every K and V line of the task is asked for up front, K first (as the fp32 kernel does; a row is hd bytes).
-  for (int64_t t = 0; t < len; ++t)
-    for (int64_t d = 0; d < hd; d += 64) _mm_prefetch(reinterpret_cast<const char*>(sc.krow[t] + d), _MM_HINT_T1);
-  for (int64_t t = 0; t < len; ++t)
-    for (int64_t d = 0; d < hd; d += 64) _mm_prefetch(reinterpret_cast<const char*>(sc.vrow[t] + d), _MM_HINT_T1);
+  prefetch_rows(sc.krow.data(), sc.vrow.data(), len, hd);  // K first, as the fp32 kernel does (a row is hd bytes)
   float* scores = sc.scores.data();
   float* tile = sc.tile.data();
   const __m256 vscale = _mm256_set1_ps(scale);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t t0 = 0; t0 < lenp; t0 += 8) {
-    const int8_t* const* k = sc.krow.data() + t0;
-    for (int i = 0; i < 8; ++i)
-      for (int64_t j = 0; j < vecs; ++j) _mm256_storeu_ps(tile + i * hd + 8 * j, load8_values(k[i] + 8 * j));
-    const __m256 pad = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(len - t0 - 1))));
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = widen_row(sc.krow[t0 + i], tile + i * hd, hd);
     const __m256 kscale = _mm256_mul_ps(vscale, _mm256_loadu_ps(sc.ks.data() + t0));
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < vecs; ++j) {
-        const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * j);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(tile + i * hd + 8 * j), acc[i]);
-      }
-      const __m256 s = _mm256_mul_ps(hsum8(acc), kscale);
-      _mm256_storeu_ps(scores + g * lenp + t0, _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), pad));
-    }
+    score8(q, k, G, hd, kscale, pad_lanes(t0, len), scores + t0, lenp);
   }
   float inv[kMaxGroupQ8];
-  for (int64_t g = 0; g < G; ++g) {
-    inv[g] = softmax_row(scores + g * lenp, len, len);
-    for (int64_t t = 0; t < lenp; t += 8)  // p_t * vs_t (zero past len on both sides)
-      _mm256_storeu_ps(scores + g * lenp + t,
-                       _mm256_mul_ps(_mm256_loadu_ps(scores + g * lenp + t), _mm256_loadu_ps(sc.vs.data() + t)));
-  }
+  softmax_heads(scores, lenp, len, G, sc.vs.data(), inv);  // p_t * vs_t (zero past len on both sides)
   weighted_heads(scores, lenp, len, sc.vrow.data(), inv, out, G, hd);  // V's scales are in the weights
 }
 

@@ -1,5 +1,6 @@
 // The one Python module of the CPU kernels: the int8 / int4 kernels (qlinear_avx2.cpp; with int8 activations q8act_avx2.cpp), the fp32 linears
-// (linear_avx2.cpp, blocked_linear_avx2.cpp), paged decode and prompt attention (attention_avx2.cpp; over 8-bit KV attention_q8_avx2.cpp), RMSNorm (norm_avx2.cpp) and the fused SwiGLU / RoPE + KV write
+// (linear_avx2.cpp, blocked_linear_avx2.cpp), paged decode and prompt attention (attention_avx2.cpp; over 8-bit KV attention_q8_avx2.cpp,
+// over tables mixing the two attention_mixed_avx2.cpp), RMSNorm (norm_avx2.cpp) and the fused SwiGLU / RoPE + KV write
 // (elementwise_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
 
@@ -19,6 +20,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 torch::Tensor paged_decode_attention_q8(const torch::Tensor& q, const torch::Tensor& codes, const torch::Tensor& scales,
                                         const torch::Tensor& k_index, const torch::Tensor& s_index, int64_t layer,
                                         int64_t v_offset, const torch::Tensor& lens, double scale);
+torch::Tensor paged_decode_attention_mixed(const torch::Tensor& q, const torch::Tensor& blocks,
+                                           const torch::Tensor& codes, const torch::Tensor& scales,
+                                           const torch::Tensor& k_index, const torch::Tensor& s_index,
+                                           const torch::Tensor& is8, int64_t layer, int64_t v_offset,
+                                           const torch::Tensor& lens, double scale);
 void prefill_attention_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& out,
                         double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
@@ -49,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_q8", &paged_decode_attention_q8,
         "paged_decode_attention over 8-bit KV: int8 codes and fp32 per token-head scales read in place "
         "(attention_q8_avx2.cpp)");
+  m.def("paged_decode_attention_mixed", &paged_decode_attention_mixed,
+        "paged_decode_attention over block tables mixing fp32 and int8 blocks (is8 per block), each read in place "
+        "in its own grid (attention_mixed_avx2.cpp)");
   m.def("prefill_attention_", &prefill_attention_,
         "causal attention of n query tokens, the last n of k/v's L, written into out, fp32 (attention_avx2.cpp)");
   m.def("rms_norm", &rms_norm, "Llama RMSNorm of fp32 rows: w * (x / sqrt(mean(x^2) + eps))");
