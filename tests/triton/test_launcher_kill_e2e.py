@@ -25,6 +25,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 from tests.triton_support import skip_module_without_triton  # noqa: E402
+from bench.reliability_common import alive, cmdline, descendants  # noqa: E402
 
 from serve.triton.stale import LAUNCHER_MARK, REPOSITORY_MARK, find_stale  # noqa: E402
 
@@ -48,36 +49,6 @@ def launch(log: Path) -> tuple[subprocess.Popen[str], str]:
         proc.kill()
         raise AssertionError(f"the launcher did not get ready: {line!r}\n{log.read_text()[-3000:]}")
     return proc, found.group(1)
-
-
-def descendants(pid: int) -> list[int]:
-    out = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for child in children:
-            out += [int(child), *descendants(int(child))]
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def marked(launcher: int) -> list[int]:

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
 from tests.triton_support import skip_module_without_triton  # noqa: E402
+from bench.reliability_common import alive, cmdline, descendants  # noqa: E402
 
 from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.triton.client import GenerationError, GrpcStream, metric_value, request_inputs, scrape_metrics  # noqa: E402
@@ -68,28 +69,6 @@ def post(srv: TritonServer, path: str, body: bytes | dict[str, Any], port: int |
 
 def generate(srv: TritonServer, body: bytes | dict[str, Any], model: str = MODEL) -> tuple[int, str]:
     return post(srv, f"/v2/models/{model}/generate", body)
-
-
-def descendants(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            out += [int(child), *descendants(int(child))]
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # ---- finding 4: closed APIs ----------------------------------------------------------------------------------
