@@ -16,6 +16,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from policy.speculation import SPECULATION_MODES
 from serve.config import EMBEDDED_MODEL, PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig, without_none
 
 ENGINE_FLAG_HELP: dict[str, str] = {
@@ -50,6 +51,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                        "\"overloaded ... retry later\" (0: no queue deadline)",
     "shed_on_arrival": "with a queue deadline, refuse at once (503 + Retry-After) a request that the measured start "
                        "rate says cannot start within it",
+    "speculation": "self-speculative decoding with the engine's own quantized layers as the draft, output from full "
+                   "precision: auto (the controller drafts when the measured step costs and the acceptance rate say "
+                   "it pays, never under KV pressure or with prefill in the batch), always, or off "
+                   "(docs/speculation.md)",
     "request_timeout_s": "deadline in seconds of a request that names no timeout_s: past it the request ends with "
                          "deadline exceeded (HTTP 504)",
 }
@@ -76,6 +81,7 @@ ENGINE_FLAG_CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler": SCHEDULERS,
     "prefix_cache_across_morph": PREFIX_CACHE_ACROSS_MORPH,
     "memory_pressure_source": ("auto", "nvml", "host", "none"),
+    "speculation": SPECULATION_MODES,
 }
 
 

@@ -188,6 +188,18 @@ def cache_path() -> Path:
     return cache_dir() / COSTS_FILE
 
 
+def find_measured(shape: Sequence[int], device: torch.device, dtype: torch.dtype, precisions: Sequence[str],
+                  engine_dir: Path | None = None) -> tuple[StepCosts | None, str]:
+    """This machine's costs when the engine directory or the per-user cache holds them (never measures: for a
+    lever that stays off without them, speculative decoding)."""
+    key = machine_key(device, dtype, shape)
+    for path in ([engine_dir / COSTS_FILE] if engine_dir is not None else []) + [cache_path()]:
+        found = lookup(path, key, precisions)
+        if found is not None:
+            return found, str(path)
+    return None, "none measured for this machine"
+
+
 def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
                     head: LinearOp | None = None, engine_dir: Path | None = None,
                     repeats: int = 3) -> tuple[StepCosts, str]:
