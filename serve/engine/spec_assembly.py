@@ -2,9 +2,9 @@
 the controller, the resource manager and the speculative executor around the torch executor.
 
 ``speculation`` off builds none of it (the torch executor as before). ``auto`` needs the step costs measured on this
-machine with the LM head's (``make build-engines`` writes them into the engine directory; the per-user cache
-holds them after a morphing engine measured them): without them it logs why and builds nothing, it never measures
-at start. ``always`` drafts without a cost model. The draft's layers are built on first use (serve/morph/draft.py).
+machine with the LM head's in the engine directory (``make build-engines`` writes them): without them it logs why
+and builds nothing (a model loaded from a GGUF file or a Hugging Face directory, or an engine built on another
+machine); it never measures at start. ``always`` drafts without a cost model. The draft's layers are built on first use (serve/morph/draft.py).
 """
 
 from __future__ import annotations
