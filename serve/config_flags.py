@@ -72,6 +72,7 @@ UNSET_MEANS: dict[str, str] = {
     "shed_on_arrival": "on",
     "max_num_waiting": "unbounded",
     "request_timeout_s": "none",
+    "speculation": "auto",
 }
 """What leaving a flag out means, where the entry point has no default of its own (EngineConfig's, or the
 model config's for serve.triton)."""
