@@ -4,7 +4,8 @@ the controller, the resource manager and the speculative executor around the tor
 ``speculation`` off builds none of it (the torch executor as before). ``auto`` needs the step costs measured on this
 machine with the LM head's in the engine directory (``make build-engines`` writes them): without them it logs why
 and builds nothing (a model loaded from a GGUF file or a Hugging Face directory, or an engine built on another
-machine); it never measures at start. ``always`` drafts without a cost model. The draft's layers are built on first use (serve/morph/draft.py).
+machine); it never measures at start. ``always`` drafts without a cost model. The draft's layers are built on first
+use (serve/morph/draft.py).
 """
 
 from __future__ import annotations

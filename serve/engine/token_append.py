@@ -109,11 +109,18 @@ class TokenAppender:
         target = target_probs(rows[j], p, row_context(seq, self.eos_token_ids))
         if not drafted:
             return int(torch.multinomial(target, 1, generator=gen).item()), False
-        d, q = c.draft[j], c.draft_probs[j]
-        u = float(torch.rand(1, generator=gen, device=target.device).item())
-        if q[d] > 0 and u * float(q[d]) < float(target[d]):  # u < min(1, p/q)
-            return d, True
-        residual = torch.clamp(target - q, min=0.0)
-        total = float(residual.sum())
-        residual = residual / total if total > 0 else target
-        return int(torch.multinomial(residual, 1, generator=gen).item()), False
+        return speculative_sample(target, c.draft_probs[j], c.draft[j], gen)
+
+
+def speculative_sample(target: torch.Tensor, draft: torch.Tensor, token: int,
+                       generator: torch.Generator | None) -> tuple[int, bool]:
+    """The speculative-sampling rule for one draft token ``token`` drawn from ``draft`` (q) against ``target`` (p):
+    (``token``, True) with probability ``min(1, p / q)``, else (a token drawn from ``max(0, p - q)`` normalized,
+    False). The emitted token is distributed as p whatever q is."""
+    u = float(torch.rand(1, generator=generator, device=target.device).item())
+    if draft[token] > 0 and u * float(draft[token]) < float(target[token]):  # u < min(1, p/q)
+        return token, True
+    residual = torch.clamp(target - draft, min=0.0)
+    total = float(residual.sum())
+    residual = residual / total if total > 0 else target
+    return int(torch.multinomial(residual, 1, generator=generator).item()), False
