@@ -204,3 +204,48 @@ def test_greedy_equal_through_a_morphing_transition_mid_request(smollm):
     finally:
         morphing.shutdown()
         reference.shutdown()
+
+
+def test_auto_drafts_at_batch_1_and_not_for_a_large_batch_from_the_engine_dirs_costs(smollm):
+    assert LLMEngine(EngineConfig(num_kv_blocks=32), loaded=smollm).resource_manager(SpeculationManager) is None, \
+        "auto without an engine directory's measured costs builds nothing"
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, max_num_seqs=32))  # the embedded engine directory, auto
+    try:
+        manager = spec(engine)
+        assert manager.mode == "auto" and manager.controller.costs is not None
+        engine.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True))
+        first = next(d for d in manager.decisions if "batch 1," in d.reason)
+        assert first.speculate and "predicted x" in first.reason  # prior acceptance: drafting pays at batch 1
+        manager.decisions.clear()
+        engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(24)], SamplingParams(max_tokens=4, ignore_eos=True))
+        big = [d for d in manager.decisions if "batch 24," in d.reason]
+        assert big and not any(d.speculate for d in big) and all("<" in d.reason for d in big)
+    finally:
+        engine.shutdown()
+
+
+def test_a_wrong_draft_is_rejected_at_every_offset_with_exact_blocks_and_output(plain, drafting, monkeypatch):
+    """Drafts corrupted at every third position: verification rejects them at offsets 0..k, at and across block
+    boundaries; the output still equals plain decoding's and every step leaves exactly the blocks plain holds."""
+    executor = drafting.executor
+    honest = executor._draft_token
+
+    def corrupt(logits, chunk, so_far):
+        tok, q = honest(logits, chunk, so_far)
+        return ((tok + 1) % logits.shape[-1] if (chunk.seq.num_tokens + len(so_far)) % 3 == 1 else tok), q
+    monkeypatch.setattr(executor, "_draft_token", corrupt)
+    manager = spec(drafting)
+    params = [SamplingParams(max_tokens=40 + 3 * i, ignore_eos=True) for i in range(3)]
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS[:3]):
+        got[prompt] = []
+        drafting.add_request(prompt, params[i], callback=lambda o, p=prompt: got[p].extend(o.new_token_ids))
+    offsets = set()
+    while drafting.has_unfinished_requests():
+        n = len(manager.accepted_per_draft)
+        drafting.step()
+        check_blocks(drafting)
+        offsets.update(manager.accepted_per_draft[n:])
+    assert offsets >= {0, 1, 2}  # rejected at the first, second and third draft token
+    assert [got[p] for p in PROMPTS[:3]] == tokens(plain, PROMPTS[:3], params)
+    assert drafting.pool.num_used == 0
