@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
                     force(engine, *cell)
                 before = (manager.num_draft_tokens, manager.num_accepted_tokens) if manager else (0, 0)
                 rate, got = decode_tok_s(engine, work[:b], args.new)
+                print(f"# batch {b} {name}: {rate:.1f} tok/s (off {per['off'][-1]:.1f})", file=sys.stderr, flush=True)
                 per.setdefault(name, []).append(rate)
                 per.setdefault(f"{name} / off", []).append(rate / per["off"][-1])
                 results["compared"] += len(got)
