@@ -78,8 +78,10 @@ def test_first_speculative_tokens_follow_plain_samplings_distribution(engines):
     n = 320
     joint = []
     for engine, seeds in ((plain, range(n)), (drafting, range(10_000, 10_000 + n))):  # independent samples
-        outs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s,
-                                                             ignore_eos=True) for s in seeds])
+        params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True) for s in seeds]
+        outs = []
+        for i in range(0, n, 64):  # waves that fit the batch: nothing waits, so every decode step drafts
+            outs += engine.generate([prompt] * len(params[i:i + 64]), params[i:i + 64])
         joint.append(collections.Counter(tuple(o["token_ids"][:2]) for o in outs))
     manager = drafting.resource_manager(SpeculationManager)
     assert manager.num_draft_tokens >= n  # every request's second token went through a draft
