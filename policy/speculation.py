@@ -16,9 +16,10 @@ tokens, and the rest of the step, the LM head, at the same counts; interpolated 
 * tokens per speculative step: ``B * E`` with ``E = (1 - a^(k+1)) / (1 - a)``, ``a`` the acceptance rate of a
   draft token at that rung.
 
-Each of the three predictions is multiplied by a correction the engine feeds back (``observe``: predicted and
-measured seconds of each kind of step, averaged), so the model follows the machine it runs on, not the one the
-costs were measured on. The predicted gain is plain seconds per token over speculative seconds per token.
+The predictions are multiplied by corrections the engine feeds back (``observe``: predicted and measured seconds of
+each kind of step, averaged): a machine factor from plain steps that scales every prediction, and a factor per kind
+(draft, verify) relative to it, so the model follows the machine it runs on (and a kernel the measurement did not
+see, such as verification on the plain step's kernels) without a load change tilting the gain. The predicted gain is plain seconds per token over speculative seconds per token.
 
 Rules:
 
@@ -143,10 +144,14 @@ class SpeculationController:
         self.est.acceptance[rung] = old + w * (accepted / drafted - old)
 
     def observe(self, kind: str, predicted_s: float, measured_s: float) -> None:
-        """A step of ``kind`` (plain, draft, verify) took ``measured_s`` where the cost model said ``predicted_s``."""
+        """A step of ``kind`` (plain, draft, verify) took ``measured_s`` where the uncorrected cost model said
+        ``predicted_s``. A plain step moves the machine's factor (``plain``: load, a slower CPU than the measured
+        one); a draft or verify step moves its kind's factor relative to it, so a load change between observations
+        moves every prediction alike instead of tilting the gain."""
         if predicted_s > 0 and measured_s > 0 and kind in self.est.correction:
             old = self.est.correction[kind]
-            self.est.correction[kind] = old + self.config.correction_weight * (measured_s / predicted_s - old)
+            base = 1.0 if kind == "plain" else self.est.correction["plain"]
+            self.est.correction[kind] = old + self.config.correction_weight * (measured_s / (predicted_s * base) - old)
 
     def acceptance(self, rung: str) -> float:
         return self.est.acceptance.get(rung, self.config.prior_acceptance)
@@ -163,10 +168,13 @@ class SpeculationController:
         assert c is not None
         layers = sum(c.layer_cost_s(rung_below(p, rung), tokens) for p in precisions)
         head = c.rest_cost_s(tokens) * c.ratio(rung, tokens)
-        return (layers + head) * (self.est.correction["draft"] if corrected else 1.0)
+        return (layers + head) * (self._factor("draft") if corrected else 1.0)
 
     def verify_s(self, precisions: Sequence[str], tokens: int, corrected: bool = True) -> float:
-        return self.plain_s(precisions, tokens, corrected=False) * (self.est.correction["verify"] if corrected else 1.0)
+        return self.plain_s(precisions, tokens, corrected=False) * (self._factor("verify") if corrected else 1.0)
+
+    def _factor(self, kind: str) -> float:
+        return self.est.correction["plain"] * self.est.correction[kind]
 
     def gain(self, t: SpeculationTelemetry, rung: str, k: int, acceptance: float | None = None) -> float:
         """Predicted plain seconds per token over speculative seconds per token."""

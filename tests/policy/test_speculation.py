@@ -118,3 +118,14 @@ def test_expected_tokens_and_config_checks():
         SpeculationConfig(mode="sometimes")
     with pytest.raises(ValueError, match="hysteresis"):
         SpeculationConfig(on_gain=1.0, off_gain=1.2)
+
+
+def test_a_load_change_moves_every_prediction_alike():
+    c = controller(prior_acceptance=0.9)
+    g0 = c.gain(tele(batch=24, free=1000), "int8", 2)
+    for _ in range(50):
+        c.observe("plain", 0.01, 0.03)  # the machine got 3x slower (other work): plain steps measured slower
+    assert c.plain_s(LAYERS, 1) == pytest.approx(3 * c.plain_s(LAYERS, 1, corrected=False), rel=0.02)
+    assert c.gain(tele(batch=24, free=1000), "int8", 2) == pytest.approx(g0)
+    c.observe("verify", 0.01, 0.06)  # verify measured 2x slower than the (3x loaded) model: its own factor moves
+    assert c.est.correction["verify"] > 1.0
