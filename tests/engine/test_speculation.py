@@ -8,14 +8,18 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from policy import MorphDecision
+from policy.speculation import SpeculationConfig, SpeculationController
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.spec_manager import SpeculationManager
+from serve.model.step_costs import COSTS_FILE, find_measured, machine_key, store
 from tests.conftest import REPO_ROOT
 from tests.morph_support import direct_variant, morph
+from tests.policy.test_speculation import COSTS
 
 WORDS = (REPO_ROOT / "bench" / "data" / "botchan_excerpt.txt").read_text(encoding="utf-8").split()
 PROMPTS = [" ".join(WORDS[i * 41: i * 41 + 24]) for i in range(6)] + ["The capital of France is", "def add(a, b):"]
@@ -206,20 +210,31 @@ def test_greedy_equal_through_a_morphing_transition_mid_request(smollm):
         reference.shutdown()
 
 
-def test_auto_drafts_at_batch_1_and_not_for_a_large_batch_from_the_engine_dirs_costs(smollm):
+def test_auto_needs_the_engine_dirs_measured_costs(smollm, tmp_path):
     assert LLMEngine(EngineConfig(num_kv_blocks=32), loaded=smollm).resource_manager(SpeculationManager) is None, \
         "auto without an engine directory's measured costs builds nothing"
-    engine = LLMEngine(EngineConfig(num_kv_blocks=256, max_num_seqs=32))  # the embedded engine directory, auto
+    shape, cpu = (576, 576, 1536), torch.device("cpu")
+    assert find_measured(shape, cpu, torch.float32, ["full", "int8"], tmp_path)[0] is None
+    store(tmp_path / COSTS_FILE, machine_key(cpu, torch.float32, shape), COSTS)
+    found, where = find_measured(shape, cpu, torch.float32, ["full", "int8", "int4"], tmp_path)
+    assert found is not None and found.rest_s == COSTS.rest_s and where == str(tmp_path / COSTS_FILE)
+    assert find_measured(shape, cpu, torch.float32, ["full", "int8"], None)[0] is None  # never the per-user cache
+
+
+def test_auto_drafts_at_batch_1_and_not_for_a_large_batch(smollm):
+    """The auto controller with this machine's measured costs (tests/policy/test_speculation.py's COSTS, from
+    engines/smollm2-135m/step_costs.json) on the real engine: on at batch 1, off at batch 24."""
+    engine = LLMEngine(EngineConfig(speculation="always", num_kv_blocks=256, max_num_seqs=32), loaded=smollm)
     try:
         manager = spec(engine)
-        assert manager.mode == "auto" and manager.controller.costs is not None
+        manager.controller = SpeculationController(SpeculationConfig(mode="auto"), COSTS)
         engine.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True))
         first = next(d for d in manager.decisions if "batch 1," in d.reason)
         assert first.speculate and "predicted x" in first.reason  # prior acceptance: drafting pays at batch 1
         manager.decisions.clear()
         engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(24)], SamplingParams(max_tokens=4, ignore_eos=True))
         big = [d for d in manager.decisions if "batch 24," in d.reason]
-        assert big and not any(d.speculate for d in big) and all("<" in d.reason for d in big)
+        assert big and not any(d.speculate for d in big) and all("<" in d.reason for d in big), big
     finally:
         engine.shutdown()
 
