@@ -38,7 +38,7 @@ from serve.morph.runtime import MorphRuntime
 
 ENGINE_FIELDS = ("model", "device_memory", "slo_ttft_s", "scheduler", "slai_theta", "max_num_seqs",
                  "max_num_batched_tokens", "device", "dtype", "num_threads", "prefix_cache_across_morph",
-                 "kv_cache_dtype")
+                 "kv_cache_dtype", "speculation")
 """The EngineConfig fields a replay's command line sets (one engine per mode; serve/config_flags.py)."""
 
 

@@ -60,6 +60,10 @@ class StepCosts:
             raise KeyError(f"no measured cost for {precision!r} (have {sorted(self.layer_s)})")
         return self._interp(self.layer_s[precision], tokens)
 
+    def rest_cost_s(self, tokens: float) -> float:
+        """The rest of a step (embedding, final norm, LM head) for ``tokens`` tokens; 0 when not measured."""
+        return self._interp(self.rest_s, tokens) if self.rest_s else 0.0
+
     def slowdown_s(self, precision: str, tokens: float, from_precision: str = FULL) -> float:
         """Seconds one layer moving ``from_precision`` -> ``precision`` adds to a step (negative: it saves)."""
         return self.layer_cost_s(precision, tokens) - self.layer_cost_s(from_precision, tokens)

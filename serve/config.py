@@ -122,6 +122,9 @@ class EngineConfig:
     slai_theta_high: float | None = None  # above slai_theta_kv_threshold KV usage; None: CPU 6, CUDA 10
     slai_theta_kv_threshold: float = 0.96
     slai_max_decodes: int | None = None  # decodes per batch; None = max_num_seqs
+    # self-speculative decoding (docs/speculation.md): off | auto (the controller drafts when the measured step
+    # costs and the acceptance rate say it pays) | always (drafts whenever KV and the batch allow)
+    speculation: str = "auto"
 
     def slai_thetas(self, device_type: str) -> tuple[float, float]:
         """(theta_low, theta_high) of the slai scheduler on a ``device_type`` device: the fields where set, else
@@ -204,6 +207,10 @@ class EngineConfig:
             raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
         if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
+        from policy.speculation import SPECULATION_MODES  # noqa: PLC0415
+
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {list(SPECULATION_MODES)}, got {self.speculation!r}")
 
 
     def context_length(self, max_position_embeddings: int) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from policy.precisions import KV_CACHE_DTYPES
+from policy.speculation import SPECULATION_MODES
 from serve.config import EMBEDDED_MODEL, PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, EngineConfig, without_none
 
 ENGINE_FLAG_HELP: dict[str, str] = {
@@ -53,6 +54,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                        "\"overloaded ... retry later\" (0: no queue deadline)",
     "shed_on_arrival": "with a queue deadline, refuse at once (503 + Retry-After) a request that the measured start "
                        "rate says cannot start within it",
+    "speculation": "self-speculative decoding with the engine's own quantized layers as the draft, output from full "
+                   "precision: auto (the controller drafts when the measured step costs and the acceptance rate say "
+                   "it pays, never under KV pressure or with prefill in the batch), always, or off "
+                   "(docs/speculation.md)",
     "request_timeout_s": "deadline in seconds of a request that names no timeout_s: past it the request ends with "
                          "deadline exceeded (HTTP 504)",
 }
@@ -71,6 +76,7 @@ UNSET_MEANS: dict[str, str] = {
     "shed_on_arrival": "on",
     "max_num_waiting": "unbounded",
     "request_timeout_s": "none",
+    "speculation": "auto",
 }
 """What leaving a flag out means, where the entry point has no default of its own (EngineConfig's, or the
 model config's for serve.triton)."""
@@ -81,6 +87,7 @@ ENGINE_FLAG_CHOICES: dict[str, tuple[str, ...]] = {
     "prefix_cache_across_morph": PREFIX_CACHE_ACROSS_MORPH,
     "memory_pressure_source": ("auto", "nvml", "host", "none"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "speculation": SPECULATION_MODES,
 }
 
 

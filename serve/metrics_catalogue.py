@@ -68,6 +68,18 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  "kv_precision_blocks_rewritten_total"),
     EngineMetric("morphserve_kv_precision_bytes_gained", "gauge",
                  "Full-precision KV bytes the KV-precision rung's extra blocks stand for.", "kv_precision_bytes_gained"),
+    # self-speculative decoding, named after vLLM's vllm:spec_decode_* series
+    EngineMetric("morphserve_spec_decode_num_drafts_total", "counter",
+                 "Sequence drafts verified (self-speculative decoding).", "spec_decode_num_drafts"),
+    EngineMetric("morphserve_spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
+                 "spec_decode_num_draft_tokens"),
+    EngineMetric("morphserve_spec_decode_num_accepted_tokens_total", "counter",
+                 "Draft tokens the full-precision verification accepted.", "spec_decode_num_accepted_tokens"),
+    EngineMetric("morphserve_spec_decode_draft_acceptance_rate", "gauge",
+                 "Accepted over proposed draft tokens so far (0 before any draft).",
+                 "spec_decode_draft_acceptance_rate"),
+    EngineMetric("morphserve_spec_decode_num_steps_total", "counter", "Engine iterations that drafted.",
+                 "spec_decode_num_steps"),
 )
 LAYERS_QUANTIZED = EngineMetric("morphserve_layers_quantized", "gauge",
                                 "Decoder layers currently held in each quantized precision.", "layers_quantized")

@@ -27,6 +27,7 @@ from serve.model.tokenizer import Tokenizer
 from serve.engine.memory_assembly import EngineMemory, build_memory
 from serve.engine.kv_rung import build_kv_rung
 from serve.engine.resources import ResourceManager
+from serve.engine.spec_assembly import wrap_executor
 from serve.morph.plan import load_model_and_plan, resolve_plan
 from serve.morph.setup import build_runtime
 
@@ -92,8 +93,13 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
         resources.append(morph)
         if memory.kv.mixes_formats:  # the KV-precision rung, the cheapest lever, goes before layer swapping
             resources.insert(0, build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph))
+    # self-speculative decoding (off: the torch executor alone); its manager runs after the morph runtime's
+    executor, speculation = wrap_executor(config, model, TorchExecutor(model, memory.kv), memory.bank, plan,
+                                          loaded.weights, max_model_len, clock)
+    if speculation is not None:
+        resources.append(speculation)
     return EngineParts(loaded.config, loaded.tokenizer, max_model_len, device, dtype, memory, resources,
-                       TorchExecutor(model, memory.kv), model)
+                       executor, model)
 
 
 def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float],

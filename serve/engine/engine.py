@@ -23,11 +23,11 @@ from serve.engine.faults import FaultTracker
 from serve.engine.grammar_wait import GrammarWait, guide_error
 from serve.engine.lifecycle import Lifecycle
 from serve.engine.outputs import FinishReason, OutputCollector, RequestOutput
-from serve.engine.sampler import sample_isolated
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.engine.validation import RequestValidator
 from serve.engine.stats import EngineStats, resource_fields
+from serve.engine.token_append import TokenAppender
 from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
@@ -102,6 +102,8 @@ class LLMEngine:
         self._wire_resources(config)
         self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.appender = TokenAppender(self.model_config.eos_token_ids, self.default_generator, self._accept_token,
+                                      self._fail_seqs, self.clock)
 
     def _wire_resources(self, config: EngineConfig) -> None:
         """The admission bound the resource managers give, and the scheduler, which offers them the shortfalls
@@ -225,7 +227,7 @@ class LLMEngine:
                     produced += self._fail_seqs([c.seq for c in sched.chunks], "forward", exc)
                 else:
                     self.scheduler.on_executed(sched)
-                    produced += self._append_tokens(sampled, logits)
+                    produced += self.appender.append(sampled, logits)  # drafted chunks: accepted runs
                     if self._resources_ok:
                         self.faults.iteration_ok()
                 self.num_steps += 1
@@ -238,26 +240,6 @@ class LLMEngine:
         """Call ``listener()`` from the stepping thread after every step, outside the engine lock (so it may
         call ``stats()``); idle morph ticks count, so it also sees every swap/restore and pool resize."""
         self._step_listeners.append(listener)
-
-    def _append_tokens(self, sampled, logits: torch.Tensor) -> list[tuple[Sequence, RequestOutput]]:
-        if not sampled:
-            return []
-        seqs = [c.seq for c in sampled]
-        tokens = sample_isolated(logits, seqs, self.model_config.eos_token_ids, self.default_generator)
-        now = self.clock()
-        produced = []
-        for seq, (tok, lp) in zip(seqs, tokens):
-            if isinstance(tok, BaseException):
-                produced += self._fail_seqs([seq], "sample", tok, iteration_failed=False)
-                continue
-            try:
-                seq_out = self._accept_token(seq, tok, now)
-                if lp is not None:
-                    seq_out[1].new_logprobs = [lp]
-                produced.append(seq_out)
-            except Exception as exc:  # noqa: BLE001 - e.g. the detokenizer: fail this request only
-                produced += self._fail_seqs([seq], "postprocess", exc, iteration_failed=False)
-        return produced
 
     def _cover_shortfall(self, blocks: int) -> None:
         """The scheduler is ``blocks`` KV blocks short and about to preempt (the KV-cache manager's hook): the

@@ -40,7 +40,7 @@ def sample_with_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
             out[row] = int(row_logits.argmax().item())
         if not p.greedy:
             scaled = row_logits / p.temperature
-            probs = _filtered_probs(scaled, p)
+            probs = filtered_probs(scaled, p)
             gen = generators[row] if generators[row] is not None else default_generator
             out[row] = int(torch.multinomial(probs, 1, generator=gen).item())
         else:
@@ -50,7 +50,7 @@ def sample_with_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out, logprobs
 
 
-def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits already divided by the temperature -> top-k / top-p filtered probabilities."""
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -65,6 +65,13 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         probs = probs / probs.sum()
     return probs
+
+
+def target_probs(logits: torch.Tensor, p: SamplingParams, ctx: RowContext | None) -> torch.Tensor:
+    """The distribution a sampled row is drawn from: processed on the history (when it needs it), divided by the
+    temperature, top-k / top-p filtered (what ``sample_with_logprobs`` draws from)."""
+    row = process_row(logits, p, ctx) if p.needs_history and ctx is not None else logits
+    return filtered_probs(row / p.temperature, p)
 
 
 def row_context(seq: Request, eos_token_ids: Sequence[int]) -> RowContext:

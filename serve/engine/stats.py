@@ -60,6 +60,12 @@ class EngineStats:
     kv_precision_reverts_total: int = 0
     kv_precision_blocks_rewritten_total: int = 0
     kv_precision_bytes_gained: int = 0
+    # self-speculative decoding (serve/engine/spec_manager.py; vLLM's spec_decode names); 0: none drafted
+    spec_decode_num_steps: int = 0            # iterations that drafted
+    spec_decode_num_drafts: int = 0           # sequence drafts verified
+    spec_decode_num_draft_tokens: int = 0     # draft tokens proposed
+    spec_decode_num_accepted_tokens: int = 0  # of which the target agreed with
+    spec_decode_draft_acceptance_rate: float = 0.0
     # every manager's own typed snapshot, by its name (e.g. resources["morph"]: MorphResourceStats)
     resources: dict[str, Any] = field(default_factory=dict)
 

@@ -123,6 +123,16 @@ class KVCacheManager:
             if not self.pool.register_quantized:
                 req.hash_root = None
 
+    def trim(self, req: KVRequest, num_tokens: int) -> int:
+        """Free ``req``'s blocks past the ``num_tokens``-th token (the blocks a speculative draft took for tokens
+        that were rejected); returns how many were freed. Never frees a block a kept token lies in."""
+        keep = -(-num_tokens // self.block_size)
+        extra = req.block_ids[keep:]
+        if extra:
+            self.pool.free(extra)
+            del req.block_ids[keep:]
+        return len(extra)
+
     def free(self, req: KVRequest) -> None:
         if req.block_ids:
             self.pool.free(req.block_ids)

@@ -217,21 +217,25 @@ class LlamaModel:
         return rms_norm(h, weight, eps)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None)."""
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, layers: list[DecoderLayer] | None = None,
+                head: LinearOp | None = None) -> torch.Tensor:
+        """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None). ``layers`` / ``head``: run
+        these decoder layers and LM head instead of the model's own (a speculative draft: the same weights at a
+        lower rung, writing its K/V into the same cache)."""
+        layers = self.layers if layers is None else layers
         h = self.embedding.weight_rows(batch.input_ids)
         where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is not None, self.prompt_attention is None)
         delta = None  # each layer's MLP output, added to h by the next norm
         keep = batch.sample_indices
         trim = bool(self.trim_last_layer) and keep is not None and keep.numel() < h.shape[0]
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
             h, delta = self._layer(i, layer, h, delta, batch, kv, where, keep if trim and i == last else None)
         if keep is not None and not trim:
             h = h.index_select(0, keep)
             delta = None if delta is None else delta.index_select(0, keep)
         h = self.rms_norm(h, self.norm, delta)
-        return self.logits(h)
+        return self.logits(h) if head is None else head(h).float()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states: from the int8 blocks up to ``int8_head_max_rows`` rows

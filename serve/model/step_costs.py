@@ -188,6 +188,18 @@ def cache_path() -> Path:
     return cache_dir() / COSTS_FILE
 
 
+def find_measured(shape: Sequence[int], device: torch.device, dtype: torch.dtype, precisions: Sequence[str],
+                  engine_dir: Path | None) -> tuple[StepCosts | None, str]:
+    """This machine's costs from the engine directory (``make build-engines`` measured them), never measured here
+    and never from the per-user cache (which a morphing engine may fill at start: a lever that stays off without
+    costs, speculative decoding, must not turn on because another engine ran before)."""
+    if engine_dir is None:
+        return None, "no engine directory"
+    path = engine_dir / COSTS_FILE
+    found = lookup(path, machine_key(device, dtype, shape), precisions)
+    return (found, str(path)) if found is not None else (None, f"none for this machine in {path}")
+
+
 def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
                     head: LinearOp | None = None, engine_dir: Path | None = None,
                     repeats: int = 3) -> tuple[StepCosts, str]:

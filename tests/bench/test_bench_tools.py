@@ -32,6 +32,19 @@ def test_swap_cost_reports_bytes_freed_and_kv_blocks_gained_per_precision(tiny_d
     assert float(rows["int4"][1]) > float(rows["int8"][1])  # int4 frees more than int8
 
 
+def test_speculation_bench_reports_rates_acceptance_and_equal_outputs(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    from bench import speculation
+
+    out = tmp_path / "s.json"
+    assert speculation.main(["--model", str(tiny_dir), "--batches", "1,2", "--new", "4", "--repeats", "1",
+                             "--cells", "int8:2", "--threads", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["batches"]["1"]) >= {"off", "auto", "int8:k2", "int8:k2 / off"}
+    assert data["cells"]["int8:k2"]["drafted"] > 0 and data["compared"] == 2 * 3  # (1 + 2 prompts) x 2 configs
+    assert data["flips"] == 0
+    assert "| draft | drafted | accepted | acceptance |" in capsys.readouterr().out
+
+
 def test_quant_decode_runs_each_mode_on_its_own_engine(tiny_dir: Path, tmp_path: Path, capsys) -> None:
     from bench import quant_decode
 

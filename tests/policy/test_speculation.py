@@ -1,0 +1,131 @@
+"""The speculation controller's decisions from telemetry (pure): on at batch 1 when the measured costs and the
+acceptance say it pays, off when the batch is large enough that verification wastes compute, off under KV pressure
+and on again when calm, k capped by free blocks, a probe after low acceptance, reasons on every decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from policy.costs import StepCosts
+from policy.speculation import (
+    SpeculationConfig,
+    SpeculationController,
+    SpeculationTelemetry,
+    expected_tokens,
+    rung_below,
+)
+
+# engines/smollm2-135m/step_costs.json as measured on the 2-core AMD EPYC (avx512) on 2026-12-04 (seconds)
+COSTS = StepCosts(
+    device="AMD EPYC (avx512, 2 cpus)", token_counts=(1, 8, 32, 128, 512),
+    layer_s={"full": (0.000409, 0.001130, 0.002158, 0.005378, 0.018308),
+             "int4": (0.000289, 0.000924, 0.002735, 0.007063, 0.022290),
+             "int8": (0.000124, 0.000462, 0.001769, 0.007973, 0.021165)},
+    rest_s=(0.003968, 0.006095, 0.012121, 0.037905, 0.183236))
+LAYERS = ("full",) * 30
+
+
+def tele(batch: int = 1, kv: float = 0.2, free: int = 100, waiting: int = 0, other: int = 0,
+         layers: tuple[str, ...] = LAYERS, now: float = 0.0) -> SpeculationTelemetry:
+    return SpeculationTelemetry(now_s=now, batch_size=batch, other_tokens=other, kv_usage=kv, kv_blocks_free=free,
+                                num_waiting=waiting, draft_blocks=tuple(batch * ((k + 15) // 16) for k in range(1, 5)),
+                                layer_precisions=layers, token_budget=512)
+
+
+def controller(mode: str = "auto", **kw) -> SpeculationController:
+    return SpeculationController(SpeculationConfig(mode=mode, **kw), COSTS)
+
+
+def test_batch_1_drafts_with_int8_when_acceptance_is_high():
+    c = controller(prior_acceptance=0.9)
+    d = c.decide(tele(batch=1))
+    assert d.speculate and d.rung == "int8" and 1 <= d.k <= 4 and d.predicted_gain > 1.05
+    assert "predicted x" in d.reason and "batch 1" in d.reason
+
+
+def test_large_batch_runs_plain_verification_would_waste_compute():
+    c = controller(prior_acceptance=0.9)
+    d = c.decide(tele(batch=32, free=1000))
+    assert not d.speculate and d.predicted_gain < 1.0 and "<" in d.reason
+
+
+def test_low_acceptance_turns_it_off_and_a_probe_comes_back():
+    c = controller(prior_acceptance=0.9, probe_every=5)
+    assert c.decide(tele()).speculate
+    for _ in range(20):
+        c.observe_acceptance("int8", 4, 0)
+        c.observe_acceptance("int4", 4, 0)
+    decisions = [c.decide(tele(now=i)) for i in range(10)]
+    assert not decisions[0].speculate
+    probes = [i for i, d in enumerate(decisions) if d.speculate]
+    assert probes and all(decisions[i].reason.startswith("probe") for i in probes)
+    assert probes[0] == 4  # the 5th plain decision in a row (probe_every) drafts once
+
+
+def test_kv_pressure_turns_it_off_and_calm_turns_it_on_again():
+    c = controller(prior_acceptance=0.9)
+    assert c.decide(tele(kv=0.5)).speculate
+    d = c.decide(tele(kv=0.95))
+    assert not d.speculate and d.reason.startswith("KV pressure")
+    assert not c.decide(tele(kv=0.5, waiting=2)).speculate  # waiting requests: drafts' blocks are theirs
+    d = c.decide(tele(kv=0.85))  # below kv_high but not calm yet (kv_calm 0.8): hysteresis
+    assert not d.speculate and "not calm" in d.reason
+    assert c.decide(tele(kv=0.7)).speculate
+
+
+def test_k_is_capped_by_free_blocks_and_none_fits_runs_plain():
+    c = controller(mode="always")
+    t = SpeculationTelemetry(0.0, 2, 0, 0.3, 3, 0, (2, 3, 4, 4), LAYERS, 512)
+    assert c.decide(t).k == 2  # k 3 would need 4 blocks, 3 are free
+    t = SpeculationTelemetry(0.0, 2, 0, 0.3, 1, 0, (2, 3, 4, 4), LAYERS, 512)
+    d = c.decide(t)
+    assert not d.speculate and "no draft length fits" in d.reason
+
+
+def test_prefill_in_the_batch_off_mode_and_no_costs():
+    assert "other chunks" in controller().decide(tele(other=40)).reason
+    assert not controller(mode="off").decide(tele()).speculate
+    d = SpeculationController(SpeculationConfig(mode="auto"), None).decide(tele())
+    assert not d.speculate and "no measured step costs" in d.reason
+    d = SpeculationController(SpeculationConfig(mode="always"), None).decide(tele())
+    assert d.speculate and d.k == 3 and d.rung == "int8"
+
+
+def test_quantized_layers_draft_one_rung_below_and_the_cost_model_reads_them():
+    assert [rung_below(p, "int8") for p in ("full", "int8", "int4")] == ["int8", "int4", "int4"]
+    assert rung_below("full", "int4") == "int4"
+    c = controller()
+    morphed = ("int8",) * 15 + ("full",) * 15
+    assert c.draft_s(morphed, "int8", 1) == pytest.approx(
+        15 * COSTS.layer_cost_s("int4", 1) + 15 * COSTS.layer_cost_s("int8", 1)
+        + COSTS.rest_cost_s(1) * COSTS.ratio("int8", 1))
+    assert c.plain_s(morphed, 1) < c.plain_s(LAYERS, 1)
+
+
+def test_measured_step_times_correct_the_cost_model():
+    c = controller(prior_acceptance=0.9)
+    g0 = c.gain(tele(), "int8", 2)
+    for _ in range(50):
+        c.observe("verify", 0.01, 0.03)  # verification measured 3x slower than the costs say
+    assert c.gain(tele(), "int8", 2) < g0
+    assert not c.decide(tele()).speculate
+
+
+def test_expected_tokens_and_config_checks():
+    assert expected_tokens(1.0, 3) == 4 and expected_tokens(0.0, 3) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="speculation mode"):
+        SpeculationConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="hysteresis"):
+        SpeculationConfig(on_gain=1.0, off_gain=1.2)
+
+
+def test_a_load_change_moves_every_prediction_alike():
+    c = controller(prior_acceptance=0.9)
+    g0 = c.gain(tele(batch=24, free=1000), "int8", 2)
+    for _ in range(50):
+        c.observe("plain", 0.01, 0.03)  # the machine got 3x slower (other work): plain steps measured slower
+    assert c.plain_s(LAYERS, 1) == pytest.approx(3 * c.plain_s(LAYERS, 1, corrected=False), rel=0.02)
+    assert c.gain(tele(batch=24, free=1000), "int8", 2) == pytest.approx(g0)
+    c.observe("verify", 0.01, 0.06)  # verify measured 2x slower than the (3x loaded) model: its own factor moves
+    assert c.est.correction["verify"] > 1.0
