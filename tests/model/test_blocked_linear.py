@@ -43,12 +43,31 @@ def _formula_layout(n: int, k: int, block: int) -> BlockedLayout:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 13])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_kernel_matches_float_reference(n: int, block: int, k: int, m: int, with_bias: bool) -> None:
-    """Every tile our kernel has (a 64-row block at one row, 32- and 16-row panels, 1-4 row remainders)."""
+    """Every path our kernel has (one row: 64-, 32- and 16-row panels; several rows: whole 64-, 32- or 16-row
+    tasks)."""
     g = _gen(n * 131 + k * 7 + m + with_bias)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
     layout = _formula_layout(n, k, block)
     _check_close(OPS.fp32_blocked_linear(x, layout.pack(w), n, block, bias), x, w, bias)
+
+
+@needs_blocked
+@pytest.mark.parametrize("n,block", [(48, 16), (96, 32), (960, 64)])
+@pytest.mark.parametrize("k", [13, 64, 65, 576])
+@pytest.mark.parametrize("m", [2, 5, 47, 48, 49, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocked_kernel_rows_equal_the_one_row_kernel_bit_for_bit(n: int, block: int, k: int, m: int,
+                                                                   with_bias: bool) -> None:
+    """Row invariance, what the speculative verify's exactness rests on: each of ``m`` rows computed together
+    (the several-row path, its k chunks and its 48-row groups) equals that row computed alone (the one-row path)."""
+    g = _gen(n * 17 + k * 3 + m + with_bias)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    packed = _formula_layout(n, k, block).pack(w)
+    together = OPS.fp32_blocked_linear(x, packed, n, block, bias)
+    alone = torch.cat([OPS.fp32_blocked_linear(x[i:i + 1].contiguous(), packed, n, block, bias) for i in range(m)])
+    assert torch.equal(together, alone)
 
 
 @needs_blocked
