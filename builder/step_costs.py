@@ -10,10 +10,12 @@ key, where the cost-aware morph modes find it at start. An entry already there f
 (printed) unless ``--force``. The layers are timed as an engine serves them (its layer bank: fused and packed as
 the engine fuses and packs them), so this step starts one; ``python -m bench.step_costs`` is the older spelling.
 
-Then, on an fp32 CPU engine, the row counts at which our CPU kernels hand over to oneDNN on this machine (the plain
+First, on an fp32 CPU engine, the row counts at which our CPU kernels hand over to oneDNN on this machine (the plain
 and blocked fp32 linears, the int8 LM head: serve/model/crossovers.py), timed on the same engine's weights
 (serve/model/crossover_measure.py) and stored the same way in ``kernel_crossovers.json``; every engine started on
-this machine reads them (defaults where nothing was measured).
+this machine reads them (defaults where nothing was measured). The step costs are then timed under them, so each
+token count is timed on the kernels a step of that size runs; the rest of the step is the LM head as a step runs
+it (the int8 head blocks up to their crossover).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from policy import FULL
 from serve.config import EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.model.embedded import DEFAULT_ENGINE_DIR
-from serve.model import crossover_measure
+from serve.model import crossover_measure, crossovers
+from serve.model.crossovers import KernelCrossovers
 from serve.model.quantized_linear import REGISTRY
 from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure, store
 
@@ -58,11 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         key = machine_key(model.device, model.dtype, shape)
         engine_dir = Path(args.model) if (Path(args.model) / "manifest.json").is_file() else None
         targets = ([engine_dir / COSTS_FILE] if engine_dir else []) + [cache_path()]
+        # the crossovers first: the step costs are timed on the kernels a step of each size runs (our blocked
+        # kernel or oneDNN, the int8 head or the fp32 one), which the crossovers choose
+        found = measure_crossovers(model, engine_dir, args.force, args.repeats)
         costs = None if args.force else lookup(targets[0], key, list(layers))
         if costs is not None:
-            print(f"step costs for this machine already in {targets[0]} (--force re-measures)")
+            print(f"\nstep costs for this machine already in {targets[0]} (--force re-measures)")
         else:
-            costs = measure(layers, shape, model.device, model.dtype, head=head, repeats=args.repeats)
+            with crossovers.using(found):
+                costs = measure(layers, shape, model.device, model.dtype, head=head, repeats=args.repeats)
         for path in targets:
             store(path, key, costs)
         print(costs.table())
@@ -72,13 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         if slower:
             print(f"slower than full precision at every size here: {', '.join(slower)} (the cost-aware modes "
                   "quantize them only when the KV they free pays for it)")
-        measure_crossovers(model, engine_dir, args.force, args.repeats)
     finally:
         engine.shutdown()
     return 0
 
 
-def measure_crossovers(model, engine_dir: Path | None, force: bool, repeats: int) -> None:
+def measure_crossovers(model, engine_dir: Path | None, force: bool, repeats: int) -> KernelCrossovers:
     """This machine's kernel crossovers for the engine's model, measured (or reused) and stored; printed."""
     hit = None if force else crossover_measure.find_entry(model, engine_dir)
     if hit is not None:
@@ -92,6 +98,7 @@ def measure_crossovers(model, engine_dir: Path | None, force: bool, repeats: int
             print(f"\n{name}: rows {table['rows']}\n  ours   (us) {table['ours_us']}\n  theirs (us) {table['theirs_us']}")
     targets = crossover_measure.store(model, engine_dir, entry)
     print(f"kernel crossovers: {found.values()} ({found.source})\nstored in {', '.join(map(str, targets))}")
+    return found
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ Rules:
 * ``always``: draft ``always_k`` tokens at the first rung whenever the two rules above allow.
 * ``auto``: the (rung, k) with the best predicted gain; on when that gain reaches ``on_gain``, and while on, off
   only below ``off_gain`` (hysteresis). Off for acceptance alone (the gain would pass at acceptance 1), a probe
-  drafts once every ``probe_every`` iterations so the estimate can recover.
+  drafts once every ``probe_every`` iterations so the estimate can recover. A rung whose acceptance, or a step kind
+  (draft, verify) whose cost, was never measured is probed at once: the first measurement replaces the prior
+  (``prior_acceptance``, a correction of 1.0), later ones move the running estimate, so the decision rests on this
+  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class SpeculationDecision:
 class _Estimates:
     acceptance: dict[str, float] = field(default_factory=dict)
     correction: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "draft": 1.0, "verify": 1.0})
+    measured: set[str] = field(default_factory=set)  # rungs and step kinds seen at least once (priors replaced)
 
 
 class SpeculationController:
@@ -139,6 +143,10 @@ class SpeculationController:
         """A verification: ``accepted`` of ``drafted`` draft tokens agreed (each token one weighted sample)."""
         if drafted <= 0:
             return
+        if rung not in self.est.measured:  # the first verification replaces the prior
+            self.est.measured.add(rung)
+            self.est.acceptance[rung] = accepted / drafted
+            return
         w = 1.0 - (1.0 - self.config.acceptance_weight) ** drafted
         old = self.est.acceptance.get(rung, self.config.prior_acceptance)
         self.est.acceptance[rung] = old + w * (accepted / drafted - old)
@@ -151,7 +159,10 @@ class SpeculationController:
         if predicted_s > 0 and measured_s > 0 and kind in self.est.correction:
             old = self.est.correction[kind]
             base = 1.0 if kind == "plain" else self.est.correction["plain"]
-            self.est.correction[kind] = old + self.config.correction_weight * (measured_s / (predicted_s * base) - old)
+            ratio = measured_s / (predicted_s * base)
+            first = kind not in self.est.measured  # the first measurement replaces the model's 1.0
+            self.est.measured.add(kind)
+            self.est.correction[kind] = ratio if first else old + self.config.correction_weight * (ratio - old)
 
     def acceptance(self, rung: str) -> float:
         return self.est.acceptance.get(rung, self.config.prior_acceptance)
@@ -227,8 +238,10 @@ class SpeculationController:
         if gain >= need:
             return SpeculationDecision(True, k, rung, f"{what} >= x{need:.2f} {sig}", gain)
         ideal = self.gain(t, rung, k, acceptance=1.0)
-        if ideal >= cfg.on_gain and self.since_draft + 1 >= cfg.probe_every:
-            return SpeculationDecision(True, k, rung, f"probe: {what}, x{ideal:.2f} at full acceptance {sig}", gain)
+        unmeasured = [n for n in (rung, "draft", "verify") if n not in self.est.measured]
+        if ideal >= cfg.on_gain and (unmeasured or self.since_draft + 1 >= cfg.probe_every):
+            why = f"never measured: {', '.join(unmeasured)}" if unmeasured else f"x{ideal:.2f} at full acceptance"
+            return SpeculationDecision(True, k, rung, f"probe: {what}, {why} {sig}", gain)
         return SpeculationDecision.plain(f"{what} < x{need:.2f} {sig}", gain)
 
 

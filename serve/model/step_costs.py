@@ -20,7 +20,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +99,11 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
-            head: LinearOp | None = None, token_counts: Sequence[int] = TOKEN_COUNTS, repeats: int = 7,
-            min_sample_s: float = 2e-3) -> StepCosts:
+            head: Callable[[torch.Tensor], torch.Tensor] | None = None, token_counts: Sequence[int] = TOKEN_COUNTS,
+            repeats: int = 7, min_sample_s: float = 2e-3) -> StepCosts:
     """Time each precision's layer linears at each token count. ``shape`` = (hidden, attention width,
-    intermediate): the input widths of qkv/gate_up, o and down. ``head`` (the LM head) times the part of the
-    step no morph changes."""
+    intermediate): the input widths of qkv/gate_up, o and down. ``head`` (the LM head as a step runs it,
+    ``LlamaModel.logits``) times the part of the step no morph changes."""
     widths = list(shape)
     inputs = {n: [torch.randn(n, w, device=device, dtype=dtype) for w in widths] for n in token_counts}
     runs: dict[str, Any] = {p: (lambda n, layer=layer: [op(inputs[n][w]) for op, w in _ops(layer)])
@@ -201,7 +201,7 @@ def find_measured(shape: Sequence[int], device: torch.device, dtype: torch.dtype
 
 
 def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
-                    head: LinearOp | None = None, engine_dir: Path | None = None,
+                    head: Callable[[torch.Tensor], torch.Tensor] | None = None, engine_dir: Path | None = None,
                     repeats: int = 3) -> tuple[StepCosts, str]:
     """This machine's costs and where they came from: the engine directory's file, the per-user cache, or a
     fresh (short) measurement, then stored in the cache."""

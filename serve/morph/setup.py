@@ -4,6 +4,7 @@ on the layers the engine serves) and the runtime itself, which a static mode app
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,7 +15,6 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger
 from serve.memory.pressure import PressureSource
 from serve.model.kv_cache import PagedKVCache
-from serve.model.linear import LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.step_costs import load_or_measure
 from serve.morph.layer_bank import LayerBank
@@ -26,16 +26,19 @@ from serve.morph.scheduler_view import IdleSchedulerView
 log = get_logger("morphserve.morph")
 
 
-def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, DecoderLayer], tuple[int, int, int], LinearOp]:
+def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, DecoderLayer], tuple[int, int, int],
+                                                             Callable[[torch.Tensor], torch.Tensor]]:
     """What step costs are measured on: layer 0 at every precision the bank holds (the very objects the
-    engine serves, fused as it fuses them), the linears' input widths, and the LM head. On CUDA the bank's
-    sources are pinned host copies, so each is copied to the device for the measurement (and dropped after)."""
+    engine serves, fused as it fuses them), the linears' input widths, and the LM head as a step runs it
+    (``LlamaModel.logits``: the int8 head blocks up to their row crossover, the fp32 head above). On CUDA the
+    bank's sources are pinned host copies, so each is copied to the device for the measurement (and dropped
+    after)."""
     cfg = model.config
     shape = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
     layers = {p: bank.host[0][p] for p in (FULL, *sorted(bank.precisions))}
     if model.device.type != "cpu":
         layers = {p: remap(layer, lambda t: t.to(model.device)) for p, layer in layers.items()}
-    return layers, shape, model.head
+    return layers, shape, model.logits
 
 
 def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> StepCosts:

@@ -48,3 +48,31 @@ def test_the_older_spelling_runs_the_same_command() -> None:
     from bench import step_costs as old
 
     assert old.main is cli.main
+
+
+def test_step_costs_are_timed_under_the_measured_crossovers_with_the_head_a_step_runs(built, tmp_path, monkeypatch,
+                                                                                      capsys) -> None:
+    """The crossovers are measured first and the step costs timed under them (a step of 8 tokens runs the kernel
+    the crossovers pick for 8 rows, not the previous defaults'); the rest of the step is ``LlamaModel.logits`` (the
+    int8 head blocks up to their crossover), not the fp32 head alone."""
+    eng = tmp_path / "eng"
+    shutil.copytree(built.path, eng)
+    monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    chosen = crossovers.KernelCrossovers(fp32_kernel_max_rows=7, blocked_kernel_max_rows=5, int8_head_max_rows=3,
+                                         source="measured (test)")
+    monkeypatch.setattr(cm, "measure", lambda model, repeats=5: (chosen, {"measured": "now", "repeats": repeats}))
+    seen = {}
+    real = cli.measure
+
+    def spy(layers, shape, device, dtype, head=None, repeats=7):
+        seen["crossovers"], seen["head"] = crossovers.current(), head
+        return real(layers, shape, device, dtype, head=head, repeats=1)
+
+    monkeypatch.setattr(cli, "measure", spy)
+    try:
+        assert cli.main(["--model", str(eng), "--repeats", "1", "--force"]) == 0
+    finally:
+        crossovers.use(crossovers.DEFAULTS)
+    assert seen["crossovers"].values() == chosen.values()
+    assert getattr(seen["head"], "__func__", None) is type(seen["head"].__self__).logits
+    assert crossovers.current() == crossovers.DEFAULTS  # the measurement's crossovers did not leak

@@ -52,6 +52,8 @@ def test_large_batch_runs_plain_verification_would_waste_compute():
 def test_low_acceptance_turns_it_off_and_a_probe_comes_back():
     c = controller(prior_acceptance=0.9, probe_every=5)
     assert c.decide(tele()).speculate
+    c.observe("draft", 0.01, 0.01)  # the step's draft and verify times, as the executor reports them
+    c.observe("verify", 0.01, 0.01)
     for _ in range(20):
         c.observe_acceptance("int8", 4, 0)
         c.observe_acceptance("int4", 4, 0)
@@ -129,3 +131,22 @@ def test_a_load_change_moves_every_prediction_alike():
     assert c.gain(tele(batch=24, free=1000), "int8", 2) == pytest.approx(g0)
     c.observe("verify", 0.01, 0.06)  # verify measured 2x slower than the (3x loaded) model: its own factor moves
     assert c.est.correction["verify"] > 1.0
+
+
+def test_an_unmeasured_rung_is_probed_at_once_and_its_first_measurements_replace_the_priors():
+    """A prior that predicts no gain (acceptance 0.5) does not keep a fresh controller plain for ``probe_every``
+    iterations: it probes at its first decision; one verification at acceptance 1.0 and one draft / verify time
+    each replace the prior and the 1.0 corrections outright, and the next decision drafts on them."""
+    c = controller(prior_acceptance=0.5, probe_every=64)
+    assert c.gain(tele(), "int8", 4) < 1.05 <= c.gain(tele(), "int8", 4, acceptance=1.0)
+    d = c.decide(tele())
+    assert d.speculate and d.reason.startswith("probe") and "never measured: int8, draft, verify" in d.reason
+    c.observe_acceptance("int8", d.k, d.k)
+    c.observe("draft", 0.010, 0.008)
+    c.observe("verify", 0.020, 0.010)
+    assert c.acceptance("int8") == 1.0
+    assert c.est.correction["draft"] == pytest.approx(0.8) and c.est.correction["verify"] == pytest.approx(0.5)
+    d = c.decide(tele())
+    assert d.speculate and not d.reason.startswith("probe") and d.predicted_gain > 1.05
+    c.observe("verify", 0.020, 0.030)  # later measurements move the estimate by the configured weight
+    assert c.est.correction["verify"] == pytest.approx(0.5 + 0.1 * (1.5 - 0.5))
