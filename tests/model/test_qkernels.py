@@ -613,3 +613,29 @@ def test_rope_kv_write_is_bit_identical_to_rotate_and_index_copy(heads: int, kv_
         OPS.rope_kv_write_(qkv, cos, sin, heads, kv_heads, storage, k_rows, 60, v_offset)
     with pytest.raises(RuntimeError, match="qkv width"):
         OPS.rope_kv_write_(qkv[:, :-1].contiguous(), cos, sin, heads, kv_heads, storage, k_rows, 0, 0)
+
+
+@needs_ops
+@pytest.mark.parametrize("m", [5, 21])
+def test_weight_only_kernels_compute_each_row_as_if_alone(m: int) -> None:
+    """Rows computed together (several tiles of 4, over several 64-row weight sub-ranges: for_tiles) equal each row
+    computed alone, bit for bit: a speculative verify reads the LM head's int8 blocks and morphed layers at k + 1
+    rows per sequence and must round as the plain one-row step does. Not so the fp32-activation kernels (``int8_linear``,
+    ``int4_linear``, used only with ``MORPHSERVE_QACTIVATIONS=fp32``): they split a row's sum into 4 / T chains by
+    tile size T; there a verify over morphed layers may flip a near tie, which bench.speculation counts."""
+    n, k, group = 200, 576, 64
+    g = _gen(m * 7 + 3)
+    x = torch.randn(m, k, generator=g)
+    q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // 32, generator=g) * 1e-2
+    sc = (torch.rand(n, generator=g) * 0.01 + 1e-4).bfloat16()
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    sz = torch.stack([torch.rand(k // group, n, generator=g) * 0.02 + 1e-3,
+                      torch.randn(k // group, n, generator=g) * 0.01], dim=-1).bfloat16().contiguous()
+    packed = pack_int4_blocked(codes)
+    calls = {"int8_block_linear": lambda x: OPS.int8_block_linear(x, q8, d),
+             "int8_linear_q8": lambda x: OPS.int8_linear_q8(x, q8, sc),
+             "int4_linear_q8": lambda x: OPS.int4_linear_q8(x, packed, sz, group)}
+    differ = [name for name, fn in calls.items()
+              if not torch.equal(fn(x), torch.cat([fn(x[i:i + 1].contiguous()) for i in range(m)]))]
+    assert differ == [], differ

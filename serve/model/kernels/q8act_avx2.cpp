@@ -33,6 +33,7 @@ namespace {
 constexpr int64_t kBlock = 32;      // activation values per int8 block (one 256-bit register)
 constexpr int kTile = 4;            // activation rows per pass over a weight row
 constexpr int64_t kGrainRows = 16;  // at::parallel_for splits no finer than this many weight rows
+constexpr int64_t kSubRows = 64;    // weight rows per sub-range every tile of activation rows reuses (for_tiles)
 
 // The int8 blocks of M activation rows: q [M, K], d [M, K / 32] and each block's sum of q [M, K / 32].
 struct Q8Rows {
@@ -244,11 +245,12 @@ torch::Tensor int4_linear_q8(const torch::Tensor& x, const torch::Tensor& packed
   const auto* szp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kTile)
-      with_tile<kTile>(std::min<int64_t>(kTile, M - m), [&](auto tile) {
+    for_tiles(M, kTile, n0, n1, kSubRows, [&](int64_t m, int64_t rows, int64_t lo, int64_t hi) {
+      with_tile<kTile>(rows, [&](auto tile) {
         int4_rows<decltype(tile)::value>(a, m, K, pp, szp, group, corr.data() + m * G, xsum.data() + m * G,
-                                         yp + m * N, N, n0, n1);
+                                         yp + m * N, N, lo, hi);
       });
+    });
   });
   return y;
 }
@@ -266,10 +268,11 @@ torch::Tensor int8_linear_q8(const torch::Tensor& x, const torch::Tensor& w, con
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kTile)
-      with_tile<kTile>(std::min<int64_t>(kTile, M - m), [&](auto tile) {
-        int8_rows<decltype(tile)::value>(a, m, K, wp, sp, yp + m * N, N, n0, n1);
+    for_tiles(M, kTile, n0, n1, kSubRows, [&](int64_t m, int64_t rows, int64_t lo, int64_t hi) {
+      with_tile<kTile>(rows, [&](auto tile) {
+        int8_rows<decltype(tile)::value>(a, m, K, wp, sp, yp + m * N, N, lo, hi);
       });
+    });
   });
   return y;
 }

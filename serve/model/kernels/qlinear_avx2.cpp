@@ -180,6 +180,7 @@ void block8_tile(const float* x, int64_t K, const int8_t* q, const float* d, flo
 // at::parallel_for (OpenMP) gives each thread one contiguous range of rows; the grain only stops it from
 // splitting fewer than this many rows (rows of one int4 group share scale cache lines).
 constexpr int64_t kGrainRows = 16;
+constexpr int64_t kSubRows = 64;  // weight rows per sub-range every tile of activation rows reuses (for_tiles)
 
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "]");
@@ -201,8 +202,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kTile)
-      int8_tile<kTile>(xp + m * K, K, wp, sp, yp + m * N, N, n0, n1, std::min<int64_t>(kTile, M - m));
+    for_tiles(M, kTile, n0, n1, kSubRows, [&](int64_t m, int64_t rows, int64_t a, int64_t b) {
+      int8_tile<kTile>(xp + m * K, K, wp, sp, yp + m * N, N, a, b, rows);
+    });
   });
   return y;
 }
@@ -223,9 +225,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const auto* szp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kTile)
-      int4_tile<kTile>(xp + m * K, K, pp, szp, group, yp + m * N, N, n0, n1,
-                       std::min<int64_t>(kTile, M - m));
+    for_tiles(M, kTile, n0, n1, kSubRows, [&](int64_t m, int64_t rows, int64_t a, int64_t b) {
+      int4_tile<kTile>(xp + m * K, K, pp, szp, group, yp + m * N, N, a, b, rows);
+    });
   });
   return y;
 }
@@ -278,8 +280,9 @@ torch::Tensor int8_block_linear(const torch::Tensor& x, const torch::Tensor& q, 
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kTile)
-      block8_tile<kTile>(xp + m * K, K, qp, dp, yp + m * N, N, n0, n1, std::min<int64_t>(kTile, M - m));
+    for_tiles(M, kTile, n0, n1, kSubRows, [&](int64_t m, int64_t rows, int64_t a, int64_t b) {
+      block8_tile<kTile>(xp + m * K, K, qp, dp, yp + m * N, N, a, b, rows);
+    });
   });
   return y;
 }
