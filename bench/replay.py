@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", action="append", default=None, metavar="MODE[+KEY=VALUE...]",
                    help="morph mode: off, static-int8, static-int4, accuracy, default, performance (default: default); "
-                        "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. default+cost_aware=false")
+                        "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. default+cost_aware=false, "
+                        "or sets speculation / kv_cache_dtype for it, e.g. default+speculation=off")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per mode, interleaved by mode; figures are reported as median [min-max] (default: %(default)s)")
     add_engine_flags(p, ENGINE_FIELDS, aliases={"slo_ttft_s": ["--slo-ttft"], "num_threads": ["--threads"]},
@@ -189,16 +190,31 @@ def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: i
     ).as_dict()
 
 
+MODE_ENGINE_KEYS = ("speculation", "kv_cache_dtype")
+"""Engine settings a mode spec may carry beside policy overrides (``default+speculation=off``), so configurations
+that differ in them run interleaved in one command."""
+
+
 def parse_mode(spec: str) -> tuple[str, dict]:
-    """``default+cost_aware=false+kv_high=0.8`` -> ("default", {"cost_aware": False, "kv_high": 0.8})."""
+    """``default+cost_aware=false+kv_high=0.8`` -> ("default", {"cost_aware": False, "kv_high": 0.8}); the engine
+    settings of :data:`MODE_ENGINE_KEYS` are left to :func:`mode_engine_settings`."""
     name, *pairs = spec.split("+")
-    return name, parse_policy_overrides(pairs)
+    own = parse_policy_overrides(pairs)
+    return name, {k: v for k, v in own.items() if k not in MODE_ENGINE_KEYS}
+
+
+def mode_engine_settings(spec: str) -> dict[str, str]:
+    """``default+speculation=off`` -> {"speculation": "off"}: the engine settings a mode spec overrides."""
+    _, *pairs = spec.split("+")
+    return {k: str(v) for k, v in parse_policy_overrides(pairs).items() if k in MODE_ENGINE_KEYS}
 
 
 def engine_config(args: argparse.Namespace, spec: str) -> EngineConfig:
-    """The engine configuration of one mode spec (``default+kv_high=0.8``) under the command's arguments."""
+    """The engine configuration of one mode spec (``default+kv_high=0.8``, ``default+speculation=off``) under the
+    command's arguments."""
     mode, own = parse_mode(spec)
-    return EngineConfig(**engine_kwargs(args, ENGINE_FIELDS), morph_mode=mode, seed=args.seed,
+    kwargs = {**engine_kwargs(args, ENGINE_FIELDS), **mode_engine_settings(spec)}
+    return EngineConfig(**kwargs, morph_mode=mode, seed=args.seed,
                         policy_overrides={**parse_policy_overrides(args.policy), **own})
 
 
@@ -231,7 +247,8 @@ def run_cli(args: argparse.Namespace, run: Callable[[argparse.Namespace, str], d
             raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
         for spec in specs:
             name, own = parse_mode(spec)
-            EngineConfig(morph_mode=name, policy_overrides={**parse_policy_overrides(args.policy), **own})
+            EngineConfig(morph_mode=name, policy_overrides={**parse_policy_overrides(args.policy), **own},
+                         **mode_engine_settings(spec))
         if len(specs) == 1 and args.repeat == 1:
             result = run(args, specs[0])
         else:

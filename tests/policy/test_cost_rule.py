@@ -186,6 +186,7 @@ def test_repeated_run_summaries() -> None:
     assert s["swaps"] == spread([]) and cell([1.0, 3.0, 2.0]) == "2.0 [1.0-3.0]" and cell([]) == "n/a"
     assert parse_mode("default+cost_aware=false+kv_high=0.8") == ("default", {"cost_aware": False, "kv_high": 0.8})
     assert parse_mode("off") == ("off", {})
+    assert parse_mode("default+speculation=off+kv_high=0.8") == ("default", {"kv_high": 0.8})
 
 
 def test_a_batch_at_its_token_budget_is_compute_bound_so_slow_layers_are_refused() -> None:
