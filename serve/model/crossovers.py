@@ -48,7 +48,7 @@ class KernelCrossovers:
                    int(values["int8_head_max_rows"]), source)
 
 
-DEFAULTS = KernelCrossovers(fp32_kernel_max_rows=128, blocked_kernel_max_rows=2, int8_head_max_rows=8,
+DEFAULTS = KernelCrossovers(fp32_kernel_max_rows=128, blocked_kernel_max_rows=8, int8_head_max_rows=8,
                             source="defaults (measured on a 2-core AMD EPYC 9004, Zen 4, AVX-512)")
 """What an engine uses where nothing was measured for its machine, and why (all on the 2-core AMD EPYC 9004, Zen 4,
 AVX-512, where they were first derived; ``python -m bench.quant_kernels`` times each):
@@ -56,9 +56,10 @@ AVX-512, where they were first derived; ``python -m bench.quant_kernels`` times 
 - fp32 128: a decoder's 30 layers of projections with their weights streamed from memory, GFLOPS at 32 / 64 / 128
   rows: ours 133 / 161 / 156, oneDNN 119 / 141 / 157, MKL 80 / 107 / 109; at 512 rows (cache-hot) oneDNN 18.2 ms per
   layer against MKL's 22.1 and ours 21.6 (README "fp32 kernels and paged decode attention");
-- blocked 2: one layer's projections, 30 layers' weights streamed, microseconds at 1 / 2 / 4 / 32 rows: our blocked
-  kernel 454 / 843 / 1187 / 3820, oneDNN on the blocked view 855 / 800 / 589 / 1725 (``--streamed``; at 2 rows the
-  two trade places between runs; README "Blocked fp32 weights");
+- blocked 8: the projections of 30 decoder layers, weights streamed, milliseconds in all at 1 / 2 / 4 / 8 / 16 / 32
+  rows: our blocked kernel 8.8 / 10.0 / 9.6 / 13.0 / 19.1 / 31.8, oneDNN on the blocked view 14.5 / 16.8 / 13.3 / 14.7
+  / 18.6 / 28.1 (``python -m builder.step_costs --force``, 2026-12-05, after the several-row path of
+  blocked_linear_avx2.cpp; the kernel before it was 2.6x its one-row time at 4 rows and the crossover was 2);
 - int8 head 8: SmolLM2's head, 1.2 / 2.6 / 5.1 / 10.4 / 19.3 ms as int8 blocks against 3.6 / 5.3 / 6.6 / 7.6 / 12.4 ms
   for the blocked fp32 head at 1 / 4 / 8 / 16 / 32 rows (``--head``, median of 3): the int8 GEMV widens every weight
   to fp32, so its cost grows with the rows.
