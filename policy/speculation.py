@@ -35,11 +35,15 @@ Rules:
   drafts once every ``probe_every`` iterations so the estimate can recover. A rung whose acceptance, or a step kind
   (draft, verify) whose cost, was never measured is probed at once: the first measurement replaces the prior
   (``prior_acceptance``, a correction of 1.0), later ones move the running estimate, so the decision rests on this
-  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them.
+  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them. No draft
+  before one plain decode step was measured: the draft and verify factors are measured relative to the machine
+  factor, which a plain step sets.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -78,7 +82,7 @@ class SpeculationConfig:
     kv_calm: float = 0.80     # ... until usage is below this again
     prior_acceptance: float = 0.8  # a rung's acceptance before any draft was verified (replaced as drafts are)
     acceptance_weight: float = 0.05  # weight of one verification in the running acceptance (per draft token)
-    correction_weight: float = 0.1   # weight of one measured step in the cost corrections
+    correction_window: int = 9       # a cost correction is the median of this many latest measured ratios
     probe_every: int = 64
 
     def __post_init__(self) -> None:
@@ -90,6 +94,8 @@ class SpeculationConfig:
             raise ValueError(f"need 1 <= always_k <= max_k, got {self.always_k}, {self.max_k}")
         if not 0.0 < self.kv_calm <= self.kv_high <= 1.0:
             raise ValueError(f"need 0 < kv_calm <= kv_high <= 1, got {self.kv_calm}, {self.kv_high}")
+        if self.correction_window < 1:
+            raise ValueError(f"correction_window must be >= 1, got {self.correction_window}")
         if self.off_gain > self.on_gain:
             raise ValueError(f"off_gain {self.off_gain} above on_gain {self.on_gain} leaves no hysteresis")
 
@@ -127,6 +133,7 @@ class _Estimates:
     acceptance: dict[str, float] = field(default_factory=dict)
     correction: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "draft": 1.0, "verify": 1.0})
     measured: set[str] = field(default_factory=set)  # rungs and step kinds seen at least once (priors replaced)
+    ratios: dict[str, deque] = field(default_factory=dict)  # latest measured / predicted ratios per step kind
 
 
 class SpeculationController:
@@ -155,14 +162,15 @@ class SpeculationController:
         """A step of ``kind`` (plain, draft, verify) took ``measured_s`` where the uncorrected cost model said
         ``predicted_s``. A plain step moves the machine's factor (``plain``: load, a slower CPU than the measured
         one); a draft or verify step moves its kind's factor relative to it, so a load change between observations
-        moves every prediction alike instead of tilting the gain."""
+        moves every prediction alike instead of tilting the gain. Each factor is the median of the latest
+        ``correction_window`` ratios: a first call's warm-up or a step slowed by other work is one outlier among
+        them, not a tenth of every later estimate."""
         if predicted_s > 0 and measured_s > 0 and kind in self.est.correction:
-            old = self.est.correction[kind]
             base = 1.0 if kind == "plain" else self.est.correction["plain"]
-            ratio = measured_s / (predicted_s * base)
-            first = kind not in self.est.measured  # the first measurement replaces the model's 1.0
-            self.est.measured.add(kind)
-            self.est.correction[kind] = ratio if first else old + self.config.correction_weight * (ratio - old)
+            window = self.est.ratios.setdefault(kind, deque(maxlen=self.config.correction_window))
+            window.append(measured_s / (predicted_s * base))
+            self.est.measured.add(kind)  # the first measurement replaces the model's 1.0
+            self.est.correction[kind] = statistics.median(window)
 
     def acceptance(self, rung: str) -> float:
         return self.est.acceptance.get(rung, self.config.prior_acceptance)
@@ -230,6 +238,8 @@ class SpeculationController:
         usable = [r for r in cfg.rungs if r in self.costs.layer_s]
         if not usable:
             return SpeculationDecision.plain(f"no measured cost for the draft rungs {list(cfg.rungs)} {sig}")
+        if "plain" not in self.est.measured:  # draft and verify factors are relative to it: measure it first
+            return SpeculationDecision.plain(f"no plain decode step measured yet (the machine factor) {sig}")
         best = max(((self.gain(t, r, k), r, k) for r in usable for k in fits), key=lambda x: x[0])
         gain, rung, k = best
         need = cfg.off_gain if self.on else cfg.on_gain

@@ -81,6 +81,13 @@ class DraftBank:
             self._heads[rung] = op if self.model.device.type == "cpu" else op.to(self.model.device)  # type: ignore[attr-defined]
         return self._heads[rung]
 
+    def prepare(self, rung: str) -> None:
+        """Build ``rung``'s draft now (its layers for the precisions served now, and its head), so the first draft
+        step is not also the one that builds them: the controller times its first steps and would read a build as
+        the cost of drafting."""
+        self.layers(rung)
+        self.head(rung)
+
     def resident(self) -> Mapping[str, int]:
         """Draft layers and heads built so far (stats)."""
         return {"layers": len(self._layers), "heads": len(self._heads)}

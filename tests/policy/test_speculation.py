@@ -33,7 +33,10 @@ def tele(batch: int = 1, kv: float = 0.2, free: int = 100, waiting: int = 0, oth
 
 
 def controller(mode: str = "auto", **kw) -> SpeculationController:
-    return SpeculationController(SpeculationConfig(mode=mode, **kw), COSTS)
+    """A controller that has seen one plain decode step measured as the model predicts it (machine factor 1)."""
+    c = SpeculationController(SpeculationConfig(mode=mode, **kw), COSTS)
+    c.observe("plain", 0.01, 0.01)
+    return c
 
 
 def test_batch_1_drafts_with_int8_when_acceptance_is_high():
@@ -148,5 +151,23 @@ def test_an_unmeasured_rung_is_probed_at_once_and_its_first_measurements_replace
     assert c.est.correction["draft"] == pytest.approx(0.8) and c.est.correction["verify"] == pytest.approx(0.5)
     d = c.decide(tele())
     assert d.speculate and not d.reason.startswith("probe") and d.predicted_gain > 1.05
-    c.observe("verify", 0.020, 0.030)  # later measurements move the estimate by the configured weight
-    assert c.est.correction["verify"] == pytest.approx(0.5 + 0.1 * (1.5 - 0.5))
+    c.observe("verify", 0.020, 0.030)  # later measurements: the median of the latest ones
+    c.observe("verify", 0.020, 0.400)  # a warm-up or a step slowed by other work: one outlier
+    assert c.est.correction["verify"] == pytest.approx(1.5)
+    for _ in range(8):
+        c.observe("verify", 0.020, 0.012)
+    assert c.est.correction["verify"] == pytest.approx(0.6)  # the window (9) forgot the outlier's neighbours
+
+
+def test_no_draft_before_a_plain_step_sets_the_machine_factor_and_later_factors_are_relative_to_it():
+    """A fresh engine's first decode step is not a draft: the draft and verify factors are measured relative to the
+    machine factor, and a draft timed before any plain step would fold the machine's slowness into them (then count
+    it twice once a plain step is measured)."""
+    c = SpeculationController(SpeculationConfig(prior_acceptance=0.9), COSTS)
+    d = c.decide(tele())
+    assert not d.speculate and "no plain decode step measured yet" in d.reason
+    c.observe("plain", 0.010, 0.025)  # this machine runs 2.5x the model's step time
+    assert c.decide(tele()).speculate
+    c.observe("draft", 0.004, 0.010)  # as slow as the machine factor says: relative factor 1
+    assert c.est.correction["draft"] == pytest.approx(1.0)
+    assert c.draft_s(LAYERS, "int8", 1) == pytest.approx(2.5 * c.draft_s(LAYERS, "int8", 1, corrected=False))
