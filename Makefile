@@ -46,7 +46,8 @@ help:
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
 	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
 	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
-	@echo "make bench-peer     the engine vs vLLM (fp32) and llama.cpp (4 bits) in one run; peers in PEERS_DIR=$(PEERS_DIR)"
+	@echo "make bench-peer     the engine vs vLLM (fp32) and llama.cpp (4 bits) in one run, with a batch-1 speculation row;"
+	@echo "                    peers in PEERS_DIR=$(PEERS_DIR)"
 	@echo "make bench-peer-servers  our Triton server vs vLLM's OpenAI server under AIPerf at a fixed request rate"
 	@echo "                    (TTFT/TPOT medians; SERVER_PEER_ARGS, default: $(SERVER_PEER_ARGS))"
 	@echo "make soak           mixed load, cancellations, bad inputs for SOAK_S seconds (default 600); not in make test"
@@ -166,7 +167,8 @@ soak: install
 clean:
 	rm -rf $(VENV) $(VENV312) $(DYNAMO_VENV) $(AIPERF_VENV) engines .pytest_cache
 
-# make bench-peer: the engine vs vLLM (CPU build, fp32) and llama.cpp (GGUF Q4_1) in one run; each peer in a
+# make bench-peer: the engine vs vLLM (CPU build, fp32) and llama.cpp (GGUF Q4_1) in one run, plus the engine's
+# self-speculative decoding at batch 1 on $(ENGINE_DIR) (its measured step costs: build-engines); each peer in a
 # venv of its own under PEERS_DIR (default: beside the project tree, ~3.5 GB for vLLM). Not part of make test.
 PEERS_DIR ?= $(abspath ..)/peers
 VLLM_VERSION ?= 0.32.0
@@ -187,9 +189,9 @@ $(PEERS_DIR)/llamacpp-venv/.installed:
 	CMAKE_ARGS="-DGGML_NATIVE=ON" nice -n 19 $(PEERS_DIR)/llamacpp-venv/bin/pip install --quiet llama-cpp-python==$(LLAMACPP_VERSION)
 	touch $@
 
-bench-peer: install $(PEERS_DIR)/vllm-venv/.installed $(PEERS_DIR)/llamacpp-venv/.installed
+bench-peer: build-engines $(PEERS_DIR)/vllm-venv/.installed $(PEERS_DIR)/llamacpp-venv/.installed
 	$(PY) -m bench.peer --vllm-python $(PEERS_DIR)/vllm-venv/bin/python \
-	  --llamacpp-python $(PEERS_DIR)/llamacpp-venv/bin/python $(PEER_ARGS)
+	  --llamacpp-python $(PEERS_DIR)/llamacpp-venv/bin/python --speculation-model $(ENGINE_DIR) $(PEER_ARGS)
 
 # the servers side by side: vLLM's OpenAI server and ours (mode off), the same AIPerf trace at a fixed rate
 bench-peer-servers: install $(AIPERF_VENV)/bin/aiperf $(PEERS_DIR)/vllm-venv/.installed

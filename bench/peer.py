@@ -12,6 +12,11 @@ Rows (output tok/s, medians of --runs with their [min-max] spread):
   were seen in the run before; vLLM's CPU blocks hold 128 tokens, ours 16, so more of each prompt is reused);
 - 4 bits, batch-1 decode: ours in static-int4 and static-int8 vs llama.cpp on the GGUF Q4_1 file the project
   embeds (the same file our fp32 weights are dequantized from);
+- self-speculative decoding, batch-1 greedy decode: ours with speculation off, always and auto on the engine
+  directory (--speculation-model, default engines/smollm2-135m from make build-engines: auto needs its measured
+  step costs; the Makefile passes $(ENGINE_DIR)), beside llama.cpp's and vLLM's batch-1 rows; each mode's greedy
+  tokens are compared with off's (equal by construction; a difference is a near-tie the verify kernels flipped,
+  counted). The fp32 and 4-bit rows above run with speculation off;
 - batch-1 decode as a fraction of the memory-bandwidth bound: weight bytes read per token / the read rate
   of a GEMV-shaped read (``F.linear`` of one row against a 256 MiB fp32 matrix, the access pattern of a
   decode step), not ``sum()``, which streams faster than any matrix-vector product does here.
@@ -30,6 +35,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,6 +47,8 @@ from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.spec_manager import SpeculationManager
+from serve.model.embedded import DEFAULT_ENGINE_DIR
 from serve.model.loader import embedded_model_path, load_model, save_hf_directory
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
@@ -61,9 +69,9 @@ def workloads(vocab: int, seed: int = 0) -> dict[str, dict]:
     }
 
 
-def make_engine(mode: str, threads: int, model: str) -> LLMEngine:
+def make_engine(mode: str, threads: int, model: str, speculation: str = "off") -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, morph_mode=mode, max_num_seqs=64, max_num_batched_tokens=512,
-                                  num_threads=threads))
+                                  num_threads=threads, speculation=speculation))
 
 
 def ours(engine: LLMEngine, wl: dict[str, dict], runs: int, warm_runs: int = 0) -> dict[str, dict[str, list[float]]]:
@@ -82,6 +90,29 @@ def ours(engine: LLMEngine, wl: dict[str, dict], runs: int, warm_runs: int = 0) 
             engine.generate(w["prompts"], params)
             out[name][kind].append(sum(w["max_tokens"]) / (time.perf_counter() - t0))
     return out
+
+
+def speculation_rows(make: Callable[[str], LLMEngine], wl: dict, runs: int, modes: list[str]) -> dict[str, dict]:
+    """Batch-1 greedy decode of workload ``wl`` with speculation off and each of ``modes`` (``make(speculation)``
+    builds the engine): tok/s per cold run, whether the greedy tokens equal off's, and what was drafted."""
+    name = next(iter(wl))
+    rows: dict[str, dict] = {}
+    reference: list[list[int]] | None = None
+    for mode in ["off", *modes]:
+        engine = make(mode)
+        try:
+            params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl[name]["max_tokens"]]
+            tokens = [o["token_ids"] for o in engine.generate(wl[name]["prompts"], params)]
+            reference = tokens if reference is None else reference
+            manager = engine.resource_manager(SpeculationManager)
+            drafted = (manager.num_draft_tokens, manager.num_accepted_tokens) if manager else (0, 0)
+            rows[mode] = {"tok_s": ours(engine, wl, runs)[name]["cold"],
+                          "differing_outputs": sum(t != r for t, r in zip(tokens, reference)), "outputs": len(tokens),
+                          "built": manager is not None, "draft_tokens": drafted[0], "accepted_tokens": drafted[1],
+                          "last_decision": manager.last_decision.reason if manager and manager.last_decision else ""}
+        finally:
+            engine.shutdown()
+    return rows
 
 
 def run_vllm(python: str, hf_dir: Path, wl: dict, runs: int, warm_runs: int, threads: int, work: Path) -> dict:
@@ -121,12 +152,32 @@ def to_markdown(r: dict) -> str:
     b1 = next(iter(r["ours_fp32"]))
     for mode, values in r["ours_quantized"].items():
         lines.append(f"| {mode} | {cell(values)} | {cell(r.get('llamacpp'))} | {_ratio(values, r.get('llamacpp'))} |")
+    lines += speculation_markdown(r, b1)
     b = r["bound"]
     fp32 = statistics.median(r["ours_fp32"][b1]["cold"])
     lines.append(f"\nBatch-1 fp32 decode: {fp32:.1f} tok/s = {fp32 / b['bound_tok_s']:.0%} of the bound "
                  f"{b['bound_tok_s']:.1f} tok/s ({b['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token, "
                  f"GEMV read rate {b['gemv_read_gbs']:.1f} GB/s).")
     return "\n".join(lines)
+
+
+def speculation_markdown(r: dict, b1: str) -> list[str]:
+    """The speculation rows: ours at batch 1 with speculation off / always / auto beside llama.cpp and vLLM."""
+    rows = r.get("ours_speculation")
+    if not rows:
+        return []
+    off = rows["off"]["tok_s"]
+    vllm = r.get("vllm", {}).get(b1, {}).get("cold")
+    lines = ["", f"| batch-1 greedy decode, full-precision output ({r['speculation_model']}), tok/s | ours | / ours off "
+             "| / llama.cpp Q4_1 | / vLLM CPU | outputs equal to off | drafted (accepted) |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    for mode, row in rows.items():
+        equal = ("reference" if mode == "off" else "yes" if row["differing_outputs"] == 0
+                 else f"no: {row['differing_outputs']} of {row['outputs']} differ")
+        drafted = f"{row['draft_tokens']} ({row['accepted_tokens']})" if row["built"] else "not built"
+        lines.append(f"| speculation {mode} | {cell(row['tok_s'])} | {_ratio(row['tok_s'], off)} | "
+                     f"{_ratio(row['tok_s'], r.get('llamacpp'))} | {_ratio(row['tok_s'], vllm)} | {equal} | {drafted} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,8 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-runs", type=int, default=3,
                    help="runs per fp32 workload after the cold ones, prefix caches kept (0: none)")
     p.add_argument("--quantized-modes", default="static-int4,static-int8")
+    p.add_argument("--speculation-model", default=DEFAULT_ENGINE_DIR,
+                   help="engine directory of the speculation rows (auto needs its measured step costs; make "
+                        "build-engines) (default: %(default)s)")
+    p.add_argument("--speculation-modes", default="always,auto",
+                   help="speculation modes run beside off at batch 1, comma-separated; empty: no speculation rows "
+                        "(default: %(default)s)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    modes = [m for m in args.speculation_modes.split(",") if m]
+    if any(m not in ("always", "auto") for m in modes):
+        p.error(f"--speculation-modes takes always and/or auto, got {args.speculation_modes!r}")
+    if modes and args.speculation_model != EMBEDDED_MODEL and not Path(args.speculation_model).exists():
+        p.error(f"--speculation-model {args.speculation_model} does not exist (make build-engines), or pass "
+                "--speculation-modes '' for no speculation rows")
     torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
     engine = make_engine("off", args.num_threads, args.model)
@@ -160,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         qe = make_engine(mode, args.num_threads, args.model)
         result["ours_quantized"][mode] = ours(qe, {b1_name: wl[b1_name]}, args.runs)[b1_name]["cold"]
         qe.shutdown()
+    if modes:
+        result["speculation_model"] = args.speculation_model
+        result["ours_speculation"] = speculation_rows(
+            lambda spec: make_engine("off", args.num_threads, args.speculation_model, spec), {b1_name: wl[b1_name]},
+            args.runs, modes)
     with tempfile.TemporaryDirectory(prefix="morphserve-peer-") as tmp:
         work = Path(tmp)
         if args.vllm_python:

@@ -9,6 +9,8 @@ own; only the executor and the layer bank are simulated: each iteration's time c
 TensorRT-LLM kernel tables for ``--system`` (aiconfigurator-core) and layer copies take bytes / PCIe bandwidth,
 overlapped with compute. ``--system local`` plans this machine from the engine's own measured step costs
 (validation against bench.replay). Output: bench.replay's table and JSON (same keys), plus plots with --plots.
+With --speculation-acceptance, self-speculative decoding is modelled (sim/speculation.py) and each mode's TPOT is
+reported without and with it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from sim.assemble import Target, build_engine, table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
+from sim.speculation import DRAFT_RUNGS, ModelledSpeculation, SimSpeculation, default_rung
+from policy.speculation import SpeculationConfig
 from serve.engine.kv_rung import KVPrecisionRung
 from serve.morph.runtime import MorphRuntime
 
@@ -50,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU systems: fixed host time per iteration (scheduling, sampling, launches) in ms (default: %(default)s)")
     g.add_argument("--plots", type=Path, default=None, help="write the TTFT CDF and per-mode timelines (PNG) here")
     g.add_argument("--list-systems", action="store_true", help="list the systems with tables and the built-in models, then exit")
+    g.add_argument("--speculation-acceptance", type=float, default=None, metavar="A",
+                   help="model self-speculative decoding (--speculation auto or always) on a GPU system's tables with "
+                        "this acceptance rate of a draft token (0..1): each mode runs without and with it and both "
+                        "TPOTs are reported (docs/planner.md); not given: speculation is not modelled (--speculation "
+                        "then changes nothing in a plan)")
+    g.add_argument("--speculation-k", type=int, default=SpeculationConfig.max_k, metavar="K",
+                   help="the longest draft: auto picks k in 1..K by the controller's predicted gain, always drafts "
+                        f"min({SpeculationConfig.always_k}, K) (default: %(default)s, the engine's)")
+    g.add_argument("--speculation-rung", choices=DRAFT_RUNGS, default=None,
+                   help="the draft's rung for full-precision layers: int8 / int4 weight-only (A100's tables) or fp8 "
+                        "(H100, H200, L40S); default: int8 where the tables have it, else fp8")
     for action in p._actions:  # --model means a config here (and an engine on --system local)
         if action.dest == "model":
             action.default = None
@@ -74,6 +89,9 @@ class Planner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.results: dict[str, dict] = {}  # the last run of each mode, for --plots
+        if args.speculation_acceptance is not None and args.system == "local":
+            raise ValueError("--speculation-acceptance models self-speculative decoding on a GPU system's tables; "
+                             "on this machine run it for real: bench.replay --speculation auto")
         if args.system == "local":
             from sim.local_target import local_target  # noqa: PLC0415 - loads a real engine
 
@@ -89,14 +107,36 @@ class Planner:
             args.max_num_batched_tokens = args.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS
             args.device_memory = args.device_memory or GPU_DEVICE_MEMORY
             self.target = table_target(args.system, args.model, 16, args.overhead_ms / 1e3)
+        self.speculation: ModelledSpeculation | None = None
+        if args.speculation_acceptance is not None:
+            self.speculation = ModelledSpeculation(args.speculation_acceptance, args.speculation_k,
+                                                   args.speculation_rung or default_rung(self.target.layer_nbytes[0]))
+
+    def modelled(self, config_speculation: str) -> ModelledSpeculation | None:
+        """What the plan assumes about self-speculative decoding; None: not modelled (not asked for, or off)."""
+        return None if config_speculation == "off" else self.speculation
 
     def run(self, args: argparse.Namespace, spec: str) -> dict:
+        modelled = self.modelled(engine_config(args, spec).speculation)
+        if modelled is None:
+            result = self.run_one(args, spec, None)
+            result["plan"]["speculation"] = {"modelled": False, "why": not_modelled(args)}
+            return result
+        without = self.run_one(args, spec, None, speculation="off")
+        result = self.run_one(args, spec, modelled)
+        result["plan"]["speculation"] = speculation_summary(modelled, result, without)
+        return result
+
+    def run_one(self, args: argparse.Namespace, spec: str, modelled: ModelledSpeculation | None,
+                speculation: str | None = None) -> dict:
         clock = VirtualClock()
         config = engine_config(args, spec)
+        if speculation is not None:
+            config = dataclasses.replace(config, speculation=speculation)
         if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is left unset (the clock is virtual)
             low, high = config.slai_thetas("cuda")
             config = dataclasses.replace(config, slai_theta_low=low, slai_theta_high=high)
-        engine = build_engine(config, self.target, clock)
+        engine = build_engine(config, self.target, clock, modelled)
         items, desc = build_workload(args, engine.tokenizer)
         wall = time.perf_counter()
         result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
@@ -112,12 +152,56 @@ class Planner:
             "swap_bytes_copied": m.bank.bytes_copied if m else 0,
             "kv_rung": dataclasses.asdict(rung.resource_stats()) if rung else None,
         }
+        drafting = engine.resource_manager(SimSpeculation)
+        if drafting is not None:
+            result["plan"]["speculation_counts"] = drafting.resource_stats().as_dict()
         engine.shutdown()
         if not args.quiet:
-            print(f"planned {spec} on {self.target.device}: {result['plan']['virtual_s']:.1f} s of serving in "
+            what = "" if modelled is None else f" with speculation modelled (acceptance {modelled.acceptance:g})"
+            print(f"planned {spec}{what} on {self.target.device}: {result['plan']['virtual_s']:.1f} s of serving in "
                   f"{result['plan']['wall_s']:.1f} s", file=sys.stderr, flush=True)
         self.results[spec] = result
         return result
+
+
+def not_modelled(args: argparse.Namespace) -> str:
+    if args.speculation_acceptance is None:
+        return ("self-speculative decoding is not modelled: give --speculation-acceptance A (and --speculation auto "
+                "or always) to model it")
+    return "--speculation off: the engine would not draft"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def speculation_summary(modelled: ModelledSpeculation, with_: dict, without: dict) -> dict:
+    """The plan's "speculation" block: what was assumed, how often it drafted, TPOT without and with it."""
+    counts = with_["plan"].get("speculation_counts", {})
+    iters = counts.get("decode_iterations", 0)
+    return {"modelled": True, **dataclasses.asdict(modelled), "mode": counts.get("mode"),
+            "drafting_share_of_decode_iterations": round(counts.get("drafting_iterations", 0) / iters, 4) if iters else None,
+            "tpot_ms": {"without": {k: _ms(v) for k, v in without["tpot_s"].items()},
+                        "with": {k: _ms(v) for k, v in with_["tpot_s"].items()}},
+            "ttft_p95_s": {"without": without["ttft_s"]["p95"], "with": with_["ttft_s"]["p95"]},
+            "slo_violation_rate": {"without": without["slo"]["violation_rate"],
+                                   "with": with_["slo"]["violation_rate"]}}
+
+
+def speculation_table(results: dict[str, dict]) -> str:
+    """Per mode: the modelled TPOT without and with self-speculative decoding (the last run of each mode)."""
+    lines = ["| mode | speculation | acceptance | k | rung | mean TPOT without (ms) | mean TPOT with (ms) | "
+             "P95 TPOT without (ms) | P95 TPOT with (ms) | drafting iterations |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for spec, r in results.items():
+        s = r["plan"].get("speculation") or {}
+        if not s.get("modelled"):
+            continue
+        t = s["tpot_ms"]
+        share = s["drafting_share_of_decode_iterations"]
+        lines.append(f"| {spec} | {s['mode']} | {s['acceptance']:g} | {s['k']} | {s['rung']} | {t['without']['mean']} | "
+                     f"{t['with']['mean']} | {t['without']['p95']} | {t['with']['p95']} | "
+                     f"{'n/a' if share is None else f'{share:.1%}'} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     except TableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    table = speculation_table(planner.results) if status == 0 else ""
+    if table:
+        print("\nself-speculative decoding, modelled (sim/speculation.py; TPOT without: the same mode, speculation off):\n")
+        print(table)
+    elif status == 0 and not args.quiet:
+        print(f"note: {not_modelled(args)}", file=sys.stderr)
     if args.plots is not None and planner.results:
         from bench.plots import make_plots  # noqa: PLC0415 - matplotlib only when asked
 

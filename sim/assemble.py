@@ -36,6 +36,7 @@ from sim.clock import VirtualClock
 from sim.executor import SimExecutor
 from sim.kernel_tables import GEMM_DTYPE, KV_TABLE_DTYPE, KernelTables, TableError
 from sim.model_specs import kv_block_nbytes, layer_nbytes, load_model_config, non_layer_nbytes
+from sim.speculation import ModelledSpeculation, SimSpeculation
 from sim.step_model import TableStepModel
 
 
@@ -126,8 +127,11 @@ def kv_rung_layout(config: EngineConfig, policy: PolicyConfig, target: Target) -
     return KVLayout.of(target.model_config, config.block_size, torch.bfloat16, policy.kv_rung)
 
 
-def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> LLMEngine:
-    """The planner's engine for ``config`` (its mode, memory budget, scheduler, KV format) on ``target``."""
+def build_engine(config: EngineConfig, target: Target, clock: VirtualClock,
+                 speculation: ModelledSpeculation | None = None) -> LLMEngine:
+    """The planner's engine for ``config`` (its mode, memory budget, scheduler, KV format) on ``target``;
+    ``speculation``: self-speculative decoding modelled with that acceptance (config.speculation decides how: off,
+    auto, always; sim/speculation.py), on a GPU system's tables only."""
     target = with_kv_cache_dtype(target, config)
     policy = config.policy_config()
     morphing = policy.strategy != "off"
@@ -173,8 +177,17 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock) -> L
     cfg = target.model_config
     engine_cfg = dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, tokenizer.vocab_size))
     token_id = tokenizer.encode(" the")[-1]
-    executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id, kv)  # type: ignore[arg-type]
     max_len = config.context_length(cfg.max_position_embeddings)
+    spec = None
+    if speculation is not None and config.speculation != "off":
+        if not isinstance(target.step_model, TableStepModel):
+            raise TableError(f"self-speculative decoding is modelled on a GPU system's tables, not on {target.device}; "
+                             "here run it for real: bench.replay --speculation")
+        spec = SimSpeculation(speculation, config.speculation, target.step_model, have, max_len,
+                              config.max_num_batched_tokens, clock)
+        resources.append(spec)
+    executor = SimExecutor(target.step_model, bank, cfg.num_layers, clock, token_id, kv,  # type: ignore[arg-type]
+                           speculation=spec)
     parts = EngineParts(model_config=engine_cfg, tokenizer=tokenizer, max_model_len=max_len,
                         device=torch.device("cpu"), dtype=torch.bfloat16, memory=memory, resources=resources,
                         executor=executor)

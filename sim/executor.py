@@ -1,5 +1,6 @@
 """The simulated executor: TorchExecutor's contract (chunks in, logits and the sampled chunks out, decodes
-first), with the step's time taken from a step model and added to the virtual clock instead of computed."""
+first), with the step's time taken from a step model (or, with self-speculative decoding modelled, from
+sim/speculation.py) and added to the virtual clock instead of computed."""
 
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ def batch_shape(chunks: list[ScheduledChunk],
     return shape, sampled
 
 
+class SpeculativeStepModel(Protocol):
+    def step_s(self, chunks: list[ScheduledChunk], shape: BatchShape, precisions: Sequence[str]) -> float: ...
+
+
 class SimExecutor:
     def __init__(self, step_model: StepModel, bank: SimLayerBank | None, num_layers: int, clock: VirtualClock,
-                 token_id: int, kv: SimKV | None = None) -> None:
+                 token_id: int, kv: SimKV | None = None, speculation: SpeculativeStepModel | None = None) -> None:
         self.step_model = step_model
+        self.speculation = speculation  # sim/speculation.py: the iteration's modelled time with drafting
         self.share_8bit = kv.share_8bit if kv is not None and kv.mixes_formats else None
         self.bank = bank
         self.num_layers = num_layers
@@ -54,7 +60,12 @@ class SimExecutor:
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         shape, sampled = batch_shape(chunks, self.share_8bit)
-        dt = self.step_model.step_s(shape, self.precisions()) if chunks else 0.0
+        if not chunks:
+            dt = 0.0
+        elif self.speculation is not None:
+            dt = self.speculation.step_s(chunks, shape, self.precisions())
+        else:
+            dt = self.step_model.step_s(shape, self.precisions())
         self.clock.advance(dt)
         self.steps += 1
         self.busy_s += dt

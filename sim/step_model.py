@@ -70,8 +70,9 @@ class TableStepModel:
     def layer_linears_s(self, precision: str, m: int) -> float:
         return sum(self.tables.gemm_s(precision, m, p.n, p.k) for p in self.projections)
 
-    def head_s(self, rows: int) -> float:
-        return self.tables.gemm_s(FULL, max(rows, 1), self.cfg.vocab_size, self.cfg.hidden_size)
+    def head_s(self, rows: int, precision: str = FULL) -> float:
+        """The LM head GEMM at ``rows`` rows (``precision``: a self-speculative draft's head is quantized)."""
+        return self.tables.gemm_s(precision, max(rows, 1), self.cfg.vocab_size, self.cfg.hidden_size)
 
     def _mixed(self, lookup, share8: float) -> float:
         """A lookup over the cache's KV: with the rung's 8-bit share, the full-precision rows' time and the 8-bit
@@ -96,13 +97,13 @@ class TableStepModel:
     def elementwise_s(self, m: int) -> float:
         return ELEMENTWISE_KERNELS * 3e-6 + ELEMENTWISE_PASSES * m * self.cfg.hidden_size * 2 / self._elementwise_bw
 
-    def step_s(self, batch: BatchShape, precisions: Sequence[str]) -> float:
+    def step_s(self, batch: BatchShape, precisions: Sequence[str], head: str = FULL) -> float:
         m = batch.num_tokens
         if m == 0:
             return 0.0
         linears = sum(n * self.layer_linears_s(p, m) for p, n in precision_counts(precisions).items())
         per_layer = self.attention_s(batch) + self.elementwise_s(m)
-        return linears + len(precisions) * per_layer + self.head_s(batch.sampled) + self.overhead_s
+        return linears + len(precisions) * per_layer + self.head_s(batch.sampled, head) + self.overhead_s
 
     def step_costs(self, precisions: Sequence[str]) -> StepCosts:
         """The controller's StepCosts from the tables (what the engine would measure on that GPU)."""

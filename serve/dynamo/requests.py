@@ -87,8 +87,36 @@ def to_engine_request(request: Mapping[str, Any], eos_token_ids: Iterable[int] =
         stop_token_ids=_stop_token_ids(stop, eos_token_ids, ignore_eos),
         ignore_eos=ignore_eos,
         guided_decoding=guided_decoding(sampling.get("guided_decoding")),
+        speculate=speculate(request),
     )
     return EngineRequest([int(t) for t in ids], params)
+
+
+SPECULATE_ANNOTATION = "speculate:"  # nvext.annotations ["speculate:false"]: this request decodes without speculation
+
+
+def speculate(request: Mapping[str, Any]) -> bool:
+    """Whether the request may decode speculatively (docs/speculation.md); absent, the worker's --speculation decides.
+
+    Dynamo 1.6.1's frontend refuses unknown fields in an OpenAI body and in its ``nvext``, and forwards
+    ``nvext.annotations`` to the worker as the request's ``annotations``: ``"speculate:false"`` there opts out.
+    A client of the worker's endpoint, or a frontend that forwards a body's ``extra_args`` as they are, may send
+    ``extra_args: {"speculate": false}`` instead. Other annotations are the frontend's and are left alone."""
+    said: set[bool] = set()
+    for note in request.get("annotations") or ():
+        if isinstance(note, str) and note.startswith(SPECULATE_ANNOTATION):
+            value = note[len(SPECULATE_ANNOTATION):]
+            if value not in ("true", "false"):
+                raise RequestError(f"annotation {note[:64]!r}: send speculate:false (or speculate:true)")
+            said.add(value == "true")
+    extra = request.get("extra_args")
+    if isinstance(extra, Mapping) and extra.get("speculate") is not None:
+        if not isinstance(extra["speculate"], bool):
+            raise RequestError(f"extra_args.speculate must be true or false, got {extra['speculate']!r}"[:160])
+        said.add(extra["speculate"])
+    if len(said) > 1:
+        raise RequestError("speculate is given both true and false; send one")
+    return said != {False}
 
 
 # Dynamo's GuidedDecodingOptions field -> the engine's guide type (serve/guided/spec.py)

@@ -34,6 +34,32 @@ def may_draft(chunk: ScheduledChunk) -> bool:
             and not p.logprobs)
 
 
+def draft_limit(seq: Sequence, max_model_len: int) -> int:
+    """Draft tokens worth verifying for ``seq``: what it may still emit minus the target's own token, and no
+    position past the context length."""
+    left = seq.params.max_tokens - seq.num_output_tokens - 1
+    return max(0, min(left, max_model_len - seq.num_tokens))
+
+
+def draft_telemetry(chunks: list[ScheduledChunk], scheduler: Any, max_k: int, max_model_len: int,
+                    layer_precisions: tuple[str, ...], token_budget: int,
+                    now_s: float) -> tuple[SpeculationTelemetry, list[ScheduledChunk], list[int]]:
+    """The controller's telemetry for a batch (its chunks, the scheduler's KV-cache manager and queue), the chunks
+    that may draft and each one's draft limit. Shared with the planner (sim/speculation.py), which decides alike."""
+    kvm = scheduler.kv_cache_manager
+    drafting = [c for c in chunks if may_draft(c)]
+    other = sum(c.num_tokens for c in chunks) - len(drafting)
+    limits = [draft_limit(c.seq, max_model_len) for c in drafting]
+    bs = kvm.block_size
+    draft_blocks = tuple(sum(max(0, -(-(c.seq.num_computed_tokens + 1 + min(k, lim)) // bs) - len(c.seq.block_ids))
+                             for c, lim in zip(drafting, limits)) for k in range(1, max_k + 1))
+    pool = kvm.pool
+    t = SpeculationTelemetry(now_s=now_s, batch_size=len(drafting), other_tokens=other, kv_usage=pool.usage,
+                             kv_blocks_free=pool.num_free, num_waiting=scheduler.num_waiting(),
+                             draft_blocks=draft_blocks, layer_precisions=layer_precisions, token_budget=token_budget)
+    return t, drafting, limits
+
+
 @dataclass(frozen=True)
 class SpeculationStats:
     """The manager's snapshot (``EngineStats.resources["speculation"]``), with vLLM's spec-decode names."""
@@ -94,19 +120,9 @@ class SpeculationManager(ResourceManagerBase):
         kvm = getattr(self.scheduler, "kv_cache_manager", None)
         if kvm is None or not chunks:
             return None
-        drafting = [c for c in chunks if may_draft(c)]
-        other = sum(c.num_tokens for c in chunks) - len(drafting)
-        limits = [self._limit(c.seq) for c in drafting]
-        bs = kvm.block_size
-        max_k = self.controller.config.max_k
-        draft_blocks = tuple(sum(max(0, -(-(c.seq.num_computed_tokens + 1 + min(k, lim)) // bs) - len(c.seq.block_ids))
-                                 for c, lim in zip(drafting, limits)) for k in range(1, max_k + 1))
-        pool = kvm.pool
-        t = SpeculationTelemetry(
-            now_s=self.clock(), batch_size=len(drafting), other_tokens=other, kv_usage=pool.usage,
-            kv_blocks_free=pool.num_free, num_waiting=self.scheduler.num_waiting(), draft_blocks=draft_blocks,
-            layer_precisions=tuple(layer.precision for layer in self.drafts.model.layers),
-            token_budget=self.token_budget)
+        t, drafting, limits = draft_telemetry(chunks, self.scheduler, self.controller.config.max_k, self.max_model_len,
+                                              tuple(layer.precision for layer in self.drafts.model.layers),
+                                              self.token_budget, self.clock())
         decision = self.controller.decide(t)
         self._remember(decision)
         if not decision.speculate or decision.rung is None:
@@ -123,12 +139,6 @@ class SpeculationManager(ResourceManagerBase):
             return None
         self.num_steps += 1
         return DraftPlan(decision, drafting, ks, taken, self.drafts.precisions(decision.rung))
-
-    def _limit(self, seq: Sequence) -> int:
-        """Draft tokens worth verifying for ``seq``: what it may still emit minus the target's own token, and no
-        position past the context length."""
-        left = seq.params.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(left, self.max_model_len - seq.num_tokens))
 
     def settle(self, seq: Sequence, rung: str, drafted: int, accepted: int) -> None:
         """After verification: ``accepted`` of ``drafted`` draft tokens were emitted (plus the target's own). Their

@@ -81,6 +81,7 @@ def request_inputs(
     ttft_slo_s: float | None = None,
     tbt_slo_s: float | None = None,
     priority: int | None = None,
+    speculate: bool | None = None,
 ) -> dict[str, np.ndarray]:
     """The model's inputs as numpy arrays of the shapes config.pbtxt declares (optional ones omitted)."""
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
@@ -105,6 +106,8 @@ def request_inputs(
         arrays["tbt_slo_s"] = np.array([tbt_slo_s], dtype=np.float32)
     if priority is not None:
         arrays["priority"] = np.array([priority], dtype=np.int32)
+    if speculate is not None:
+        arrays["speculate"] = np.array([speculate], dtype=bool)
     arrays["stream"] = np.array([stream], dtype=bool)
     return arrays
 

@@ -181,6 +181,10 @@ def encode_tensor(spec: InputSpec, value: Any, batched: bool) -> tuple[list[int]
 _INT64 = _INT_RANGES["INT64"]
 
 
+TRITON_REQUEST_PARAMETERS = ("triton_enable_empty_final_response",)
+"""The reserved ``triton_*`` request parameters tritonserver (2.51) accepts from a request; it refuses any other."""
+
+
 def parameter_value(name: str, v: Any) -> tuple[str, Any]:
     """A JSON key that is not an input -> (InferParameter field, value), as Triton's generate passes it; its name
     and a string value must be text (serve/request_values.py)."""
@@ -217,6 +221,9 @@ def build_request(spec: ModelSpec, version: str, body: Any, request_id: str = ""
                 if spec.limits is not None:
                     check_limits(spec.limits, target, value)
                 encode_tensor(dataclasses.replace(target, name=key), value, batched)
+            if key.startswith("triton_") and key not in TRITON_REQUEST_PARAMETERS:  # tritonserver answers these 500
+                raise FrontError(400, f"request parameter {key[:64]!r}: keys starting with 'triton_' are reserved for "
+                                      f"Triton; a request may send only {', '.join(TRITON_REQUEST_PARAMETERS)}")
             field, v = parameter_value(key, value)
             setattr(req.parameters[key], field, v)
             continue

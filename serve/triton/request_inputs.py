@@ -52,6 +52,7 @@ class ParsedRequest:
     end_id: int | None = None
     include_stop_str: bool = False        # stop_words (TensorRT-LLM) end the answer with the stop string
     guided: dict[str, str] | None = None  # {"type", "guide"}: structured output (serve/guided), validated there
+    speculate: bool = True                # False: decode without speculation (speculate / num_draft_tokens 0)
 
     timeout_s: float | None = None
 
@@ -65,7 +66,7 @@ class ParsedRequest:
                     repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words,
                     logprobs=self.return_log_probs, include_stop_str_in_output=self.include_stop_str,
-                    guided_decoding=self.guided)
+                    guided_decoding=self.guided, speculate=self.speculate)
 
 
 def _scalar(get_input: InputGetter, name: str, kind: str) -> Any:
@@ -196,6 +197,21 @@ def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest, limits: In
         raise InputError(f"pad_id must be a token id >= 0, got {pad}")
     # length_penalty only steers beam search in TensorRT-LLM; with beam_width 1 it has no effect there either.
     out.guided = _guided(get_input, limits)
+    out.speculate = _speculate(get_input)
+
+
+def _speculate(get_input: InputGetter) -> bool:
+    """Whether the request may decode speculatively (docs/speculation.md): False when it sends the morphserve
+    input ``speculate`` = false or TensorRT-LLM's ``num_draft_tokens`` = 0 (TensorRT-LLM's BLS model drafts only
+    when it is > 0); absent, the server's ``speculation`` setting decides. A positive num_draft_tokens was already
+    refused (check_unsupported)."""
+    asked = _optional(get_input, "speculate", "BOOL", None, bool)
+    drafts = _optional(get_input, "num_draft_tokens", "INT32", None, int)
+    if drafts is not None and drafts < 0:
+        raise InputError(f"num_draft_tokens must be 0 (decode without speculation), got {drafts}")
+    if asked and drafts == 0:
+        raise InputError("speculate=true and num_draft_tokens=0 contradict each other: send one of them")
+    return asked is not False and drafts != 0
 
 
 def _guided(get_input: InputGetter, limits: InputLimits) -> dict[str, str] | None:

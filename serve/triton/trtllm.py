@@ -12,7 +12,10 @@ TensorRT-LLM semantics kept here:
   streaming answers never repeat it;
 - ``random_seed``, ``stop_words``, ``bad_words``, ``min_length``, ``end_id`` (replaces EOS), ``pad_id``
   (no padding with one sequence per request), penalties, ``return_log_probs``, ``guided_decoding_guide_type``
-  and ``guided_decoding_guide`` (structured output: json, json_schema, regex, ebnf_grammar, structural_tag).
+  and ``guided_decoding_guide`` (structured output: json, json_schema, regex, ebnf_grammar, structural_tag);
+- ``num_draft_tokens``: TensorRT-LLM's BLS model drafts only when it is > 0, so an explicit 0 opts the request
+  out of this engine's self-speculative decoding (as the morphserve input ``speculate`` = false does); a positive
+  value asks for a client-chosen draft length, which this engine does not take (docs/speculation.md).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MORPHSERVE_INPUTS: dict[str, str] = {
     "seed": "uint", "stop": "strs", "stream": "bool", "ignore_eos": "bool",
     "ttft_slo_s": "float", "tbt_slo_s": "float", "priority": "int",   # SLO-aware scheduling (README)
     "timeout_s": "float",                                             # per-request deadline (Hardening)
+    "speculate": "bool",                                              # false: no speculation (speculation.md)
     "random_seed": "uint", "stop_words": "strs", "bad_words": "strs", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "length_penalty": "float", "min_length": "int",
     "beam_width": "int", "num_return_sequences": "int", "exclude_input_in_output": "bool",
@@ -49,7 +53,7 @@ MORPHSERVE_INPUTS: dict[str, str] = {
     "decoder_text_input": "str",
 }
 # The morphserve-only inputs; every other name is TensorRT-LLM's (what the BLS models declare).
-MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority", "timeout_s")
+MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority", "timeout_s", "speculate")
 TRTLLM_INPUTS = [n for n in MORPHSERVE_INPUTS if n not in MORPHSERVE_ONLY]
 # Request-parameter names that mean an input (other names: see MORPHSERVE_INPUTS).
 PARAMETER_ALIASES = {"min_tokens": "min_length", "logprobs": "return_log_probs", "max_new_tokens": "max_tokens"}
@@ -75,7 +79,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[np.ndarray], bool], str]] = {
     "lora_task_id": (lambda a: a.size > 0, "LoRA adapters are not supported"),
     "lora_weights": (lambda a: a.size > 0, "LoRA adapters are not supported"),
     "lora_config": (lambda a: a.size > 0, "LoRA adapters are not supported"),
-    "num_draft_tokens": (_positive, "speculative decoding (draft tokens) is not supported"),
+    "num_draft_tokens": (_positive, "a client-chosen draft length is not supported: this engine drafts with its own "
+                         "quantized layers and picks the length itself; send 0 (or the morphserve input "
+                         "speculate=false) to decode this request without speculation"),
     "use_draft_logits": (_flag, "speculative decoding (draft logits) is not supported"),
     "embedding_bias_words": (_nonempty, "embedding bias is not supported"),
     "embedding_bias_weights": (lambda a: a.size > 0, "embedding bias is not supported"),

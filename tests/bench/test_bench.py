@@ -330,6 +330,49 @@ def test_qactivations_quality_switches_the_setting_per_side_and_restores_it(monk
     assert "--window must be 2..32" in capsys.readouterr().err
 
 
+def test_bench_peer_speculation_rows_draft_and_compare_outputs_with_off(tiny_dir, capsys):
+    """The speculation rows (no peers): off, always and auto on one model at batch 1; always drafts, its greedy
+    output is compared with off's, and the table puts each beside off, llama.cpp and vLLM."""
+    from bench import peer
+
+    wl = {"b1": {"prompts": [[300 + j for j in range(12)]], "max_tokens": [8]}}
+    rows = peer.speculation_rows(lambda spec: peer.make_engine("off", 1, str(tiny_dir), spec), wl, 1,
+                                 ["always", "auto"])
+    assert list(rows) == ["off", "always", "auto"]
+    assert not rows["off"]["built"] and rows["off"]["draft_tokens"] == 0
+    assert rows["always"]["built"] and rows["always"]["draft_tokens"] > 0  # speculation always drafted
+    assert rows["always"]["differing_outputs"] == 0 and rows["always"]["outputs"] == 1
+    assert all(len(r["tok_s"]) == 1 and r["tok_s"][0] > 0 for r in rows.values())
+    rows["auto"]["differing_outputs"] = 1  # how a flipped near-tie is shown
+    r = {"ours_speculation": rows, "speculation_model": "tiny", "llamacpp": [10.0], "vllm": {"b1": {"cold": [5.0]}}}
+    table = "\n".join(peer.speculation_markdown(r, "b1"))
+    assert "| speculation off |" in table and "| 1.00x |" in table and "| reference |" in table
+    assert "| speculation always |" in table and "| yes |" in table and "no: 1 of 1 differ" in table
+    assert f"{rows['always']['tok_s'][0] / 10.0:.2f}x | {rows['always']['tok_s'][0] / 5.0:.2f}x" in table
+    with pytest.raises(SystemExit):
+        peer.main(["--speculation-modes", "sometimes"])
+    assert "--speculation-modes takes always and/or auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        peer.main(["--speculation-model", "/no/such/engine"])
+    assert "make build-engines" in capsys.readouterr().err
+
+
+def test_bench_peer_without_peers_prints_the_speculation_rows(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The whole command without peers on tiny workloads: the speculation rows run on --speculation-model."""
+    from bench import peer
+
+    tiny_workloads = {"b1": {"prompts": [[300 + j for j in range(12)]], "max_tokens": [6]},
+                      "two": {"prompts": [[400 + j for j in range(8)]] * 2, "max_tokens": [4, 4]}}
+    monkeypatch.setattr(peer, "workloads", lambda vocab, seed=0: tiny_workloads)
+    out = tmp_path / "peer.json"
+    assert peer.main(["--model", str(tiny_dir), "--speculation-model", str(tiny_dir), "--runs", "1", "--warm-runs",
+                      "0", "--quantized-modes", "", "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert list(result["ours_speculation"]) == ["off", "always", "auto"] and result["speculation_model"] == str(tiny_dir)
+    assert result["ours_speculation"]["always"]["draft_tokens"] > 0
+    assert "| speculation always |" in capsys.readouterr().out
+
+
 def test_bench_peer_cold_runs_reset_the_prefix_cache_and_warm_runs_reuse_it(tiny):
     from bench import peer
     from serve.config import EngineConfig

@@ -116,6 +116,28 @@ def test_bad_values_are_value_errors(groups: dict) -> None:
         to_engine_request(_request(**groups))
 
 
+@pytest.mark.parametrize(("extra", "speculate"), [
+    ({}, True),
+    ({"annotations": ["formatted_prompt", "speculate:false"]}, False),  # what nvext.annotations arrives as (1.6.1)
+    ({"annotations": ["speculate:true"]}, True),
+    ({"extra_args": {"speculate": False, "nvext": {"extra_fields": ["worker_id"]}}}, False),
+    ({"extra_args": {"nvext": {"extra_fields": ["worker_id"]}}}, True),   # the frontend's own extra_args
+    ({"annotations": ["speculate:false"], "extra_args": {"speculate": False}}, False),
+])
+def test_per_request_speculation_opt_out(extra: dict, speculate: bool) -> None:
+    assert to_engine_request({**_request(), **extra}).params.speculate is speculate
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"annotations": ["speculate:no"]}, "speculate:false"),
+    ({"extra_args": {"speculate": "false"}}, "extra_args.speculate must be true or false"),
+    ({"annotations": ["speculate:true"], "extra_args": {"speculate": False}}, "both true and false"),
+])
+def test_bad_speculation_opt_outs_are_refused(extra: dict, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        to_engine_request({**_request(), **extra})
+
+
 def test_empty_prompt_is_rejected() -> None:
     with pytest.raises(RequestError, match="no prompt"):
         to_engine_request({"token_ids": []})

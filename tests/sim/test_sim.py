@@ -213,8 +213,8 @@ def test_a_gpu_plan_runs_slai_with_the_cuda_thetas(monkeypatch) -> None:
 
     seen = []
     real = planner.build_engine
-    monkeypatch.setattr(planner, "build_engine", lambda config, target, clock: seen.append(config) or
-                        real(config, target, clock))
+    monkeypatch.setattr(planner, "build_engine", lambda config, target, clock, *rest: seen.append(config) or
+                        real(config, target, clock, *rest))
     common = ["--system", "a100_sxm", "--model", "llama-2-7b", "--trace", str(TRACE), "--window", "burst:72",
               "--mode", "off", "--max-requests", "5", "--scheduler", "slai"]
     assert plan_main(common) == 0 and plan_main([*common, "--slai-theta", "2"]) == 0

@@ -112,6 +112,16 @@ def test_request_tensors_follow_the_model_config() -> None:
     assert shape == [1]
 
 
+def test_reserved_triton_parameters_are_400_at_the_door() -> None:
+    """tritonserver refuses every triton_* request parameter but one, and answered that refusal 500 through the door
+    (found by test_fuzz_e2e: {"text_input": "", "triton_x": ""}); the door refuses them 400 itself."""
+    with pytest.raises(FrontError, match="'triton_x'.*reserved") as e:
+        build_request(MORPHSERVE, "", {"text_input": "x", "triton_x": ""})
+    assert e.value.status == 400
+    req = build_request(MORPHSERVE, "", {"text_input": "x", "triton_enable_empty_final_response": False})
+    assert req.parameters["triton_enable_empty_final_response"].bool_param  # the door streams with it on
+
+
 def test_the_models_own_limits_are_checked_at_the_door() -> None:
     spec = spec_from_config({"name": "morphserve", "input": [
         {"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},

@@ -86,6 +86,29 @@ def test_translation_keeps_options_and_parameters() -> None:
     assert kw["min_tokens"] == 3
 
 
+@pytest.mark.parametrize(("extra", "parameters", "speculate"), [
+    ({}, None, True),
+    ({"speculate": np.array([[False]])}, None, False),            # the morphserve input
+    ({"speculate": np.array([[True]])}, None, True),
+    ({"num_draft_tokens": np.array([[0]], dtype=np.int32)}, None, False),  # TensorRT-LLM: 0 drafts, no speculation
+    ({}, '{"speculate": false}', False),                           # a request parameter (HTTP generate key)
+    ({}, '{"num_draft_tokens": 0}', False),
+])
+def test_per_request_speculation_opt_out(extra, parameters, speculate) -> None:
+    arrays = trtllm_to_morphserve(_req(**extra).get, parameters)
+    assert parse_request(arrays.get, 64, 16).sampling_kwargs()["speculate"] is speculate
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"num_draft_tokens": np.array([[3]], dtype=np.int32)}, "num_draft_tokens: a client-chosen draft length"),
+    ({"num_draft_tokens": np.array([[-1]], dtype=np.int32)}, "num_draft_tokens must be 0"),
+    ({"num_draft_tokens": np.array([[0]], dtype=np.int32), "speculate": np.array([[True]])}, "contradict"),
+])
+def test_bad_speculation_inputs_are_refused(extra, message) -> None:
+    with pytest.raises(InputError, match=message):
+        parse_request(trtllm_to_morphserve(_req(**extra).get, None).get, 64, 16)
+
+
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
 def test_every_unsupported_input_is_refused_by_name(name: str) -> None:
     kind = MORPHSERVE_INPUTS[name]
