@@ -16,7 +16,8 @@ Rows (output tok/s, medians of --runs with their [min-max] spread):
   directory (--speculation-model, default engines/smollm2-135m from make build-engines: auto needs its measured
   step costs; the Makefile passes $(ENGINE_DIR)), beside llama.cpp's and vLLM's batch-1 rows; each mode's greedy
   tokens are compared with off's (equal by construction; a difference is a near-tie the verify kernels flipped,
-  counted). The fp32 and 4-bit rows above run with speculation off;
+  counted); off and auto also run the 32-prompt and 64-mixed workloads (auto must not slow a full batch down).
+  The fp32 and 4-bit rows above run with speculation off;
 - batch-1 decode as a fraction of the memory-bandwidth bound: weight bytes read per token / the read rate
   of a GEMV-shaped read (``F.linear`` of one row against a 256 MiB fp32 matrix, the access pattern of a
   decode step), not ``sum()``, which streams faster than any matrix-vector product does here.
@@ -93,8 +94,9 @@ def ours(engine: LLMEngine, wl: dict[str, dict], runs: int, warm_runs: int = 0) 
 
 
 def speculation_rows(make: Callable[[str], LLMEngine], wl: dict, runs: int, modes: list[str]) -> dict[str, dict]:
-    """Batch-1 greedy decode of workload ``wl`` with speculation off and each of ``modes`` (``make(speculation)``
-    builds the engine): tok/s per cold run, whether the greedy tokens equal off's, and what was drafted."""
+    """Batch-1 greedy decode of the first workload of ``wl`` with speculation off and each of ``modes``
+    (``make(speculation)`` builds the engine): tok/s per cold run, whether the greedy tokens equal off's, and what was
+    drafted; off and auto also run the other workloads (``batched_tok_s``: auto must not slow a full batch down)."""
     name = next(iter(wl))
     rows: dict[str, dict] = {}
     reference: list[list[int]] | None = None
@@ -106,7 +108,10 @@ def speculation_rows(make: Callable[[str], LLMEngine], wl: dict, runs: int, mode
             reference = tokens if reference is None else reference
             manager = engine.resource_manager(SpeculationManager)
             drafted = (manager.num_draft_tokens, manager.num_accepted_tokens) if manager else (0, 0)
-            rows[mode] = {"tok_s": ours(engine, wl, runs)[name]["cold"],
+            loads = wl if mode != "always" else {name: wl[name]}  # always at batch 32+ only wastes the run
+            timed = ours(engine, loads, runs)
+            rows[mode] = {"tok_s": timed[name]["cold"],
+                          "batched_tok_s": {w: t["cold"] for w, t in timed.items() if w != name},
                           "differing_outputs": sum(t != r for t, r in zip(tokens, reference)), "outputs": len(tokens),
                           "built": manager is not None, "draft_tokens": drafted[0], "accepted_tokens": drafted[1],
                           "last_decision": manager.last_decision.reason if manager and manager.last_decision else ""}
@@ -177,6 +182,12 @@ def speculation_markdown(r: dict, b1: str) -> list[str]:
         drafted = f"{row['draft_tokens']} ({row['accepted_tokens']})" if row["built"] else "not built"
         lines.append(f"| speculation {mode} | {cell(row['tok_s'])} | {_ratio(row['tok_s'], off)} | "
                      f"{_ratio(row['tok_s'], r.get('llamacpp'))} | {_ratio(row['tok_s'], vllm)} | {equal} | {drafted} |")
+    batched = rows.get("auto", {}).get("batched_tok_s", {})
+    if batched:
+        lines += ["", "| batched workload, ours, tok/s | speculation off | auto | auto / off |", "|---|---:|---:|---:|"]
+        for w, t in batched.items():
+            base = rows["off"].get("batched_tok_s", {}).get(w)
+            lines.append(f"| {w} | {cell(base or [])} | {cell(t)} | {_ratio(t, base)} |")
     return lines
 
 
@@ -226,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if modes:
         result["speculation_model"] = args.speculation_model
         result["ours_speculation"] = speculation_rows(
-            lambda spec: make_engine("off", args.num_threads, args.speculation_model, spec), {b1_name: wl[b1_name]},
-            args.runs, modes)
+            lambda spec: make_engine("off", args.num_threads, args.speculation_model, spec), wl, args.runs, modes)
     with tempfile.TemporaryDirectory(prefix="morphserve-peer-") as tmp:
         work = Path(tmp)
         if args.vllm_python:

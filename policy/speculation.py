@@ -17,9 +17,10 @@ tokens, and the rest of the step, the LM head, at the same counts; interpolated 
   draft token at that rung.
 
 The predictions are multiplied by corrections the engine feeds back (``observe``: predicted and measured seconds of
-each kind of step, averaged): a machine factor from plain steps that scales every prediction, and a factor per kind
-(draft, verify) relative to it, so the model follows the machine it runs on (and a kernel the measurement did not
-see, such as verification on the plain step's kernels) without a load change tilting the gain. The predicted gain is plain seconds per token over speculative seconds per token.
+each kind of step): a machine factor from plain steps that scales every prediction, and a factor per kind (draft,
+verify) relative to it, so the model follows the machine it runs on (and a kernel the measurement did not see) without
+a load change tilting the gain; each per batch bucket (1, 2-3, 4-7, 8-15, ...: ``batch_bucket``) and each the median
+of its latest measured ratios. The predicted gain is plain seconds per token over speculative seconds per token.
 
 Rules:
 
@@ -84,6 +85,8 @@ class SpeculationConfig:
     acceptance_weight: float = 0.05  # weight of one verification in the running acceptance (per draft token)
     correction_window: int = 9       # a cost correction is the median of this many latest measured ratios
     probe_every: int = 64
+    probe_gain: float = 0.8   # a never-measured rung or batch bucket is probed once when the gain at acceptance 1
+                              # predicted with its unmeasured (1.0) factors reaches this (the model is off by tens of %)
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATION_MODES:
@@ -96,6 +99,8 @@ class SpeculationConfig:
             raise ValueError(f"need 0 < kv_calm <= kv_high <= 1, got {self.kv_calm}, {self.kv_high}")
         if self.correction_window < 1:
             raise ValueError(f"correction_window must be >= 1, got {self.correction_window}")
+        if not 0.0 < self.probe_gain <= self.on_gain:
+            raise ValueError(f"need 0 < probe_gain <= on_gain, got {self.probe_gain}, {self.on_gain}")
         if self.off_gain > self.on_gain:
             raise ValueError(f"off_gain {self.off_gain} above on_gain {self.on_gain} leaves no hysteresis")
 
@@ -128,12 +133,22 @@ class SpeculationDecision:
         return cls(False, 0, None, reason, gain)
 
 
+STEP_KINDS: tuple[str, ...] = ("plain", "draft", "verify")
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch sizes one set of cost corrections covers: 1, 2-3, 4-7, 8-15, ... (named by the smallest). The
+    model's error is not one factor for every batch: at batch 1 a verify's k + 1 rows are memory-bound and nearly
+    free, at batch 8 its 40 rows are compute-bound, so a factor learned at one size would mislead at the other."""
+    return 1 << (max(batch, 1).bit_length() - 1)
+
+
 @dataclass
 class _Estimates:
     acceptance: dict[str, float] = field(default_factory=dict)
-    correction: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "draft": 1.0, "verify": 1.0})
-    measured: set[str] = field(default_factory=set)  # rungs and step kinds seen at least once (priors replaced)
-    ratios: dict[str, deque] = field(default_factory=dict)  # latest measured / predicted ratios per step kind
+    correction: dict[tuple[str, int], float] = field(default_factory=dict)  # (step kind, batch bucket) -> factor
+    measured: set = field(default_factory=set)  # rungs and (step kind, bucket)s seen at least once (priors replaced)
+    ratios: dict[tuple[str, int], deque] = field(default_factory=dict)  # latest measured / predicted ratios
 
 
 class SpeculationController:
@@ -158,49 +173,63 @@ class SpeculationController:
         old = self.est.acceptance.get(rung, self.config.prior_acceptance)
         self.est.acceptance[rung] = old + w * (accepted / drafted - old)
 
-    def observe(self, kind: str, predicted_s: float, measured_s: float) -> None:
-        """A step of ``kind`` (plain, draft, verify) took ``measured_s`` where the uncorrected cost model said
-        ``predicted_s``. A plain step moves the machine's factor (``plain``: load, a slower CPU than the measured
-        one); a draft or verify step moves its kind's factor relative to it, so a load change between observations
-        moves every prediction alike instead of tilting the gain. Each factor is the median of the latest
-        ``correction_window`` ratios: a first call's warm-up or a step slowed by other work is one outlier among
-        them, not a tenth of every later estimate."""
-        if predicted_s > 0 and measured_s > 0 and kind in self.est.correction:
-            base = 1.0 if kind == "plain" else self.est.correction["plain"]
-            window = self.est.ratios.setdefault(kind, deque(maxlen=self.config.correction_window))
+    def observe(self, kind: str, predicted_s: float, measured_s: float, batch: int = 1) -> None:
+        """A step of ``kind`` (plain, draft, verify) over ``batch`` sequences took ``measured_s`` where the
+        uncorrected cost model said ``predicted_s``. A plain step moves the machine's factor (``plain``: load, a
+        slower CPU than the measured one); a draft or verify step moves its kind's factor relative to it, so a load
+        change between observations moves every prediction alike instead of tilting the gain. Factors are kept per
+        batch bucket (:func:`batch_bucket`), each the median of its latest ``correction_window`` ratios: a first
+        call's warm-up or a step slowed by other work is one outlier among them, not a tenth of every later
+        estimate."""
+        if predicted_s > 0 and measured_s > 0 and kind in STEP_KINDS:
+            key = (kind, batch_bucket(batch))
+            base = 1.0 if kind == "plain" else self.correction("plain", batch)
+            window = self.est.ratios.setdefault(key, deque(maxlen=self.config.correction_window))
             window.append(measured_s / (predicted_s * base))
-            self.est.measured.add(kind)  # the first measurement replaces the model's 1.0
-            self.est.correction[kind] = statistics.median(window)
+            self.est.measured.add(key)  # the first measurement replaces the model's 1.0
+            self.est.correction[key] = statistics.median(window)
+
+    def correction(self, kind: str, batch: int) -> float:
+        """The cost correction of ``kind`` at ``batch`` sequences (1.0 where never measured)."""
+        return self.est.correction.get((kind, batch_bucket(batch)), 1.0)
+
+    def measured(self, kind: str, batch: int) -> bool:
+        return (kind, batch_bucket(batch)) in self.est.measured
 
     def acceptance(self, rung: str) -> float:
         return self.est.acceptance.get(rung, self.config.prior_acceptance)
 
     # ---- the cost model --------------------------------------------------------------------------------
     def plain_s(self, precisions: Sequence[str], tokens: int, corrected: bool = True) -> float:
+        """A plain decode step of ``tokens`` sequences."""
         c = self.costs
         assert c is not None
         t = sum(c.layer_cost_s(p, tokens) for p in precisions) + c.rest_cost_s(tokens)
-        return t * (self.est.correction["plain"] if corrected else 1.0)
+        return t * (self.correction("plain", tokens) if corrected else 1.0)
 
     def draft_s(self, precisions: Sequence[str], rung: str, tokens: int, corrected: bool = True) -> float:
+        """One draft step of ``tokens`` sequences."""
         c = self.costs
         assert c is not None
         layers = sum(c.layer_cost_s(rung_below(p, rung), tokens) for p in precisions)
         head = c.rest_cost_s(tokens) * c.ratio(rung, tokens)
-        return (layers + head) * (self._factor("draft") if corrected else 1.0)
+        return (layers + head) * (self._factor("draft", tokens) if corrected else 1.0)
 
-    def verify_s(self, precisions: Sequence[str], tokens: int, corrected: bool = True) -> float:
-        return self.plain_s(precisions, tokens, corrected=False) * (self._factor("verify") if corrected else 1.0)
+    def verify_s(self, precisions: Sequence[str], tokens: int, corrected: bool = True, batch: int | None = None
+                 ) -> float:
+        """Verifying ``tokens`` rows (``batch`` sequences' drafts plus their last tokens; default: one each)."""
+        factor = self._factor("verify", tokens if batch is None else batch) if corrected else 1.0
+        return self.plain_s(precisions, tokens, corrected=False) * factor
 
-    def _factor(self, kind: str) -> float:
-        return self.est.correction["plain"] * self.est.correction[kind]
+    def _factor(self, kind: str, batch: int) -> float:
+        return self.correction("plain", batch) * self.correction(kind, batch)
 
     def gain(self, t: SpeculationTelemetry, rung: str, k: int, acceptance: float | None = None) -> float:
         """Predicted plain seconds per token over speculative seconds per token."""
         b, ps = t.batch_size, t.layer_precisions
         a = self.acceptance(rung) if acceptance is None else acceptance
         plain = self.plain_s(ps, b) / b
-        spec = (k * self.draft_s(ps, rung, b) + self.verify_s(ps, b * (k + 1))) / (b * expected_tokens(a, k))
+        spec = (k * self.draft_s(ps, rung, b) + self.verify_s(ps, b * (k + 1), batch=b)) / (b * expected_tokens(a, k))
         return plain / spec
 
     # ---- the decision ----------------------------------------------------------------------------------
@@ -238,18 +267,21 @@ class SpeculationController:
         usable = [r for r in cfg.rungs if r in self.costs.layer_s]
         if not usable:
             return SpeculationDecision.plain(f"no measured cost for the draft rungs {list(cfg.rungs)} {sig}")
-        if "plain" not in self.est.measured:  # draft and verify factors are relative to it: measure it first
+        if not self.measured("plain", t.batch_size):  # draft and verify factors are relative to it: measure it first
             return SpeculationDecision.plain(f"no plain decode step measured yet (the machine factor) {sig}")
         best = max(((self.gain(t, r, k), r, k) for r in usable for k in fits), key=lambda x: x[0])
         gain, rung, k = best
         need = cfg.off_gain if self.on else cfg.on_gain
         what = (f"k {k} at {rung}: predicted x{gain:.2f} (acceptance {self.acceptance(rung):.2f}, corrections "
-                + ", ".join(f"{n} {v:.2f}" for n, v in self.est.correction.items()) + ")")
+                + ", ".join(f"{n} {self.correction(n, t.batch_size):.2f}" for n in STEP_KINDS)
+                + f" at batch {batch_bucket(t.batch_size)}+)")
         if gain >= need:
             return SpeculationDecision(True, k, rung, f"{what} >= x{need:.2f} {sig}", gain)
         ideal = self.gain(t, rung, k, acceptance=1.0)
-        unmeasured = [n for n in (rung, "draft", "verify") if n not in self.est.measured]
-        if ideal >= cfg.on_gain and (unmeasured or self.since_draft + 1 >= cfg.probe_every):
+        unmeasured = ([rung] if rung not in self.est.measured else []) + [
+            n for n in ("draft", "verify") if not self.measured(n, t.batch_size)]
+        due = self.since_draft + 1 >= cfg.probe_every
+        if (unmeasured and ideal >= cfg.probe_gain) or (ideal >= cfg.on_gain and due):
             why = f"never measured: {', '.join(unmeasured)}" if unmeasured else f"x{ideal:.2f} at full acceptance"
             return SpeculationDecision(True, k, rung, f"probe: {what}, {why} {sig}", gain)
         return SpeculationDecision.plain(f"{what} < x{need:.2f} {sig}", gain)

@@ -175,14 +175,14 @@ class SimSpeculation(ResourceManagerBase):
         if not any(ks):
             plain = self.step_model.step_s(shape, precisions)
             if decodes_only:  # the engine's speculative executor observes its plain decode steps alike
-                c.observe("plain", c.plain_s(precisions, len(chunks), corrected=False), plain)
+                c.observe("plain", c.plain_s(precisions, len(chunks), corrected=False), plain, len(chunks))
             return plain
         contexts = [ch.start + 1 for ch in drafting]
         draft = draft_s(self.step_model, contexts, ks, precisions, self.modelled.rung, shape.decode_kv8)
         verify = verify_s(self.step_model, contexts, ks, precisions, shape.decode_kv8)
         b = len(drafting)
-        c.observe("draft", max(ks) * c.draft_s(precisions, self.rung, b, corrected=False), draft)
-        c.observe("verify", c.verify_s(precisions, b + sum(ks), corrected=False), verify)
+        c.observe("draft", max(ks) * c.draft_s(precisions, self.rung, b, corrected=False), draft, b)
+        c.observe("verify", c.verify_s(precisions, b + sum(ks), corrected=False), verify, b)
         s = self.stats
         s.drafting_iterations += 1
         s.by_batch.setdefault(str(b), [0, 0])[1] += 1

@@ -79,7 +79,7 @@ class SpeculativeExecutor:
             if chunks and all(c.is_decode for c in chunks) and self.manager.controller.costs is not None:
                 c = self.manager.controller
                 precisions = [layer.precision for layer in self.model.layers]
-                c.observe("plain", c.plain_s(precisions, len(chunks), corrected=False), clock() - t0)
+                c.observe("plain", c.plain_s(precisions, len(chunks), corrected=False), clock() - t0, len(chunks))
             return out
         self.inner.release_heap_if_due()
         t0 = clock()
@@ -170,5 +170,5 @@ class SpeculativeExecutor:
         served = [layer.precision for layer in self.model.layers]
         rung = plan.decision.rung
         assert rung is not None
-        c.observe("draft", k * c.draft_s(served, rung, b, corrected=False), draft_s)
-        c.observe("verify", c.verify_s(served, b + sum(plan.ks), corrected=False), verify_s)
+        c.observe("draft", k * c.draft_s(served, rung, b, corrected=False), draft_s, b)
+        c.observe("verify", c.verify_s(served, b + sum(plan.ks), corrected=False), verify_s, b)

@@ -335,10 +335,14 @@ def test_bench_peer_speculation_rows_draft_and_compare_outputs_with_off(tiny_dir
     output is compared with off's, and the table puts each beside off, llama.cpp and vLLM."""
     from bench import peer
 
-    wl = {"b1": {"prompts": [[300 + j for j in range(12)]], "max_tokens": [8]}}
+    wl = {"b1": {"prompts": [[300 + j for j in range(12)]], "max_tokens": [8]},
+          "b3": {"prompts": [[300 + j for j in range(12 + i)] for i in range(3)], "max_tokens": [6, 7, 8]}}
     rows = peer.speculation_rows(lambda spec: peer.make_engine("off", 1, str(tiny_dir), spec), wl, 1,
                                  ["always", "auto"])
     assert list(rows) == ["off", "always", "auto"]
+    # the batched workload runs with off and auto (auto must not slow a full batch), not with always
+    assert list(rows["off"]["batched_tok_s"]) == ["b3"] and list(rows["auto"]["batched_tok_s"]) == ["b3"]
+    assert rows["always"]["batched_tok_s"] == {}
     assert not rows["off"]["built"] and rows["off"]["draft_tokens"] == 0
     assert rows["always"]["built"] and rows["always"]["draft_tokens"] > 0  # speculation always drafted
     assert rows["always"]["differing_outputs"] == 0 and rows["always"]["outputs"] == 1
@@ -349,6 +353,8 @@ def test_bench_peer_speculation_rows_draft_and_compare_outputs_with_off(tiny_dir
     assert "| speculation off |" in table and "| 1.00x |" in table and "| reference |" in table
     assert "| speculation always |" in table and "| yes |" in table and "no: 1 of 1 differ" in table
     assert f"{rows['always']['tok_s'][0] / 10.0:.2f}x | {rows['always']['tok_s'][0] / 5.0:.2f}x" in table
+    auto_b3, off_b3 = rows["auto"]["batched_tok_s"]["b3"][0], rows["off"]["batched_tok_s"]["b3"][0]
+    assert f"| b3 | {off_b3:.1f} | {auto_b3:.1f} | {auto_b3 / off_b3:.2f}x |" in table
     with pytest.raises(SystemExit):
         peer.main(["--speculation-modes", "sometimes"])
     assert "--speculation-modes takes always and/or auto" in capsys.readouterr().err

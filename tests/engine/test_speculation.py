@@ -223,7 +223,7 @@ def test_auto_needs_the_engine_dirs_measured_costs(smollm, tmp_path):
 
 def test_auto_drafts_at_batch_1_and_not_for_a_large_batch(smollm):
     """The auto controller with this machine's measured costs (tests/policy/test_speculation.py's COSTS, from
-    engines/smollm2-135m/step_costs.json) on the real engine: on at batch 1, off at batch 24."""
+    engines/smollm2-135m/step_costs.json) on the real engine: on at batch 1, off at batch 24 (after one probe)."""
     engine = LLMEngine(EngineConfig(speculation="always", num_kv_blocks=256, max_num_seqs=32), loaded=smollm)
     try:
         manager = spec(engine)
@@ -233,9 +233,12 @@ def test_auto_drafts_at_batch_1_and_not_for_a_large_batch(smollm):
         assert not first.speculate and "no plain decode step measured yet" in first.reason  # the machine factor
         assert second.speculate and "predicted x" in second.reason  # prior acceptance: drafting pays at batch 1
         manager.decisions.clear()
-        engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(24)], SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(24)], SamplingParams(max_tokens=8, ignore_eos=True))
         big = [d for d in manager.decisions if "batch 24," in d.reason]
-        assert big and not any(d.speculate for d in big) and all("<" in d.reason for d in big), big
+        # a bucket never measured drafts once (a probe) to measure itself; after that the prediction keeps it off
+        drafts = [d for d in big if d.speculate]
+        assert len(drafts) <= 1 and all(d.reason.startswith("probe") for d in drafts), big
+        assert "<" in big[-1].reason and not big[-1].speculate, big
     finally:
         engine.shutdown()
 

@@ -11,6 +11,7 @@ from policy.speculation import (
     SpeculationConfig,
     SpeculationController,
     SpeculationTelemetry,
+    batch_bucket,
     expected_tokens,
     rung_below,
 )
@@ -33,9 +34,11 @@ def tele(batch: int = 1, kv: float = 0.2, free: int = 100, waiting: int = 0, oth
 
 
 def controller(mode: str = "auto", **kw) -> SpeculationController:
-    """A controller that has seen one plain decode step measured as the model predicts it (machine factor 1)."""
+    """A controller that has seen a plain decode step at every batch size measured as the model predicts it (machine
+    factor 1)."""
     c = SpeculationController(SpeculationConfig(mode=mode, **kw), COSTS)
-    c.observe("plain", 0.01, 0.01)
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        c.observe("plain", 0.01, 0.01, b)
     return c
 
 
@@ -48,6 +51,10 @@ def test_batch_1_drafts_with_int8_when_acceptance_is_high():
 
 def test_large_batch_runs_plain_verification_would_waste_compute():
     c = controller(prior_acceptance=0.9)
+    c.observe("draft", 0.01, 0.01, 32)  # this bucket's draft and verify measured as the model predicts them
+    c.observe("verify", 0.01, 0.01, 32)
+    c.observe_acceptance("int8", 10, 9)
+    c.observe_acceptance("int4", 10, 9)
     d = c.decide(tele(batch=32, free=1000))
     assert not d.speculate and d.predicted_gain < 1.0 and "<" in d.reason
 
@@ -133,7 +140,7 @@ def test_a_load_change_moves_every_prediction_alike():
     assert c.plain_s(LAYERS, 1) == pytest.approx(3 * c.plain_s(LAYERS, 1, corrected=False), rel=0.02)
     assert c.gain(tele(batch=24, free=1000), "int8", 2) == pytest.approx(g0)
     c.observe("verify", 0.01, 0.06)  # verify measured 2x slower than the (3x loaded) model: its own factor moves
-    assert c.est.correction["verify"] > 1.0
+    assert c.correction("verify", 1) > 1.0
 
 
 def test_an_unmeasured_rung_is_probed_at_once_and_its_first_measurements_replace_the_priors():
@@ -148,15 +155,15 @@ def test_an_unmeasured_rung_is_probed_at_once_and_its_first_measurements_replace
     c.observe("draft", 0.010, 0.008)
     c.observe("verify", 0.020, 0.010)
     assert c.acceptance("int8") == 1.0
-    assert c.est.correction["draft"] == pytest.approx(0.8) and c.est.correction["verify"] == pytest.approx(0.5)
+    assert c.correction("draft", 1) == pytest.approx(0.8) and c.correction("verify", 1) == pytest.approx(0.5)
     d = c.decide(tele())
     assert d.speculate and not d.reason.startswith("probe") and d.predicted_gain > 1.05
     c.observe("verify", 0.020, 0.030)  # later measurements: the median of the latest ones
     c.observe("verify", 0.020, 0.400)  # a warm-up or a step slowed by other work: one outlier
-    assert c.est.correction["verify"] == pytest.approx(1.5)
+    assert c.correction("verify", 1) == pytest.approx(1.5)
     for _ in range(8):
         c.observe("verify", 0.020, 0.012)
-    assert c.est.correction["verify"] == pytest.approx(0.6)  # the window (9) forgot the outlier's neighbours
+    assert c.correction("verify", 1) == pytest.approx(0.6)  # the window (9) forgot the outlier's neighbours
 
 
 def test_no_draft_before_a_plain_step_sets_the_machine_factor_and_later_factors_are_relative_to_it():
@@ -169,5 +176,39 @@ def test_no_draft_before_a_plain_step_sets_the_machine_factor_and_later_factors_
     c.observe("plain", 0.010, 0.025)  # this machine runs 2.5x the model's step time
     assert c.decide(tele()).speculate
     c.observe("draft", 0.004, 0.010)  # as slow as the machine factor says: relative factor 1
-    assert c.est.correction["draft"] == pytest.approx(1.0)
+    assert c.correction("draft", 1) == pytest.approx(1.0)
     assert c.draft_s(LAYERS, "int8", 1) == pytest.approx(2.5 * c.draft_s(LAYERS, "int8", 1, corrected=False))
+
+
+def test_corrections_are_kept_per_batch_bucket():
+    """A verify factor learned at batch 1 (memory-bound: nearly free) does not make batch 8 (compute-bound) look
+    cheap: each bucket (1, 2-3, 4-7, 8-15, ...) has its own factors, and a bucket never measured probes first."""
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 15, 16)] == [1, 2, 2, 4, 4, 8, 8, 16]
+    c = controller(prior_acceptance=0.9)
+    for _ in range(3):
+        c.observe("verify", 0.020, 0.005, 1)
+    assert c.correction("verify", 1) == pytest.approx(0.25) and c.correction("verify", 8) == 1.0
+    g8 = c.gain(tele(batch=8, free=1000), "int8", 2)
+    c.observe("verify", 0.020, 0.060, 8)
+    c.observe("verify", 0.020, 0.080, 9)  # 9 is in the bucket of 8
+    assert c.correction("verify", 8) == pytest.approx(3.5) and c.correction("verify", 1) == pytest.approx(0.25)
+    assert c.gain(tele(batch=8, free=1000), "int8", 2) < g8
+    d = c.decide(tele(batch=4, free=1000))  # bucket 4 decides on its own factors (none measured there yet)
+    assert "draft 1.00, verify 1.00 at batch 4+" in d.reason
+
+
+def test_a_never_measured_bucket_is_probed_once_even_when_the_uncorrected_model_says_no():
+    """The uncorrected model is off by tens of percent, so a bucket whose gain at acceptance 1 reaches probe_gain
+    (0.8) drafts once to measure itself, then decides on the measurement; below probe_gain it never drafts."""
+    c = controller(prior_acceptance=0.9)
+    t = tele(batch=32, free=1000)
+    assert c.gain(t, "int8", 1, acceptance=1.0) < 1.05
+    d = c.decide(t)
+    assert d.speculate and d.reason.startswith("probe") and "never measured: int8, draft, verify" in d.reason
+    c.observe("draft", 0.01, 0.01, 32)
+    c.observe("verify", 0.01, 0.01, 32)
+    c.observe_acceptance("int8", 10, 9)
+    c.observe_acceptance("int4", 10, 9)
+    assert not c.decide(t).speculate
+    strict = controller(prior_acceptance=0.9, probe_gain=1.05)
+    assert not strict.decide(t).speculate

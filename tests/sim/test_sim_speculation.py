@@ -98,7 +98,9 @@ def test_the_servers_controller_drafts_at_batch_one_and_not_at_a_large_batch() -
     assert one.drafting_iterations > 0 and one.by_batch["1"][1] > 0
     large = _decode(target, 192).stats
     assert large.by_batch["192"][0] > 0 and large.by_batch["192"][1] == 0, large.by_batch
-    assert "<" in large.last_decision  # the predicted gain below the threshold, as the engine's auto says it
+    # the predicted gain below the threshold, as the engine's auto says it; or, where the batch shrank into a batch
+    # bucket never measured (corrections are per bucket), the plain step that measures it first
+    assert "<" in large.last_decision or "no plain decode step measured yet" in large.last_decision
 
 
 def _plan(tmp_path: Path, name: str, *extra: str) -> dict:
