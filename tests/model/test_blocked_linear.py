@@ -115,7 +115,7 @@ def test_shapes_onednn_would_pad_keep_the_plain_layout() -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_op_runs_our_kernel_for_few_rows_and_onednn_above(limit: int, m: int, with_bias: bool,
                                                                   monkeypatch) -> None:
-    """Up to the current ``blocked_kernel_max_rows`` (the default 2, or this machine's: here 8 and 0) our blocked
+    """Up to the current ``blocked_kernel_max_rows`` (the default 8, or this machine's: here 2, 8 and 0) our blocked
     kernel, above it oneDNN on a view of the same bytes."""
     calls: list[tuple[str, int]] = []
     real_kernel, real_onednn = OPS.fp32_blocked_linear, linear_module.onednn_linear
@@ -181,7 +181,7 @@ def test_placement_sees_exactly_the_weight_bytes() -> None:
     """The layout (and its md tensor and cached views) is shared metadata, not a weight the arena places."""
     b = torch.randn(960)
     op = DenseLinear(torch.randn(960, 576), b).blocked()
-    op(torch.randn(8, 576))  # a cached view exists now
+    op(torch.randn(64, 576))  # a cached view exists now (oneDNN runs above the crossover)
     assert [t.data_ptr() for t in weight_tensors(op)] == [op.weight.data_ptr(), op.bias.data_ptr()]
     assert arena_nbytes(op) == arena_nbytes(DenseLinear(torch.randn(960, 576), b))
 
@@ -219,7 +219,7 @@ def test_cached_views_are_bounded_and_stay_correct(monkeypatch) -> None:
     g = _gen(9)
     ws = [torch.randn(960, 576, generator=g) for _ in range(5)]
     ops = [DenseLinear(w).blocked() for w in ws]
-    x = torch.randn(8, 576, generator=g)
+    x = torch.randn(64, 576, generator=g)  # above every crossover measured or defaulted (8 here): oneDNN's views
     layout = ops[0].layout
     assert all(op.layout is layout for op in ops)  # one layout per shape, shared with earlier tests' weights:
     layout.views.clear()  # their views can name addresses our weights now reuse (no insertion, no clearing)
