@@ -125,19 +125,25 @@ def _wait(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def exit_with_parent(on_exit: Callable[[int], None] | None = None, interval_s: float = 0.5) -> threading.Thread:
-    """Watch this process's parent; once it is gone (this process was reparented), call ``on_exit(old parent)`` and
-    end the process at once with status EXIT_PARENT_GONE."""
+ON_EXIT_TIMEOUT_S = 2.0
+"""How long :func:`exit_with_parent` gives its ``on_exit`` before ending the process regardless: a last log line
+written into a pipe nobody reads any more would otherwise block the exit for good."""
+
+
+def exit_with_parent(on_exit: Callable[[int], None] | None = None, interval_s: float = 0.5,
+                     on_exit_timeout_s: float = ON_EXIT_TIMEOUT_S) -> threading.Thread:
+    """Watch this process's parent; once it is gone (this process was reparented), call ``on_exit(old parent)`` (for
+    at most ``on_exit_timeout_s``) and end the process with status EXIT_PARENT_GONE."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
-        try:
-            if on_exit is not None:
-                on_exit(parent)
-        finally:
-            os._exit(EXIT_PARENT_GONE)
+        if on_exit is not None:
+            last = threading.Thread(target=on_exit, args=(parent,), name="morphserve-watchdog-exit", daemon=True)
+            last.start()
+            last.join(on_exit_timeout_s)
+        os._exit(EXIT_PARENT_GONE)
 
     thread = threading.Thread(target=watch, name="morphserve-watchdog", daemon=True)
     thread.start()
