@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -147,4 +148,24 @@ def exit_with_parent(on_exit: Callable[[int], None] | None = None, interval_s: f
 
     thread = threading.Thread(target=watch, name="morphserve-watchdog", daemon=True)
     thread.start()
+    kill_when_reparented(parent, grace_s=interval_s + on_exit_timeout_s + 1.0)
     return thread
+
+
+def kill_when_reparented(parent: int, grace_s: float, interval_s: float = 0.5) -> None:
+    """A backstop outside this interpreter: a detached shell loop that SIGKILLs this process ``grace_s`` after it
+    stops being ``parent``'s child, and ends when this process does. The watchdog thread above needs the GIL, and a
+    Python backend stub whose tritonserver died can deadlock with the GIL held (seen: every thread of the stub asleep
+    on a futex 20 s after tritonserver's SIGKILL, reparented, the watchdog among them); the shell needs nothing from
+    us. Started twice-forked, so it is never our zombie."""
+    me = os.getpid()
+    ticks = max(1, int(grace_s / 0.1))
+    loop = (f"while [ -e /proc/{me} ]; do "
+            f"p=$(sed -n 's/.*) [A-Za-z] \\([0-9]*\\) .*/\\1/p' /proc/{me}/stat 2>/dev/null); "
+            f'if [ -n "$p" ] && [ "$p" != "{parent}" ]; then '
+            f"i=0; while [ -e /proc/{me} ] && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; "
+            f"kill -9 {me} 2>/dev/null; exit 0; fi; "
+            f"sleep {interval_s}; done")
+    # the shell needs PATH only: none of the server's environment (it is no model process)
+    subprocess.run(["sh", "-c", f"( {loop} ) </dev/null >/dev/null 2>&1 &"], check=False, timeout=10,
+                   env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})

@@ -1,5 +1,6 @@
 """A Triton model's stub ends when tritonserver is gone (serve/triton/stale.py ``exit_with_parent``), even when its
-last words cannot be written: the exit is not hostage to ``on_exit``."""
+last words cannot be written (the exit is not hostage to ``on_exit``) and even when none of its threads can run (a
+stub deadlocked with the GIL held: the shell backstop ``kill_when_reparented`` ends it)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ CHILD = textwrap.dedent("""
     on_exit = {on_exit}
     exit_with_parent(on_exit, interval_s=0.05, on_exit_timeout_s=0.5)
     print("watching", flush=True)
+    if {stop}:  # no thread of ours runs again (as a stub deadlocked with the GIL held): only the shell can end us
+        import os, signal
+        os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(60)
 """)
 
@@ -39,10 +43,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("on_exit", ["None", "lambda parent: None", "lambda parent: threading.Event().wait()"],
-                         ids=["no-callback", "quick-callback", "callback-that-never-returns"])
-def test_a_reparented_process_ends_within_the_timeout_whatever_on_exit_does(on_exit: str) -> None:
-    child = CHILD.format(root=str(ROOT), on_exit=on_exit)
+@pytest.mark.parametrize(("on_exit", "stop"), [("None", False), ("lambda parent: None", False),
+                                               ("lambda parent: threading.Event().wait()", False), ("None", True)],
+                         ids=["no-callback", "quick-callback", "callback-that-never-returns", "no-thread-can-run"])
+def test_a_reparented_process_ends_within_the_timeout_whatever_on_exit_does(on_exit: str, stop: bool) -> None:
+    child = CHILD.format(root=str(ROOT), on_exit=on_exit, stop=stop)
     out = subprocess.run([sys.executable, "-c", PARENT, child], capture_output=True, text=True, timeout=60, check=True)
     pid = int(out.stdout.strip())
     deadline = time.monotonic() + 10
