@@ -214,11 +214,13 @@ class MorphController:
                 f"{len(precision_of)}/{self.max_quantized_layers} layers at the last rung; "
                 f"preemption is the fallback {describe(t)}"
             )
-        needed = math.ceil(deficit / gain) if gain > 0 else 1
+        # with the KV rung each freed slot becomes kv_blocks_per_freed_slot 8-bit blocks under pressure
+        worth = math.floor(gain * t.kv_blocks_per_freed_slot)
+        needed = math.ceil(deficit / worth) if worth > 0 else 1
         k = min(needed, c.max_layers_per_step, len(candidates))
         costed = ""
         if self.costs is not None and not always_pays:
-            verdict = (cost_rule.memory_step_pays(t, self.costs, target, milder, k, gain) if memory
+            verdict = (cost_rule.memory_step_pays(t, self.costs, target, milder, k, worth) if memory
                        else cost_rule.compute_step_pays(t, self.costs, target, milder, k))
             if not verdict.pays:
                 return MorphDecision.nothing(
@@ -228,7 +230,7 @@ class MorphController:
         return MorphDecision(
             "quantize", tuple(candidates[:k]), target,
             f"pressure ({'; '.join(triggers)}) for {c.persist_iters} iteration(s): deficit {deficit} blocks, "
-            f"{gain} blocks/layer -> {needed} layer(s) needed, at most {c.max_layers_per_step}/step, {what} "
+            f"{gain} blocks/layer{f' ({worth} as 8-bit KV)' if worth != gain else ''} -> {needed} layer(s) needed, at most {c.max_layers_per_step}/step, {what} "
             f"-> quantize {k} to {target}{costed} {describe(t)}",
         )
 

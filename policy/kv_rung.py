@@ -49,7 +49,7 @@ class KVRungTelemetry:
     now_s: float
     kv_blocks_total: int
     kv_blocks_used: int
-    free_full_slots: int          # free full-precision base blocks the rung may convert
+    free_full_slots: int          # free full-precision blocks the rung may convert (base pool and layer chunks)
     blocks_per_slot: float        # 8-bit blocks per converted slot (full block bytes / 8-bit block bytes)
     kv_blocks_8bit: int           # 8-bit blocks the rung holds now
     top_free: bool                # the newest conversion's chunk is the pool's newest and entirely free

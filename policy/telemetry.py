@@ -29,6 +29,10 @@ class Telemetry:
     * ``blocks_per_layer_chunk[p]`` is the number of KV blocks quantizing one
       full-precision layer to precision ``p`` adds (all Llama layers are the
       same size, so one number per precision).
+    * ``kv_blocks_per_freed_slot`` is how many KV blocks each of those becomes
+      under pressure: 1, or with the KV-precision rung (policy/kv_rung.py) the
+      8-bit blocks it writes into a free full-precision slot (3.75 on
+      SmolLM2-135M fp32), so a swap is worth that many times its chunk.
     """
 
     now_s: float
@@ -79,6 +83,7 @@ class Telemetry:
     quantized_layers: tuple[tuple[int, str], ...] = ()
     pending_restore_chunk_free: bool = False
     blocks_per_layer_chunk: Mapping[str, int] = field(default_factory=dict)
+    kv_blocks_per_freed_slot: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kv_blocks_total < 0 or self.kv_blocks_used < 0:
@@ -97,6 +102,8 @@ class Telemetry:
             raise ValueError(f"critical_decodes_unscheduled must be >= 0, got {self.critical_decodes_unscheduled}")
         if self.yielded_bytes < 0 or self.block_bytes < 0:
             raise ValueError("yielded_bytes and block_bytes must be >= 0")
+        if self.kv_blocks_per_freed_slot < 1:
+            raise ValueError(f"kv_blocks_per_freed_slot must be >= 1, got {self.kv_blocks_per_freed_slot}")
         if self.oldest_wait_s < 0:
             raise ValueError(f"oldest_wait_s must be >= 0, got {self.oldest_wait_s}")
         layers = [layer for layer, _ in self.quantized_layers]

@@ -148,9 +148,9 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock,
     arena = plan_arena(config, target.slot_bytes, [s[FULL] for s in sizes], variants, target.non_arena_bytes,
                        lambda text: resolve_budget(target, text))
     rung = kv_rung_layout(config, policy, target)
-    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every base slot (as
-    # serve/engine/memory_assembly.py)
-    rung_ids = 0 if rung is None else -(-arena.base_blocks * target.slot_bytes // rung.block_bytes) + 1
+    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every KV slot, base and
+    # layer chunks (as serve/engine/memory_assembly.py)
+    rung_ids = 0 if rung is None else -(-arena.max_blocks * target.slot_bytes // rung.block_bytes) + 1
     pool = BlockPool(arena.base_blocks, max_blocks=arena.max_blocks + rung_ids, kv_format=config.kv_cache_dtype)
     ledger = arena.ledger()
     bank = SimLayerBank(sizes, arena.regions, arena.staging, target.slot_bytes, clock, target.h2d_bytes_per_s,

@@ -3,19 +3,20 @@ blocks in 8 bits, before any layer is quantized (``PolicyConfig.kv_rung``; its r
 (serve/engine/resources.py) and is appended ahead of the morph runtime in serve/engine/assembly.py.
 
 How: the cache holds full-precision blocks and, over the same arena bytes, a grid of 8-bit blocks
-(serve/model/kv_cache.py). Converting takes free full-precision blocks of the base pool out of service
-(``BlockPool.retire``) and adds the 8-bit blocks lying wholly inside their bytes as a new pool chunk (``quantized``):
+(serve/model/kv_cache.py). Converting takes free full-precision blocks out of service (``BlockPool.retire``): the
+base pool's, and the chunks a layer swap added (so every layer the morph runtime quantizes under pressure gives 3.75x
+the blocks its full-precision chunk would; that chunk then leaves only after the conversion over it is reverted, LIFO) and adds the 8-bit blocks lying wholly inside their bytes as a new pool chunk (``quantized``):
 block p of the 8-bit grid is bytes ``[p * B8, (p + 1) * B8)`` of the arena, so a run of slots ``[a, b)`` (``S`` bytes
 each) holds the 8-bit blocks ``ceil(a S / B8) .. floor(b S / B8) - 1``: 3 or 4 per slot on SmolLM2 (S / B8 = 3.75).
 Nothing is copied (the slots were free). New allocations take the lowest free ids, so full-precision blocks still go
 first and the 8-bit ones when they run out: under pressure new KV is written in 8 bits. Reverting (calm, the newest
 conversion's chunk entirely free and the pool's newest: chunks leave LIFO, the morph runtime's too) removes the chunk
 and puts the slots back. A sequence's block table may then mix formats: the decode kernels take batches of one
-format (fp32 or int8) and a batch mixing them goes to the dense path (gather, dequantize, SDPA), which reads any
-table. 8-bit blocks live until freed.
+format (fp32 or int8) and a batch mixing them goes to the mixed kernel (attention_mixed_avx2.cpp; fp8 codes: the
+dense path, gather, dequantize, SDPA, which reads any table). 8-bit blocks live until freed.
 
 When free slots are not enough the rung converts running sequences' cold blocks in place (the rule says how many):
-blocks whose every token is computed, in the base pool, held by one sequence, oldest first (``cold_blocks``). They are
+blocks whose every token is computed, at full precision, held by one sequence, oldest first (``cold_blocks``). They are
 retired with the free slots of the same conversion, every one read and quantized before any 8-bit block of the new
 chunk is written (the chunk lies in their bytes), each written into one of the chunk's blocks; the pool moves the
 hold (``BlockPool.move_holds``) and the scheduler repoints the table (``Scheduler.replace_blocks``).
@@ -57,7 +58,7 @@ class RunningBlocks(Protocol):
 @dataclass
 class Conversion:
     owner: str
-    retired: list[int]  # base-pool block ids out of service (free slots, and running blocks re-written as 8-bit)
+    retired: list[int]  # full-precision block ids out of service (free slots, and running blocks re-written as 8-bit)
     cells: list[int]    # the 8-bit blocks (physical, in the 8-bit grid) in their bytes, now logical chunk ``owner``
 
 
@@ -129,12 +130,11 @@ class KVPrecisionRung(ResourceManagerBase):
 
     def cold_blocks(self, scheduler: SchedulerView | None) -> list[int]:
         """Running sequences' blocks the rung may re-write as 8-bit, oldest first: every token computed (never one
-        being written), in the base pool (full precision; a layer chunk must stay free to leave), one holder (a
-        prefix shared by several sequences is left alone)."""
+        being written), at full precision (the base pool's or a layer chunk's), one holder (a prefix shared by
+        several sequences is left alone)."""
         if not isinstance(scheduler, RunningBlocks):
             return []
-        base = self.pool.base_blocks
-        return [b for b in scheduler.cold_full_blocks() if b < base and self.pool.holders(b) == 1]
+        return [b for b in scheduler.cold_full_blocks() if self.pool.holders(b) == 1 and not self.pool.is_quantized(b)]
 
     def telemetry(self, now: float, scheduler: SchedulerView | None = None) -> KVRungTelemetry:
         t = self._telemetry(now, scheduler)
@@ -146,7 +146,7 @@ class KVPrecisionRung(ResourceManagerBase):
         layer_blocks, precision = self.layer_chunk() if self.layer_chunk is not None else (0, "int4")
         return KVRungTelemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-            free_full_slots=len(self.pool.free_ids(self.pool.base_blocks)),
+            free_full_slots=len(self.pool.free_full_ids()),
             blocks_per_slot=self.slot_bytes / self.cell_bytes, kv_blocks_8bit=self.kv_blocks_8bit, top_free=top_free,
             top_blocks=len(top.cells) if top else 0, top_slots=len(top.retired) if top else 0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting() if scheduler is not None else 0,
@@ -179,10 +179,10 @@ class KVPrecisionRung(ResourceManagerBase):
             self._revert(decision.reason)
 
     def _convert(self, slots: int, cold: list[int], scheduler: SchedulerView | None, reason: str) -> None:
-        """Retire the ``slots`` highest free base blocks and the running blocks ``cold`` and add the 8-bit blocks in
+        """Retire the ``slots`` highest free full-precision blocks and the running blocks ``cold`` and add the 8-bit blocks in
         their bytes as a chunk; each cold block's KV is re-written (quantized) into the chunk's first blocks, its
         holder repointed there and its hold moved (serve/memory/block_pool.py ``move_holds``)."""
-        ids = self.pool.free_ids(self.pool.base_blocks)[-slots:] if slots > 0 else []
+        ids = self.pool.free_full_ids()[-slots:] if slots > 0 else []
         physical = [self.kv.physical_slot(i) for i in ids + cold]
         cells = cells_in(runs(physical), self.slot_bytes, self.cell_bytes)
         if len(cells) <= len(physical):
@@ -242,4 +242,7 @@ def build_kv_rung(policy: PolicyConfig, pool: BlockPool, kv: PagedKVCache, prefi
         return (morph.blocks_per_layer_chunk[rung_precision] if left else 0), rung_precision
 
     rule = KVRungRule(policy.kv_rung, policy.kv_high, policy.kv_low, policy.restore_persist_s)
-    return KVPrecisionRung(rule, pool, kv, prefix_cache, layer_chunk, clock=morph.clock)
+    rung = KVPrecisionRung(rule, pool, kv, prefix_cache, layer_chunk, clock=morph.clock)
+    # under pressure the rung writes a layer chunk's free slots as 8-bit blocks: the controller counts a swap so
+    morph.kv_blocks_per_freed_slot = lambda: rung.slot_bytes / rung.cell_bytes
+    return rung

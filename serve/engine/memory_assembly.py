@@ -61,8 +61,9 @@ def build_memory(config: EngineConfig, model: LlamaModel, plan: MorphPlan | None
     base_range = sizes.base
     bank = LayerBank(model, arena, sizes.regions, sizes.staging, host) if host is not None else None
     rung = kv_rung_layout(config, model, policy)
-    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every base slot
-    rung_ids = 0 if rung is None else -(-sizes.base_blocks * slot // rung.block_bytes) + 1
+    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every KV slot (the base
+    # pool's and the layer chunks': the rung converts both); the chunks' blocks lie in disjoint bytes
+    rung_ids = 0 if rung is None else -(-sizes.max_blocks * slot // rung.block_bytes) + 1
     pool = BlockPool(sizes.base_blocks, max_blocks=sizes.max_blocks + rung_ids, kv_format=config.kv_cache_dtype)
     if config.kv_cache_dtype == "auto":
         kv = PagedKVCache(model.config, config.block_size,

@@ -221,6 +221,12 @@ class BlockPool:
         """Every free block id under ``below`` (never-cached and cached), ascending."""
         return sorted(i for i in (*self._free_set, *self._cached) if i < below)
 
+    def free_full_ids(self) -> list[int]:
+        """Every free full-precision block id (never-cached and cached; the base pool's and the layer chunks', not
+        the 8-bit chunks'), ascending."""
+        eight = [(c.start, c.end) for c in self.chunks if c.quantized]
+        return sorted(i for i in (*self._free_set, *self._cached) if not any(a <= i < b for a, b in eight))
+
     def retire(self, ids: list[int]) -> None:
         """Take free blocks out of service (cached ones lose their prefix): they count nowhere until
         :meth:`unretire`. Their bytes are the caller's (8-bit blocks of a quantized chunk)."""

@@ -268,6 +268,25 @@ class PagedKVCache:
         k_out[q8], v_out[q8] = self.q8.write(layer, where.row[q8], where.scale_row[q8], k[q8], v[q8], self.dtype)
         return k_out, v_out
 
+    def rope_write_(self, ops: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                    kv_heads: int, layer: int, where: KVIndex) -> bool:
+        """RoPE on the fused ``qkv`` rows in place and their K/V written to ``where`` in one pass per token
+        (elementwise_avx2.cpp: ``rope_kv_write_`` into fp32 blocks, ``rope_kv_write_q8_`` into int8 ones or a mix,
+        the 8-bit tokens' k / v in ``qkv`` replaced by what a read returns, as :meth:`write` returns them). False
+        (nothing done) where no kernel writes the format (fp8 codes): the caller rotates and calls :meth:`write`."""
+        off = layer * self.block_size
+        if where.kind == "full":
+            ops.rope_kv_write_(qkv, cos, sin, heads, kv_heads, self.full.rows, where.row, off, self.v_rows)
+            return True
+        if self.q8.layout.kv_cache_dtype != "int8":
+            return False
+        mixed = where.kind == "mixed"
+        none = torch.empty(0, device=qkv.device)
+        ops.rope_kv_write_q8_(qkv, cos, sin, heads, kv_heads, self.full.rows if mixed else none, self.q8.rows,
+                              self.q8.scale_rows, where.row, where.scale_row, where.is8 if mixed else none.bool(),
+                              off, self.v_rows)
+        return True
+
     def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
         """Full-precision blocks ``sources`` (physical slots) re-written as the 8-bit blocks ``cells`` (physical, the
         8-bit grid): every row quantized as the 8-bit writer does (``kv_format.quantize``: one scale per token and

@@ -253,9 +253,10 @@ class LlamaModel:
         qkv = layer.qkv(x)
         T = x.shape[0]
         fused = self.fused_elementwise
-        if fused is not None and qkv.is_contiguous() and where.new.kind == "full":  # rotated in place, k/v cached
-            fused.rope_kv_write_(qkv, where.cos.view(T, -1), where.sin.view(T, -1), cfg.num_heads, cfg.num_kv_heads,
-                                 kv.full.rows, where.new.row, i * kv.block_size, kv.v_rows)
+        # rotated in place, k/v cached (8-bit tokens' k/v in qkv become what a read returns)
+        if fused is not None and qkv.is_contiguous() and kv.rope_write_(
+                fused, qkv, where.cos.view(T, -1), where.sin.view(T, -1), cfg.num_heads, cfg.num_kv_heads, i,
+                where.new):
             q = qkv[:, : cfg.q_size].view(T, cfg.num_heads, cfg.head_dim)
             k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)

@@ -71,6 +71,8 @@ class MorphRuntime:
                              f"(have {sorted(bank.precisions)}); rebuild the engine with them")
         region = bank.regions[0].num_slots
         self.blocks_per_layer_chunk = {p: region - bank.slots(0, p) for p in bank.precisions}
+        # the KV blocks each freed slot becomes under pressure (the KV rung sets it: serve/engine/kv_rung.py)
+        self.kv_blocks_per_freed_slot: Callable[[], float] = lambda: 1.0
         self._configuration_changed()  # the cache's tag names the starting configuration (all full precision)
 
     def quantized_layers(self) -> tuple[tuple[int, str], ...]:
@@ -106,7 +108,7 @@ class MorphRuntime:
             ttft_p95_s=self._ttfts.percentile(now, 95), tbt_p99_s=self._gaps.percentile(now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
-            blocks_per_layer_chunk=self.blocks_per_layer_chunk,
+            blocks_per_layer_chunk=self.blocks_per_layer_chunk, kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot(),
             memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
             yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
             top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,

@@ -82,8 +82,9 @@ def test_pressure_converts_before_any_layer_swap_and_calm_reverts_lifo(tiny):
 
 
 def test_a_layer_restore_waits_while_a_newer_8bit_chunk_lies_above_its_chunk(tiny):
-    """Chunks leave LIFO whoever added them: rung chunk, layer chunk, rung chunk; the layer cannot be restored (its
-    chunk is not the newest) until the rung's newer chunk has gone, and the pool stays exact throughout."""
+    """Chunks leave LIFO whoever added them: rung chunk, layer chunk, rung chunk; the second conversion takes the
+    highest free full-precision blocks, the layer chunk's; the layer cannot be restored (its chunk is not the newest
+    and not free) until the rung's newer chunk has gone, and the pool stays exact throughout."""
     from policy import FULL, MorphDecision  # noqa: PLC0415
 
     e = morph_engine(tiny, "performance", blocks=20, kv_rung="int8", **CALM)
@@ -94,6 +95,8 @@ def test_a_layer_restore_waits_while_a_newer_8bit_chunk_lies_above_its_chunk(tin
     e.pool.free(held[-4:])                                      # blocks 12-15 free again
     rung.apply(KVRungDecision("convert", 4, "test"))          # a second 8-bit chunk, above the layer's
     assert [c.quantized for c in e.pool.chunks[1:]] == [True, False, True]
+    layer_chunk = e.pool.chunks[2]
+    assert rung.conversions[1].retired == list(range(layer_chunk.end - 4, layer_chunk.end))  # the layer chunk's top
     assert_memory_exact(e)
     m.apply_now(MorphDecision("restore", (0,), None, "test"))
     assert e.model.layers[0].precision == "int4" and m.events[-1]["event"] == "restore_skipped"

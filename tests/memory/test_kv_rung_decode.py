@@ -14,11 +14,15 @@ from tests.morph_support import morph
 PROMPTS = [[(7 * j + 31 * i) % 4000 + 10 for j in range(n)] for i, n in enumerate((8, 5, 13))]
 
 
-def _run(tiny, kernel: bool) -> tuple[list[list[int]], list[int], int]:
+def _run(tiny, kernel: bool, fused_write: bool = True) -> tuple[list[list[int]], list[int], int]:
     """Three prompts take the last 8 full-precision slots (4-token blocks) and decode 7 tokens each; after the first
-    step the rung converts the 2 slots left, so every later block is 8-bit while earlier ones are not. Returns the
-    tokens, the batch sizes the mixed kernel was called with, and how many steps some running table mixed formats."""
+    step the rung converts the 2 slots left, so every later block is 8-bit while earlier ones are not (and a step's
+    new tokens go to both formats). Returns the tokens, the batch sizes the mixed kernel was called with, and how
+    many steps some running table mixed formats. ``fused_write`` off: RoPE and the KV write as torch ops
+    (rope.rotate, PagedKVCache.write) instead of elementwise_avx2.cpp's kernels."""
     e = morph_engine(tiny, "performance", blocks=20, kv_rung="int8", **CALM)
+    if not fused_write:
+        e.model.fused_elementwise = None
     ops, calls = e.model.paged_attention, []
     assert ops is not None, "the engine's CPU kernels were not built"
 
@@ -56,3 +60,26 @@ def test_decodes_over_mixed_tables_run_the_mixed_kernel_and_match_the_dense_path
     dense, dense_calls, dense_mixing = _run(tiny, kernel=False)
     assert not dense_calls and dense_mixing == mixing
     assert tokens == dense
+
+
+def test_the_fused_rope_and_kv_write_into_both_formats_matches_the_torch_write(tiny):
+    """Steps whose new tokens land in fp32 and 8-bit blocks at once (``KVIndex.kind`` "mixed") and steps of one
+    format: rope_kv_write_q8_ (one pass: rotate, quantize the 8-bit tokens, copy the fp32 ones) generates exactly the
+    tokens of rope.rotate + PagedKVCache.write."""
+    from serve.model import kv_cache  # noqa: PLC0415
+
+    kinds: list[str] = []
+    write = kv_cache.PagedKVCache.rope_write_
+
+    def counting(self, ops, qkv, cos, sin, heads, kv_heads, layer, where):
+        kinds.append(where.kind)
+        return write(self, ops, qkv, cos, sin, heads, kv_heads, layer, where)
+
+    kv_cache.PagedKVCache.rope_write_ = counting
+    try:
+        fused, _, _ = _run(tiny, kernel=True)
+    finally:
+        kv_cache.PagedKVCache.rope_write_ = write
+    assert {"full", "mixed", "q8"} <= set(kinds), set(kinds)
+    torch_written, _, _ = _run(tiny, kernel=True, fused_write=False)
+    assert fused == torch_written

@@ -616,6 +616,64 @@ def test_rope_kv_write_is_bit_identical_to_rotate_and_index_copy(heads: int, kv_
 
 
 @needs_ops
+@pytest.mark.parametrize(("heads", "kv_heads", "hd", "mixed"), [(9, 3, 64, True), (9, 3, 64, False), (2, 1, 6, True)])
+def test_rope_kv_write_q8_equals_rotate_quantize_and_index_copy(heads: int, kv_heads: int, hd: int,
+                                                                mixed: bool) -> None:
+    """The int8 KV write: q and k rotated as rope.rotate does; each 8-bit token's k and v quantized exactly as
+    kv_format.quantize does (codes and scales equal, at the rows and scale rows BlockStore.write fills), its k / v in
+    qkv replaced by the dequantized values (kv_format.dequantize, bit for bit); fp32 tokens (mixed) copied to their
+    fp32 rows; nothing else in either storage touched. Rows with ties (x * inv = n + 0.5), zeros and one all-zero
+    head exercise the rounding and the zero scale."""
+    from serve.model.kv_format import dequantize, quantize
+    from serve.model.rope import rotate
+
+    g = _gen(heads * 1000 + hd + mixed)
+    T, width, kvw = 13, (heads + 2 * kv_heads) * hd, (heads + kv_heads) * hd
+    qkv = torch.randn(T, width, generator=g) * 3
+    qkv[2, kvw: kvw + hd] = 0.0  # an all-zero V head: scale 0, codes 0
+    # a V head of absmax 127 (scale 1): its halves are ties, rounded to even (2.5 -> 2, -3.5 -> -4)
+    qkv[4, kvw: kvw + hd] = torch.tensor([127.0] + [(j % 7) - 3 + 0.5 for j in range(hd - 1)])
+    angles = torch.randint(0, 500, (T,), generator=g)[:, None].float() * torch.rand(hd // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    full = torch.randn(96, kv_heads, hd, generator=g)
+    codes = torch.randint(-128, 128, (96, kv_heads, hd), generator=g, dtype=torch.int8)
+    scales = torch.rand(90, kv_heads, generator=g)
+    is8 = torch.rand(T, generator=g) < 0.6 if mixed else torch.ones(T, dtype=torch.bool)
+    is8[2] = is8[4] = True
+    k_rows = torch.randperm(30, generator=g)[:T]
+    s_rows = torch.randperm(40, generator=g)[:T]
+    layer_offset, v_offset = 2, 45
+    ref_qk = rotate(qkv[:, :kvw].view(T, heads + kv_heads, hd), cos[:, None], sin[:, None]).reshape(T, -1)
+    ref_k, ref_v = ref_qk[:, heads * hd:].reshape(T, kv_heads, hd), qkv[:, kvw:].reshape(T, kv_heads, hd).clone()
+    ref_full, ref_codes, ref_scales = full.clone(), codes.clone(), scales.clone()
+    q8, fp = is8.nonzero().view(-1), (~is8).nonzero().view(-1)
+    ref_full.index_copy_(0, k_rows[fp] + layer_offset, ref_k[fp])
+    ref_full.index_copy_(0, k_rows[fp] + layer_offset + v_offset, ref_v[fp])
+    kc, ks = quantize(ref_k[q8], "int8")
+    vc, vs = quantize(ref_v[q8], "int8")
+    for c, sc, off in ((kc, ks, 0), (vc, vs, v_offset)):
+        ref_codes.index_copy_(0, k_rows[q8] + layer_offset + off, c)
+        ref_scales.index_copy_(0, s_rows[q8] + layer_offset + off, sc)
+    ref_k8, ref_v8 = ref_k.clone(), ref_v.clone()
+    ref_k8[q8], ref_v8[q8] = dequantize(kc, ks, "int8", torch.float32), dequantize(vc, vs, "int8", torch.float32)
+    assert bool((vs == 0).any()) and bool((vs == 1).any())  # the zero head and the tie head are 8-bit
+    OPS.rope_kv_write_q8_(qkv, cos, sin, heads, kv_heads, full if mixed else torch.empty(0), codes, scales, k_rows,
+                          s_rows, is8 if mixed else torch.empty(0, dtype=torch.bool), layer_offset, v_offset)
+    assert torch.equal(qkv[:, : heads * hd], ref_qk[:, : heads * hd])
+    assert torch.equal(qkv[:, heads * hd: kvw].view(T, kv_heads, hd), ref_k8)
+    assert torch.equal(qkv[:, kvw:].view(T, kv_heads, hd), ref_v8)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+    if mixed:
+        assert torch.equal(full, ref_full)
+    with pytest.raises(RuntimeError, match="scale row of token"):
+        OPS.rope_kv_write_q8_(qkv, cos, sin, heads, kv_heads, full, codes, scales, k_rows, s_rows + 60,
+                              torch.ones(T, dtype=torch.bool), 0, 0)
+    with pytest.raises(RuntimeError, match="KV row of token"):
+        OPS.rope_kv_write_q8_(qkv, cos, sin, heads, kv_heads, torch.empty(0), codes, scales, k_rows, s_rows,
+                              torch.zeros(T, dtype=torch.bool), 0, 0)
+
+
+@needs_ops
 @pytest.mark.parametrize("m", [5, 21])
 def test_weight_only_kernels_compute_each_row_as_if_alone(m: int) -> None:
     """Rows computed together (several tiles of 4, over several 64-row weight sub-ranges: for_tiles) equal each row

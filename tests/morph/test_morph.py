@@ -74,7 +74,8 @@ def assert_memory_exact(engine: LLMEngine) -> None:
 
 
 def assert_kv_rung_exact(engine: LLMEngine, rung: KVPrecisionRung) -> None:
-    """The KV rung's conversions: each one's retired blocks are out of service base blocks, its chunk is in the pool
+    """The KV rung's conversions: each one's retired blocks are out of service full-precision blocks (the base pool's
+    or a layer chunk's), its chunk is in the pool
     (in order) and maps to exactly its 8-bit blocks, every 8-bit block lies wholly inside its retired slots' bytes,
     and no two conversions share a byte."""
     pool, kv = engine.pool, engine.kv
@@ -84,7 +85,7 @@ def assert_kv_rung_exact(engine: LLMEngine, rung: KVPrecisionRung) -> None:
     slot, cell = kv.full.layout.block_bytes, kv.q8.layout.block_bytes
     taken: set[int] = set()
     for c, conv in zip(ours, rung.conversions):
-        assert all(i < pool.base_blocks for i in conv.retired)
+        assert not any(pool.is_quantized(i) for i in conv.retired)
         assert kv.block_map[c.start:c.end].tolist() == conv.cells
         assert bool((kv.block_format[c.start:c.end] == Q8_BLOCK).all())
         spans = {kv.physical_slot(i) for i in conv.retired}

@@ -135,6 +135,16 @@ def test_layers_needed_covers_the_block_deficit() -> None:
     assert len(d2.layers) == 5
 
 
+def test_layers_needed_count_the_8bit_blocks_the_kv_rung_makes_of_a_freed_slot() -> None:
+    """With the KV rung a freed slot becomes 3.75 8-bit blocks under pressure: a 300-block deficit needs
+    ceil(300 / floor(75 * 3.75)) = 2 int4 layers, not 4; the reason says what a layer is worth."""
+    ctl = controller("default", persist_iters=1, max_layers_per_step=8, max_quantized_fraction=1.0)
+    d = ctl.decide(FakeEngine().telemetry(num_waiting=3, blocks_needed_waiting=1200, kv_blocks_per_freed_slot=3.75))
+    assert d.layers == SWAP_ORDER[:2] and "75 blocks/layer (281 as 8-bit KV)" in d.reason, d.reason
+    with pytest.raises(ValueError, match="kv_blocks_per_freed_slot"):
+        FakeEngine().telemetry(kv_blocks_per_freed_slot=0.5)
+
+
 def test_layers_capped_by_step_and_fraction() -> None:
     ctl, eng = controller("default", persist_iters=1, max_layers_per_step=2, max_quantized_fraction=0.5), FakeEngine()
     wants_many = {"num_waiting": 9, "blocks_needed_waiting": 5000}

@@ -33,6 +33,10 @@ torch::Tensor silu_mul(const torch::Tensor& gu);
 void rope_kv_write_(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
                     int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& k_rows, int64_t layer_offset,
                     int64_t v_offset);
+void rope_kv_write_q8_(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                       int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& codes,
+                       const torch::Tensor& scales, const torch::Tensor& k_rows, const torch::Tensor& scale_rows,
+                       const torch::Tensor& is8, int64_t layer_offset, int64_t v_offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
@@ -65,4 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:], as torch computes it (elementwise_avx2.cpp)");
   m.def("rope_kv_write_", &rope_kv_write_,
         "rotate q and k of a fused qkv row in place (RoPE), then copy its k and v rows into the KV storage");
+  m.def("rope_kv_write_q8_", &rope_kv_write_q8_,
+        "rope_kv_write_ into int8 KV blocks: each 8-bit token's k and v quantized (int8 codes, one fp32 scale per "
+        "token and kv head) and replaced in qkv by what a read returns; fp32 tokens copied as rope_kv_write_ does");
 }

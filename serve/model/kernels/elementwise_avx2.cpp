@@ -1,5 +1,5 @@
 // The per-layer elementwise steps between the projections, fused (fp32, AVX2): SwiGLU, and RoPE with the
-// KV-cache write that follows it.
+// KV-cache write that follows it (fp32 rows, or int8 codes with their scales for 8-bit blocks).
 //
 // Why: in torch they are ten small ops per layer (silu, mul; cat, neg, two muls, add; two index_copy_), each a
 // pass over the activations with a temporary of its own; at 30 layers per step they were ~9 % of a 32-row
@@ -16,6 +16,7 @@
 #include <sleef.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -129,6 +130,102 @@ void rope_kv_write_(const torch::Tensor& qkv, const torch::Tensor& cos, const to
       const int64_t r = kr[t] + layer_offset;
       std::memcpy(kv + r * row, xr + heads * hd, sizeof(float) * row);
       std::memcpy(kv + (r + v_offset) * row, xr + (heads + kv_heads) * hd, sizeof(float) * row);
+    }
+  });
+}
+
+namespace {
+
+// One row of n floats as 8-bit KV (serve/model/kv_format.py quantize, int8): scale = absmax / 127, codes =
+// round-half-even(x * (1 / scale)) clamped to +-127 (0 when the row is all zero); x becomes what a read returns,
+// codes * scale. Each operation is one IEEE fp32 op in torch's order, so codes, scale and values equal torch's.
+inline void quantize_row(float* x, int8_t* codes, float* scale, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = amax / 127.0f;
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float y = std::min(127.0f, std::max(-127.0f, std::nearbyint(rounded(x[d] * inv))));
+    codes[d] = static_cast<int8_t>(y);
+    x[d] = static_cast<float>(codes[d]) * s;
+  }
+  *scale = s;
+}
+
+}  // namespace
+
+// rope_kv_write_ for a cache holding int8 blocks (the KV-precision rung's mixed cache, or a static int8 one): q and
+// k rotated in place as there; then each token t whose is8[t] is set (every token when is8 is empty) has each kv
+// head of its k and v quantized (quantize_row) into the int8 code rows codes[k_rows[t] + layer_offset] (V:
+// + v_offset) with its scale at scales[scale_rows[t] + layer_offset] (V: + v_offset), and its k and v in qkv
+// replaced by their dequantized values (what attention over the fresh tokens must use); the other tokens' k and v
+// are copied as fp32 into storage at k_rows[t] + layer_offset (V: + v_offset), as rope_kv_write_ does.
+void rope_kv_write_q8_(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                       int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& codes,
+                       const torch::Tensor& scales, const torch::Tensor& k_rows, const torch::Tensor& scale_rows,
+                       const torch::Tensor& is8, int64_t layer_offset, int64_t v_offset) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() && qkv.device().is_cpu(),
+              "qkv must be a contiguous fp32 CPU tensor [T, (heads + 2 * kv_heads) * head_dim]");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "qkv width ", qkv.size(1), " is not (heads + 2 * kv_heads) * head_dim");
+  const int64_t T = qkv.size(0), W = qkv.size(1), hd = W / (heads + 2 * kv_heads), row = kv_heads * hd;
+  TORCH_CHECK(hd % 2 == 0, "head_dim must be even, got ", hd);
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == hd && t->scalar_type() == torch::kFloat32 &&
+                    t->is_contiguous(), "cos and sin must be contiguous fp32 tensors [", T, ", ", hd, "]");
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.device().is_cpu() &&
+                  codes.numel() % row == 0, "codes must be contiguous int8 CPU rows of ", row, " bytes");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.device().is_cpu() &&
+                  scales.numel() % kv_heads == 0, "scales must be contiguous fp32 CPU rows of ", kv_heads, " floats");
+  TORCH_CHECK(storage.numel() == 0 || (storage.scalar_type() == torch::kFloat32 && storage.is_contiguous() &&
+                                       storage.device().is_cpu() && storage.numel() % row == 0),
+              "storage must be contiguous fp32 CPU rows of ", row, " floats (or empty: every token 8-bit)");
+  for (const auto* t : {&k_rows, &scale_rows})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == T && t->scalar_type() == torch::kLong && t->is_contiguous(),
+                "k_rows and scale_rows must be contiguous int64 tensors [", T, "]");
+  TORCH_CHECK(is8.numel() == 0 || (is8.dim() == 1 && is8.size(0) == T && is8.is_contiguous() &&
+                                   (is8.scalar_type() == torch::kUInt8 || is8.scalar_type() == torch::kBool)),
+              "is8 must be a contiguous uint8 / bool tensor [", T, "] (or empty: every token 8-bit)");
+  const int64_t code_rows = codes.numel() / row, scale_rows_n = scales.numel() / kv_heads;
+  const int64_t full_rows = storage.numel() / row;
+  const int64_t* kr = k_rows.data_ptr<int64_t>();
+  const int64_t* sr = scale_rows.data_ptr<int64_t>();
+  const uint8_t* e8 = is8.numel() ? static_cast<const uint8_t*>(is8.data_ptr()) : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = kr[t] + layer_offset;
+    const bool q = e8 == nullptr || e8[t] != 0;
+    const int64_t limit = q ? code_rows : full_rows;
+    TORCH_CHECK(r >= 0 && r + v_offset >= 0 && r < limit && r + v_offset < limit, "KV row of token ", t,
+                " out of range");
+    if (q) {
+      const int64_t s = sr[t] + layer_offset;
+      TORCH_CHECK(s >= 0 && s + v_offset >= 0 && s < scale_rows_n && s + v_offset < scale_rows_n,
+                  "KV scale row of token ", t, " out of range");
+    }
+  }
+  float* x = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* kv = storage.numel() ? storage.data_ptr<float>() : nullptr;
+  int8_t* cd = codes.data_ptr<int8_t>();
+  float* sc = scales.data_ptr<float>();
+  at::parallel_for(0, T, grain_rows(W), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* xr = x + t * W;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_head(xr + h * hd, c + t * hd, s + t * hd, hd);
+      const int64_t r = kr[t] + layer_offset;
+      float* k = xr + heads * hd;
+      float* v = xr + (heads + kv_heads) * hd;
+      if (e8 != nullptr && e8[t] == 0) {
+        std::memcpy(kv + r * row, k, sizeof(float) * row);
+        std::memcpy(kv + (r + v_offset) * row, v, sizeof(float) * row);
+        continue;
+      }
+      const int64_t sidx = sr[t] + layer_offset;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        quantize_row(k + h * hd, cd + r * row + h * hd, sc + sidx * kv_heads + h, hd);
+        quantize_row(v + h * hd, cd + (r + v_offset) * row + h * hd, sc + (sidx + v_offset) * kv_heads + h, hd);
+      }
     }
   });
 }
