@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policy import FULL, PolicyConfig, StepCosts
+from policy import FULL, PolicyConfig, StepCosts, resolve_kv_rung
 from serve.config import EngineConfig
 from serve.memory.budget import budget_bytes
 from serve.engine.assembly import EngineParts
@@ -133,7 +133,9 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock,
     ``speculation``: self-speculative decoding modelled with that acceptance (config.speculation decides how: off,
     auto, always; sim/speculation.py), on a GPU system's tables only."""
     target = with_kv_cache_dtype(target, config)
-    policy = config.policy_config()
+    # kv_rung auto: no rung, as the server resolves it on a GPU (until the fp8 rung has run on one); the planner
+    # models the rung on GPU tables only (kv_rung=fp8 asks for it)
+    policy = resolve_kv_rung(config.policy_config(), "cuda", False, config.kv_cache_dtype)
     morphing = policy.strategy != "off"
     extra = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
     precisions = sorted(set(policy.ladder) | set(extra)) if morphing else []

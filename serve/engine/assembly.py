@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from policy import resolve_kv_rung
 from serve.config import EngineConfig
 from serve.engine.executor import TorchExecutor
 from serve.engine.scheduler import Scheduler
@@ -77,7 +78,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
         loaded, plan = load_model_and_plan(config)
     max_model_len = config.context_length(loaded.config.max_position_embeddings)
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, max_model_len)
-    policy = config.policy_config()
+    policy = resolve_kv_rung(config.policy_config(), device.type, dtype == torch.float32, config.kv_cache_dtype)
     plan = resolve_plan(config, policy, loaded.weights, loaded.config.num_layers, plan)
     # where our CPU kernels hand over to oneDNN on this machine (measured by make build-engines, else defaults)
     chosen = apply_measured(model, plan.engine_dir if plan is not None else None)

@@ -154,6 +154,13 @@ class BlockPool:
         """Where every hash chain starts now: the epoch, the KV format and the configuration tag."""
         return self.cache_epoch.to_bytes(8, "little") + self.kv_tag + self.config_tag
 
+    @property
+    def cache_root_8bit(self) -> bytes:
+        """Where a chain whose first block is an 8-bit one starts (the KV-precision rung's blocks under
+        ``exact``): the same prefix computed into 8-bit blocks is other KV than at full precision, so it is keyed
+        apart and never served to a lookup of the full-precision chain."""
+        return self.cache_root + b"kv8-chain;"
+
     def set_config_tag(self, tag: bytes) -> None:
         """The cache now serves KV computed under configuration ``tag`` (blocks of other tags stay cached)."""
         if tag != self.config_tag:
@@ -279,6 +286,11 @@ class BlockPool:
             self._retired.add(old)
         self._free = [i for i in self._free if i in self._free_set]
         heapq.heapify(self._free)
+
+    @property
+    def num_quantized_chunks(self) -> int:
+        """The KV-precision rung's 8-bit chunks in the pool now."""
+        return sum(c.quantized for c in self.chunks)
 
     def is_quantized(self, block: int) -> bool:
         """Whether ``block`` lies in an 8-bit chunk."""

@@ -67,8 +67,18 @@ class KVCacheManager:
         if req.hash_root != root:
             req.block_hashes, req.hash_root = [], root
         full = (req.num_tokens - 1) // self.block_size
-        return self.pool.lookup(extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, full,
-                                                    root)[:full])
+        found = self.pool.lookup(extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, full,
+                                                     root)[:full])
+        if found or self.pool.register_quantized or not self.pool.num_quantized_chunks:
+            return found
+        # under exact, the chains the KV-precision rung's 8-bit blocks started (cache_full_blocks): found there,
+        # the request continues that chain
+        root8 = self.pool.cache_root_8bit
+        hashes8 = extend_block_hashes([], req.token_ids, self.block_size, full, root8)
+        found = self.pool.lookup(hashes8[:full])
+        if found:
+            req.block_hashes, req.hash_root = hashes8, root8
+        return found
 
     def allocate_slots(self, req: KVRequest, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Blocks for ``num_new_tokens`` more tokens of ``req`` (counted after ``computed_blocks``, what
@@ -100,17 +110,22 @@ class KVCacheManager:
         root = req.hash_root
         if not (self.enable_caching and full > num_computed_before // bs) or root is None:
             return
-        if root != self.pool.cache_root:
+        if root not in (self.pool.cache_root, self.pool.cache_root_8bit):
             # computed partly under another root: no later block of it is registered, even if the root comes
             # back (those blocks attend to KV another configuration computed); recomputing starts afresh
             req.hash_root = None
             return
+        if num_computed_before < bs and root == self.pool.cache_root and not self.pool.may_register(req.block_ids[0]):
+            # its first block is 8-bit (exact): the whole chain is keyed apart, a full-precision lookup never
+            # finds it (get_computed_blocks tries it second)
+            req.block_hashes, req.hash_root = [], self.pool.cache_root_8bit
+            root = req.hash_root
         hashes = extend_block_hashes(req.block_hashes, req.token_ids, bs, full, root)
         events = self.pool.events
         for j in range(num_computed_before // bs, full):
-            if not self.pool.may_register(req.block_ids[j]):
-                req.hash_root = None  # an 8-bit block under exact: it and every later block attend to 8-bit KV
-                return
+            if root != self.pool.cache_root_8bit and not self.pool.may_register(req.block_ids[j]):
+                req.hash_root = None  # an 8-bit block in a full-precision chain (exact): it and every later block
+                return                # attend to 8-bit KV
             if self.pool.register(req.block_ids[j], hashes[j]) and events is not None:
                 events.stored(hashes[j], hashes[j - 1] if j else None, req.token_ids[j * bs:(j + 1) * bs], root)
 

@@ -14,6 +14,7 @@ from tests.morph.test_morph import FakeClock, assert_memory_exact, drain_and_set
 from policy.kv_rung import KVRungDecision
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.block_pool import BlockPool, BlockPoolError
+from serve.memory.prefix_hash import extend_block_hashes
 from serve.metrics_catalogue import ENGINE_METRICS
 from serve.model.kv_cache import Q8_BLOCK
 from serve.model.kv_format import dequantize, quantize
@@ -108,6 +109,20 @@ def test_a_layer_restore_waits_while_a_newer_8bit_chunk_lies_above_its_chunk(tin
     e.pool.free(held[:-4])
     assert e.pool.num_blocks == 20 and e.pool.num_retired == 0
     assert_memory_exact(e)
+
+
+def test_the_default_mode_runs_the_rung_on_a_cpu_fp32_engine_and_not_when_asked_off(tiny):
+    """kv_rung auto (the default mode's) resolves to int8 on this fp32 CPU engine: the rung is the first resource
+    manager, ahead of the morph runtime; kv_rung null gives the default mode without it, and a static int8 cache
+    none (nothing to convert) rather than an error."""
+    from serve.morph.runtime import MorphRuntime  # noqa: PLC0415
+
+    e = morph_engine(tiny, "default", blocks=20)
+    rung = _rung(e)
+    first, second = list(e.resources)[:2]
+    assert rung.rule.kv_cache_dtype == "int8" and first is rung and isinstance(second, MorphRuntime)
+    assert morph_engine(tiny, "default", blocks=20, kv_rung=None).resource_manager(KVPrecisionRung) is None
+    assert morph_engine(tiny, "default", blocks=20, kv_cache_dtype="int8").resource_manager(KVPrecisionRung) is None
 
 
 def test_the_rung_spares_layer_swaps(tiny):
@@ -206,6 +221,31 @@ def test_exact_never_registers_8bit_blocks_and_preserve_shares_them(tiny):
         e.pool.free(held)
     assert registered["exact"] == ([17], [])
     assert len(registered["preserve"][0]) == 1 and len(registered["preserve"][1]) == 3
+
+
+def test_exact_keys_a_chain_that_starts_8bit_apart_and_serves_it_to_the_same_prompt(tiny):
+    """Under exact a prompt whose first block is 8-bit registers its chain under the pool's 8-bit root
+    (``cache_root_8bit``), never under the full-precision root; the same prompt later finds it there (prefix hits),
+    continues that chain, and generates the tokens the first one did; a full-precision chain is still found first."""
+    e = morph_engine(tiny, "performance", blocks=20, kv_rung="int8", **CALM)
+    e.config.prefix_cache_across_morph = "exact"
+    pool = _rung(e).pool
+    pool.register_quantized = False
+    held = pool.allocate(16)
+    _rung(e).apply(KVRungDecision("convert", 4, "test"))  # 16..19 -> 15 8-bit blocks: every new block is 8-bit
+    prompt = [(7 * j) % 4000 + 10 for j in range(17)]
+    first = e.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]["token_ids"]
+    blocks = {pool._block_of[h]: h for h in pool.registered_hashes()}
+    assert len(blocks) == 5 and all(pool.is_quantized(b) for b in blocks)  # 20 tokens computed
+    full_chain = extend_block_hashes([], prompt, 4, 4, pool.cache_root)
+    assert set(extend_block_hashes([], prompt, 4, 4, pool.cache_root_8bit)) <= set(blocks.values())
+    assert not set(full_chain) & set(blocks.values())
+    kvm = e.scheduler.kv_cache_manager
+    assert kvm.prefix_hit_tokens == 0
+    second = e.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]["token_ids"]
+    assert kvm.prefix_hit_tokens == 16 and second == first
+    pool.free(held)
+    assert_memory_exact(e)
 
 
 def test_the_rungs_metrics_are_in_the_catalogue():

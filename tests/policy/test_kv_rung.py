@@ -58,8 +58,10 @@ def test_calm_reverts_the_newest_free_chunk_after_calm_s_lifo():
 
 def test_the_policy_field_is_validated():
     assert PolicyConfig.for_mode("default", kv_rung="int8").kv_rung == "int8"
-    assert PolicyConfig.for_mode("default").kv_rung is None
-    with pytest.raises(ValueError, match="kv_rung must be int8, fp8 or None"):
+    assert PolicyConfig.for_mode("default").kv_rung == "auto"
+    assert PolicyConfig.for_mode("default", kv_rung=None).kv_rung is None
+    assert PolicyConfig.for_mode("performance").kv_rung is None and PolicyConfig.for_mode("off").kv_rung is None
+    with pytest.raises(ValueError, match="kv_rung must be one of auto, int8, fp8 or null"):
         PolicyConfig.for_mode("default", kv_rung="int4")
     with pytest.raises(ValueError, match="int8 or fp8"):
         KVRungRule("int4", 0.85, 0.6, 1.0)
@@ -93,3 +95,18 @@ def test_a_shortfall_takes_free_slots_then_running_blocks_and_a_cheaper_swap_kee
     assert (d.slots, d.blocks) == (0, 2)
     d = rule.decide(_t(used=100, free_slots=0, cold_blocks=40, layer_chunk_blocks=10**9, layer_precision="int8"))
     assert d.action == "none" and "layer swap to int8 costs less" in d.reason
+
+
+def test_auto_is_int8_only_where_it_is_verified():
+    """kv_rung auto: int8 on a CPU engine computing in fp32 over a full-precision cache in a dynamic mode; no rung
+    on CUDA (the fp8 rung has not run on a GPU), over a static 8-bit cache, in bf16, or without morphing; an
+    explicit format is kept as asked."""
+    from policy import resolve_kv_rung  # noqa: PLC0415
+
+    default = PolicyConfig.for_mode("default")
+    assert resolve_kv_rung(default, "cpu", True, "auto").kv_rung == "int8"
+    assert resolve_kv_rung(default, "cuda", False, "auto").kv_rung is None
+    assert resolve_kv_rung(default, "cpu", True, "int8").kv_rung is None
+    assert resolve_kv_rung(default, "cpu", False, "auto").kv_rung is None
+    assert resolve_kv_rung(PolicyConfig.for_mode("off", kv_rung="auto"), "cpu", True, "auto").kv_rung is None
+    assert resolve_kv_rung(PolicyConfig.for_mode("default", kv_rung="fp8"), "cuda", False, "auto").kv_rung == "fp8"
