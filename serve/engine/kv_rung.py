@@ -21,9 +21,11 @@ retired with the free slots of the same conversion, every one read and quantized
 chunk is written (the chunk lies in their bytes), each written into one of the chunk's blocks; the pool moves the
 hold (``BlockPool.move_holds``) and the scheduler repoints the table (``Scheduler.replace_blocks``).
 
-Prefix cache: under ``exact`` an 8-bit block is never registered (nor any later block of its sequence: they attend to
-8-bit KV), so a cached prefix is always full-precision KV (a converted block's hash ends, and a KV-aware router hears
-it removed); under ``preserve`` 8-bit blocks are shared as any other (a converted block keeps its hash).
+Prefix cache: under ``exact`` a chain that starts at full precision registers no 8-bit block (nor any later block of
+its sequence: they attend to 8-bit KV; a converted block's hash ends, and a KV-aware router hears it removed), and a
+chain whose first block is 8-bit is keyed under the pool's 8-bit root (``BlockPool.cache_root_8bit``, looked up when
+the full-precision chain finds nothing: serve/memory/kv_cache_manager.py); under ``preserve`` 8-bit blocks are shared
+as any other (a converted block keeps its hash).
 The arena's partition (the ledger, in slots) does not change: retired slots stay KV bytes.
 """
 

@@ -1,7 +1,7 @@
 """The KV-precision rung (serve/engine/kv_rung.py, ``--policy kv_rung=int8``): free full-precision slots become 8-bit
 blocks under pressure, before layers are swapped, and come back when calm; blocks and bytes stay exact; a request
-whose later blocks are 8-bit continues as a reference that rounds exactly those positions' K/V; the prefix cache
-never serves 8-bit KV under ``exact``."""
+whose later blocks are 8-bit continues as a reference that rounds exactly those positions' K/V; under ``exact`` the
+prefix cache never serves 8-bit KV to a full-precision chain (a chain that starts 8-bit is keyed apart)."""
 
 from __future__ import annotations
 
