@@ -230,7 +230,8 @@ class MorphController:
         return MorphDecision(
             "quantize", tuple(candidates[:k]), target,
             f"pressure ({'; '.join(triggers)}) for {c.persist_iters} iteration(s): deficit {deficit} blocks, "
-            f"{gain} blocks/layer{f' ({worth} as 8-bit KV)' if worth != gain else ''} -> {needed} layer(s) needed, at most {c.max_layers_per_step}/step, {what} "
+            f"{gain} blocks/layer{f' ({worth} as 8-bit KV)' if worth != gain else ''} -> {needed} layer(s) needed, "
+            f"at most {c.max_layers_per_step}/step, {what} "
             f"-> quantize {k} to {target}{costed} {describe(t)}",
         )
 

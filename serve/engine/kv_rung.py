@@ -5,7 +5,8 @@ blocks in 8 bits, before any layer is quantized (``PolicyConfig.kv_rung``; its r
 How: the cache holds full-precision blocks and, over the same arena bytes, a grid of 8-bit blocks
 (serve/model/kv_cache.py). Converting takes free full-precision blocks out of service (``BlockPool.retire``): the
 base pool's, and the chunks a layer swap added (so every layer the morph runtime quantizes under pressure gives 3.75x
-the blocks its full-precision chunk would; that chunk then leaves only after the conversion over it is reverted, LIFO) and adds the 8-bit blocks lying wholly inside their bytes as a new pool chunk (``quantized``):
+the blocks its full-precision chunk would; that chunk then leaves only after the conversion over it is reverted,
+LIFO), and adds the 8-bit blocks lying wholly inside their bytes as a new pool chunk (``quantized``):
 block p of the 8-bit grid is bytes ``[p * B8, (p + 1) * B8)`` of the arena, so a run of slots ``[a, b)`` (``S`` bytes
 each) holds the 8-bit blocks ``ceil(a S / B8) .. floor(b S / B8) - 1``: 3 or 4 per slot on SmolLM2 (S / B8 = 3.75).
 Nothing is copied (the slots were free). New allocations take the lowest free ids, so full-precision blocks still go
@@ -148,7 +149,7 @@ class KVPrecisionRung(ResourceManagerBase):
         layer_blocks, precision = self.layer_chunk() if self.layer_chunk is not None else (0, "int4")
         return KVRungTelemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-            free_full_slots=len(self.pool.free_full_ids()),
+            free_full_slots=self.pool.num_free_full,
             blocks_per_slot=self.slot_bytes / self.cell_bytes, kv_blocks_8bit=self.kv_blocks_8bit, top_free=top_free,
             top_blocks=len(top.cells) if top else 0, top_slots=len(top.retired) if top else 0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting() if scheduler is not None else 0,

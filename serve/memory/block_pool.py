@@ -234,6 +234,16 @@ class BlockPool:
         eight = [(c.start, c.end) for c in self.chunks if c.quantized]
         return sorted(i for i in (*self._free_set, *self._cached) if not any(a <= i < b for a, b in eight))
 
+    @property
+    def num_free_full(self) -> int:
+        """How many :meth:`free_full_ids` lists, without listing them (the rung's telemetry, every step): the free
+        blocks less those of the 8-bit chunks (none to count while nothing is converted)."""
+        n = self.num_free
+        for c in self.chunks:
+            if c.quantized:
+                n -= sum(1 for i in range(c.start, c.end) if i in self._free_set or i in self._cached)
+        return n
+
     def retire(self, ids: list[int]) -> None:
         """Take free blocks out of service (cached ones lose their prefix): they count nowhere until
         :meth:`unretire`. Their bytes are the caller's (8-bit blocks of a quantized chunk)."""

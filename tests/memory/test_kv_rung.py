@@ -46,7 +46,14 @@ def test_retired_blocks_count_nowhere_until_they_come_back():
         raise AssertionError("retired a block in use")
     except BlockPoolError:
         pass
-    pool.free([3, 4, 5, 8])
+    layer = pool.add_chunk("layer", 4)  # ids 15-18, full precision: free ones the rung may convert
+    assert pool.free_full_ids() == [15, 16, 17, 18] and pool.num_free_full == 4  # 9-14: free but 8-bit
+    pool.free([8])
+    assert pool.free_full_ids() == [15, 16, 17, 18] and pool.num_free_full == 4 and pool.num_free == 11
+    pool.free([3])
+    assert pool.free_full_ids() == [3, 15, 16, 17, 18] and pool.num_free_full == 5
+    pool.remove_chunk(layer.owner)
+    pool.free([4, 5])
     pool.remove_chunk("kv8:0")
     pool.unretire([6, 7])
     pool.free(held)

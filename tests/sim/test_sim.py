@@ -12,7 +12,7 @@ import pytest
 
 from bench.replay import build_parser as replay_parser
 from bench.replay import engine_config
-from policy import FULL, MorphController, PolicyConfig, Telemetry
+from policy import FULL, MorphController, PolicyConfig, Telemetry, resolve_kv_rung
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from sim.__main__ import main as plan_main
@@ -120,8 +120,9 @@ def test_a_precision_the_tables_lack_is_refused_not_invented() -> None:
 
 def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
     """Same sizes in, same KV pool out: the planner feeds the engine's own sizing code (serve/memory/sizing.py)."""
+    # kv_rung off in both: the CPU engine's default runs the int8 rung, which --system local does not model
     real = LLMEngine(EngineConfig(morph_mode="default", device_memory="600MiB", num_threads=1,
-                                  policy_overrides={"cost_aware": False}))
+                                  policy_overrides={"cost_aware": False, "kv_rung": None}))
     try:
         from sim.assemble import Target
 
@@ -133,7 +134,7 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
                         device_bytes=None, h2d_bytes_per_s=1e10, d2d_bytes_per_s=1e10, step_model=None,
                         swap_order=list(morph(real).controller.swap_order), notes={})
         sim = build_engine(EngineConfig(morph_mode="default", device_memory="600MiB",
-                                        policy_overrides={"cost_aware": False}), target, VirtualClock())
+                                        policy_overrides={"cost_aware": False, "kv_rung": None}), target, VirtualClock())
         assert sim.ledger.as_dict() == real.ledger.as_dict()
         assert (sim.pool.num_blocks, sim.pool.max_blocks) == (real.pool.num_blocks, real.pool.max_blocks)
         assert morph(sim).blocks_per_layer_chunk == morph(real).blocks_per_layer_chunk
@@ -157,7 +158,8 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
     engine = build_engine(config, target, VirtualClock())
     planned = morph(engine).controller
     assert type(planned) is MorphController
-    policy = PolicyConfig.for_mode("default", ttft_slo_s=config.slo_ttft_s)
+    # resolved as the server resolves it on a GPU (kv_rung auto: no rung there yet)
+    policy = resolve_kv_rung(PolicyConfig.for_mode("default", ttft_slo_s=config.slo_ttft_s), "cuda", False, "auto")
     reference = MorphController(policy, list(range(32)), target.step_costs(["int4"]))
     assert planned.config == reference.config
     sequence = [_telemetry(now_s=10.0 + 0.05 * i, step_tokens=400 + i, step_token_budget=8192) for i in range(6)]

@@ -94,12 +94,15 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   return out;
 }
 
-// qkv [T, (H + 2 * KVH) * hd] (q heads, k heads, v heads per row): q and k rotated in place by the RoPE tables
-// cos / sin [T, hd] (each row's position already looked up); then each row's k and v (KVH * hd floats each) are
-// copied to the KV storage (viewed as rows of KVH * hd floats) at row k_rows[t] + layer_offset and that plus v_offset.
-void rope_kv_write_(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-                    int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& k_rows, int64_t layer_offset,
-                    int64_t v_offset) {
+namespace {
+
+struct RopeShape {
+  int64_t T, W, hd, row;  // tokens, qkv row width, head_dim, one token's k (or v) floats: kv_heads * hd
+};
+
+// The fused qkv rows [T, (heads + 2 * kv_heads) * hd] and their RoPE tables [T, hd], checked (both RoPE writes).
+RopeShape check_rope_operands(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                              int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() && qkv.device().is_cpu(),
               "qkv must be a contiguous fp32 CPU tensor [T, (heads + 2 * kv_heads) * head_dim]");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
@@ -109,6 +112,19 @@ void rope_kv_write_(const torch::Tensor& qkv, const torch::Tensor& cos, const to
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == hd && t->scalar_type() == torch::kFloat32 &&
                     t->is_contiguous(), "cos and sin must be contiguous fp32 tensors [", T, ", ", hd, "]");
+  return {T, W, hd, row};
+}
+
+}  // namespace
+
+// qkv [T, (H + 2 * KVH) * hd] (q heads, k heads, v heads per row): q and k rotated in place by the RoPE tables
+// cos / sin [T, hd] (each row's position already looked up); then each row's k and v (KVH * hd floats each) are
+// copied to the KV storage (viewed as rows of KVH * hd floats) at row k_rows[t] + layer_offset and that plus v_offset.
+void rope_kv_write_(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                    int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& k_rows, int64_t layer_offset,
+                    int64_t v_offset) {
+  const RopeShape shape = check_rope_operands(qkv, cos, sin, heads, kv_heads);
+  const int64_t T = shape.T, W = shape.W, hd = shape.hd, row = shape.row;
   TORCH_CHECK(storage.scalar_type() == torch::kFloat32 && storage.is_contiguous() && storage.device().is_cpu() &&
                   storage.numel() % row == 0, "storage must be contiguous fp32 CPU rows of ", row, " floats");
   TORCH_CHECK(k_rows.dim() == 1 && k_rows.size(0) == T && k_rows.scalar_type() == torch::kLong && k_rows.is_contiguous(),
@@ -164,15 +180,8 @@ void rope_kv_write_q8_(const torch::Tensor& qkv, const torch::Tensor& cos, const
                        int64_t kv_heads, const torch::Tensor& storage, const torch::Tensor& codes,
                        const torch::Tensor& scales, const torch::Tensor& k_rows, const torch::Tensor& scale_rows,
                        const torch::Tensor& is8, int64_t layer_offset, int64_t v_offset) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() && qkv.device().is_cpu(),
-              "qkv must be a contiguous fp32 CPU tensor [T, (heads + 2 * kv_heads) * head_dim]");
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
-              "qkv width ", qkv.size(1), " is not (heads + 2 * kv_heads) * head_dim");
-  const int64_t T = qkv.size(0), W = qkv.size(1), hd = W / (heads + 2 * kv_heads), row = kv_heads * hd;
-  TORCH_CHECK(hd % 2 == 0, "head_dim must be even, got ", hd);
-  for (const auto* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == hd && t->scalar_type() == torch::kFloat32 &&
-                    t->is_contiguous(), "cos and sin must be contiguous fp32 tensors [", T, ", ", hd, "]");
+  const RopeShape shape = check_rope_operands(qkv, cos, sin, heads, kv_heads);
+  const int64_t T = shape.T, W = shape.W, hd = shape.hd, row = shape.row;
   TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous() && codes.device().is_cpu() &&
                   codes.numel() % row == 0, "codes must be contiguous int8 CPU rows of ", row, " bytes");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.device().is_cpu() &&
