@@ -139,7 +139,8 @@ def test_bfloat16_swap_mid_decode_keeps_state(tiny):
 
 def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(tiny):
     clock = FakeClock()
-    e = morph_engine(tiny, "default", blocks=20, clock=clock)
+    # layer swaps alone (kv_rung null): the default mode's int8 KV rung would cover this pressure without a swap
+    e = morph_engine(tiny, "default", blocks=20, clock=clock, kv_rung=None)
     gain = morph(e).blocks_per_layer_chunk["int4"]
     assert e.reachable_blocks == 20 + morph(e).controller.max_quantized_layers * gain
     small = [e.add_request([50 + j for j in range(6)], SamplingParams(max_tokens=30, ignore_eos=True))]
