@@ -173,6 +173,9 @@ class PagedKVCache:
         self.block_map = torch.full((max_logical_blocks,), -1, dtype=torch.long, device=device)
         self.block_format = torch.full((max_logical_blocks,), FULL_BLOCK if self.full else Q8_BLOCK,
                                        dtype=torch.uint8, device=device)
+        # rope_write_'s "none" operands (no fp32 rows / every token 8-bit), made once rather than per layer and step
+        self._no_rows = torch.empty(0, device=device)
+        self._all_8bit = torch.empty(0, dtype=torch.bool, device=device)
 
     @classmethod
     def quantized(cls, config: ModelConfig, block_size: int, buf: torch.Tensor, max_logical_blocks: int,
@@ -281,10 +284,9 @@ class PagedKVCache:
         if self.q8.layout.kv_cache_dtype != "int8":
             return False
         mixed = where.kind == "mixed"
-        none = torch.empty(0, device=qkv.device)
-        ops.rope_kv_write_q8_(qkv, cos, sin, heads, kv_heads, self.full.rows if mixed else none, self.q8.rows,
-                              self.q8.scale_rows, where.row, where.scale_row, where.is8 if mixed else none.bool(),
-                              off, self.v_rows)
+        ops.rope_kv_write_q8_(qkv, cos, sin, heads, kv_heads, self.full.rows if mixed else self._no_rows,
+                              self.q8.rows, self.q8.scale_rows, where.row, where.scale_row,
+                              where.is8 if mixed else self._all_8bit, off, self.v_rows)
         return True
 
     def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
