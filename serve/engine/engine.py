@@ -286,10 +286,14 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
         p = seq.params
-        if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
+        if tok in p.stop_token_ids:
+            seq.stop_reason = tok
+            return FinishReason.STOP
+        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
             return FinishReason.STOP
         seq.detokenizer.add(tok)
         if seq.detokenizer.stopped_by is not None:
+            seq.stop_reason = seq.detokenizer.stopped_by
             return FinishReason.STOP
         if seq.guide is not None and seq.guide.terminated:  # the grammar is done (its end token, or nothing can follow)
             return FinishReason.STOP
@@ -312,10 +316,13 @@ class LLMEngine:
             finished=final, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, first_scheduled_time=seq.first_scheduled_time,
+            stop_reason=seq.stop_reason,
         )
 
     def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
         for seq, out in produced:
+            if out.finished or seq.params.perf_metrics:  # counted when the step is done (a draft settles after
+                out.metrics = seq.metrics()              # the token that finished its request was accepted)
             if seq.callback is not None:
                 try:
                     seq.callback(out)

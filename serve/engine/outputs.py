@@ -15,6 +15,57 @@ class FinishReason(str, Enum):
     ERROR = "error"        # ended by the engine: `error` says why, `error_kind` what kind of failure it is
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One request's life in numbers, as TensorRT-LLM's per-request perf metrics count it: its times on the engine
+    clock (``time.perf_counter``, CLOCK_MONOTONIC on Linux; None until reached), its KV blocks and its speculation.
+
+    KV blocks are counted each time the request starts computing from scratch (its admission, and again after a
+    preemption): ``kv_reused_blocks`` came from the prefix cache, ``kv_missed_blocks`` are its prompt's other blocks
+    (computed), ``kv_new_blocks`` every block allocated for it (draft blocks given back after verification
+    included). Speculation: draft tokens verified for it and of those accepted."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    kv_reused_blocks: int = 0
+    kv_missed_blocks: int = 0
+    kv_new_blocks: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def kv_total_blocks(self) -> int:
+        """Blocks it held from the pool in all: reused ones and newly allocated ones."""
+        return self.kv_reused_blocks + self.kv_new_blocks
+
+    @property
+    def kv_hit_rate(self) -> float:
+        """Share of its prompt blocks found in the prefix cache (0 when none was looked up)."""
+        looked = self.kv_reused_blocks + self.kv_missed_blocks
+        return self.kv_reused_blocks / looked if looked else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted for it)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def perf_fields(self, final: bool) -> dict[str, int | float]:
+        """TensorRT-LLM's per-request perf metrics under its Triton output names and units: times in integer ns of
+        the engine clock (CLOCK_MONOTONIC, TensorRT-LLM's steady clock), 0 until reached; ``last_token_time_ns``
+        only once the request is finished (``final``), as upstream's."""
+        def ns(t: float | None) -> int:
+            return 0 if t is None else int(round(t * 1e9))
+
+        return {"kv_cache_reused_block": self.kv_reused_blocks, "kv_cache_missed_block": self.kv_missed_blocks,
+                "kv_cache_alloc_new_blocks": self.kv_new_blocks, "kv_cache_alloc_total_blocks": self.kv_total_blocks,
+                "kv_cache_hit_rate": self.kv_hit_rate, "arrival_time_ns": ns(self.arrival_time),
+                "first_scheduled_time_ns": ns(self.first_scheduled_time), "first_token_time_ns": ns(self.first_token_time),
+                "last_token_time_ns": ns(self.last_token_time) if final else 0, "acceptance_rate": self.acceptance_rate,
+                "total_accepted_draft_tokens": self.accepted_draft_tokens, "total_draft_tokens": self.draft_tokens}
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -36,6 +87,11 @@ class RequestOutput:
     # (serve/error_kinds.py) and, for a retryable kind, when to come back. Front ends answer by these.
     error_kind: ErrorKind | None = None
     retry_after_s: int | None = None
+    # A request that stopped on a stop string or a stop token id (not the model's end token): which one.
+    stop_reason: str | int | None = None
+    # Its numbers as of the end of the step that produced this output: on every final output, and on every output
+    # when SamplingParams.perf_metrics asked.
+    metrics: RequestMetrics | None = None
 
 
 class OutputCollector:

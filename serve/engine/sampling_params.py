@@ -61,6 +61,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's name; TensorRT-LLM's stop_words behave this way
     guided_decoding: GuidedDecoding | Any = None  # structured output (serve/guided); a dict is converted
     speculate: bool = True  # False: this request decodes without speculation (docs/speculation.md)
+    perf_metrics: bool = False  # every output carries the request's numbers so far (RequestMetrics), not only the last
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,7 +127,7 @@ class SamplingParams:
                 raise TypeError(f"bad_words must be strings, got an element of type {type(w).__name__}")
             if w == "":
                 raise ValueError("bad_words must be non-empty strings")
-        for name in ("logprobs", "include_stop_str_in_output", "speculate"):
+        for name in ("logprobs", "include_stop_str_in_output", "speculate", "perf_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

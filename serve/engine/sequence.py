@@ -9,10 +9,11 @@ from typing import Callable
 
 import torch
 
-from serve.engine.outputs import FinishReason, RequestOutput
+from serve.engine.outputs import FinishReason, RequestMetrics, RequestOutput
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.guided.state import GuideState
+from serve.memory.kv_cache_manager import KVBlockCounts
 from serve.model.tokenizer import IncrementalDetokenizer
 
 
@@ -47,10 +48,20 @@ class Sequence:
     hash_root: bytes | None = None     # the pool's cache root its KV is being computed under (None: not caching)
     guide: GuideState | None = None    # structured output: the grammar's state, advanced on every accepted token
     deadline: float | None = None      # engine clock: past it the request ends as deadline exceeded (lifecycle.py)
+    kv_counts: KVBlockCounts = field(default_factory=KVBlockCounts)  # its blocks reused / missed / new (the manager's)
+    num_draft_tokens: int = 0          # self-speculative decoding: draft tokens verified for it
+    num_accepted_draft_tokens: int = 0  # of which accepted
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not the model's end token)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    def metrics(self) -> RequestMetrics:
+        """Its numbers so far (serve/engine/outputs.py says what each counts)."""
+        kv = self.kv_counts
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.last_token_time,
+                              kv.reused, kv.missed, kv.new, self.num_draft_tokens, self.num_accepted_draft_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -149,6 +149,8 @@ class SpeculationManager(ResourceManagerBase):
         self.num_accepted_tokens += accepted
         self.accepted_per_draft = (self.accepted_per_draft + [accepted])[-4096:]
         self.controller.observe_acceptance(rung, drafted, accepted)
+        seq.num_draft_tokens += drafted
+        seq.num_accepted_draft_tokens += accepted
         if seq.status is not SequenceStatus.RUNNING:
             return
         kvm = self.scheduler.kv_cache_manager

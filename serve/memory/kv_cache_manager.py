@@ -8,7 +8,8 @@ the prefix cache, so no scheduler hashes prompts, looks blocks up or registers t
 - ``allocate_slots(req, n, computed)``: take those blocks and new ones for ``n`` more tokens, or nothing;
 - ``cache_full_blocks(req, before)``: after execution, register the blocks a chunk filled;
 - ``free(req)``: release a request's blocks (finished, aborted or preempted);
-- prefix-hit accounting (prompt tokens looked up at admission, and of those found cached).
+- prefix-hit accounting (prompt tokens looked up at admission, and of those found cached), and per request
+  (``KVBlockCounts``: blocks reused, missed and newly allocated, TensorRT-LLM's per-request KV metrics).
 
 Quantize before preempt: ``on_shortfall(blocks)`` (the engine wires it to the morph runtime) is offered the
 shortfall a scheduler actually meets, in its own order, right before it would preempt
@@ -19,10 +20,22 @@ shortfall a scheduler actually meets, in its own order, right before it would pr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from serve.memory.block_pool import BlockPool
 from serve.memory.prefix_hash import extend_block_hashes
+
+
+@dataclass
+class KVBlockCounts:
+    """One request's blocks, counted by the manager each time the request starts from scratch (admission, restart
+    after preemption): ``reused`` taken from the prefix cache, ``missed`` its other prompt blocks, ``new`` every
+    block allocated for it."""
+
+    reused: int = 0
+    missed: int = 0
+    new: int = 0
 
 
 class KVRequest(Protocol):
@@ -33,6 +46,7 @@ class KVRequest(Protocol):
     num_computed_tokens: int
     block_hashes: list[bytes]
     hash_root: bytes | None
+    kv_counts: KVBlockCounts
 
     @property
     def num_tokens(self) -> int: ...
@@ -84,6 +98,7 @@ class KVCacheManager:
         """Blocks for ``num_new_tokens`` more tokens of ``req`` (counted after ``computed_blocks``, what
         ``get_computed_blocks`` returned, which ``req`` takes first). False with nothing taken when the pool
         cannot hold them."""
+        starts = req.num_computed_tokens == 0 and not req.block_ids
         if computed_blocks:
             self.pool.take(computed_blocks)
             req.block_ids = list(computed_blocks)
@@ -95,6 +110,12 @@ class KVCacheManager:
                 req.block_ids, req.num_computed_tokens = [], 0
             return False
         req.block_ids.extend(blocks)
+        counts = req.kv_counts
+        counts.new += len(blocks)
+        if starts:
+            reused = len(computed_blocks or ())
+            counts.reused += reused
+            counts.missed += -(-req.num_tokens // self.block_size) - reused
         if computed_blocks is not None:
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += len(computed_blocks) * self.block_size
