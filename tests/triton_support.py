@@ -23,9 +23,10 @@ def skip_module_without_triton() -> None:
 
 
 @contextmanager
-def running_server(params: dict[str, Any], log_dir: Path) -> Iterator[TritonServer]:
-    """A started and ready server with ``params``; its log is ``log_dir``/tritonserver.log."""
-    srv = TritonServer(params=params, log_path=log_dir / "tritonserver.log")
+def running_server(params: dict[str, Any], log_dir: Path, **options: Any) -> Iterator[TritonServer]:
+    """A started and ready server with ``params`` (and TritonServer's ``options``); its log is
+    ``log_dir``/tritonserver.log."""
+    srv = TritonServer(params=params, log_path=log_dir / "tritonserver.log", **options)
     srv.start()
     try:
         srv.wait_ready(timeout=300)

@@ -168,16 +168,28 @@ def finish_reason(engine_reason: str | None) -> str:
     return _FINISH.get(engine_reason or "", "stop")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # OpenAI's usage.prompt_tokens_details.cached_tokens (the frontend copies it)
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def chunk(token_ids: list[int], reason: str | None = None, prompt_tokens: int = 0,
-          completion_tokens: int = 0) -> dict[str, Any]:
-    """One streamed response chunk; the final one (``reason`` given) carries the usage."""
-    out: dict[str, Any] = {"token_ids": list(token_ids), "index": 0}
+          completion_tokens: int = 0, out: Any = None, block_size: int = 0) -> dict[str, Any]:
+    """One streamed response chunk; the final one (``reason`` given) carries the usage and, from the engine's final
+    output ``out`` (a RequestOutput, by duck type), what Dynamo's frontend shows under ``nvext`` when a client asks
+    (``nvext.extra_fields``): ``stop_reason`` and ``engine_data`` (the request's perf metrics under TensorRT-LLM's
+    names, RequestMetrics.perf_fields), and the prompt tokens served from the prefix cache as ``cached_tokens``."""
+    answer: dict[str, Any] = {"token_ids": list(token_ids), "index": 0}
     if reason is not None:
-        out["finish_reason"] = finish_reason(reason)
-        out["completion_usage"] = usage(prompt_tokens, completion_tokens)
-    return out
+        answer["finish_reason"] = finish_reason(reason)
+        metrics = getattr(out, "metrics", None)
+        cached = None if metrics is None else min(prompt_tokens, metrics.kv_reused_blocks * block_size)
+        answer["completion_usage"] = usage(prompt_tokens, completion_tokens, cached)
+        if metrics is not None:
+            answer["engine_data"] = metrics.perf_fields(final=True)
+        if getattr(out, "stop_reason", None) is not None:
+            answer["stop_reason"] = out.stop_reason
+    return answer

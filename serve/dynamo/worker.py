@@ -22,6 +22,7 @@ ConnectionTimeout 504, which the frontend also migrates, hence serve/dynamo/dead
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 import uuid
@@ -48,6 +49,7 @@ from serve.engine.errors import error_kind, retry_after_of
 from serve.engine.stats import EngineStats
 from serve.error_kinds import ErrorKind
 from serve.logging_setup import configure_logging, get_logger
+from serve.operator_auth import AuthError, check_bind, from_env
 from serve.request_tracker import CANCELLED, OVERLOADED, RequestTracker
 
 log = get_logger("morphserve.dynamo.worker")
@@ -79,6 +81,10 @@ class MorphServeWorker(DynamoLLMEngine):
         self.request_metrics = RequestMetrics()
         self.tracker = RequestTracker(self.request_metrics)  # TTFT, ITL, e2e, finish reasons per request
         self.expired = ExpiredContexts()  # contexts past their deadline: the frontend's retries of them fail at once
+        # the operator key: every control on the system port signed with it (serve/operator_auth.py, in the body:
+        # Dynamo hands the worker the parsed JSON only); without it the system port must stay on loopback
+        self.auth = from_env()
+        check_bind(os.environ.get("DYN_SYSTEM_HOST", "127.0.0.1"), self.auth, "the Dynamo system port")
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @classmethod
@@ -178,7 +184,8 @@ class MorphServeWorker(DynamoLLMEngine):
                     message = out.error or kind.value
                     log.info("request_ended", request_id=rid, kind=kind.value, error=message)
                     raise dynamo_error(kind, f"generation failed: {message}" if kind is ErrorKind.INTERNAL else message)
-                yield chunk(out.new_token_ids, reason, out.num_prompt_tokens, out.num_output_tokens)
+                yield chunk(out.new_token_ids, reason, out.num_prompt_tokens, out.num_output_tokens, out,
+                            engine.config.block_size)
         finally:
             self._inflight.pop(context.id(), None)
             if not stream.finished:  # the client went away or the stream was closed: free the KV blocks now,
@@ -229,6 +236,12 @@ class MorphServeWorker(DynamoLLMEngine):
         return {MORPH_STATE_CONTROL, *CONTROLS}
 
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.auth is not None:
+            try:
+                body = self.auth.check_body(f"/engine/control/{control}", body or {})
+            except AuthError as exc:
+                log.warning("operator_request_refused", control=control, reason=str(exc))
+                return {"status": "error", "code": 401, "message": str(exc)}
         if control in CONTROLS:
             return await self._operator_control(control, body)
         if control != MORPH_STATE_CONTROL:

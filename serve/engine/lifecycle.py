@@ -46,6 +46,7 @@ class Lifecycle:
         self.request_timeout_s = request_timeout_s
         self.start_rate = StartRateMeter()  # waiting requests started per busy second (shedding on arrival)
         self.draining = False
+        self.parked_tags: frozenset[str] = frozenset()  # memory released by the operator (controls.release_memory)
 
     # ---- admission ------------------------------------------------------------------------------------
     def admit(self, now: float, waiting: int, faults: FaultTracker | None = None) -> None:
@@ -55,6 +56,10 @@ class Lifecycle:
             raise EngineUnavailable(f"the engine failed {faults.consecutive} iterations in a row (last: "
                                     f"{faults.last_error}); it refuses new requests until restarted",
                                     DEFAULT_RETRY_AFTER_S)
+        if self.parked_tags:
+            raise EngineDraining(f"the server's memory is released ({', '.join(sorted(self.parked_tags))}) and it "
+                                 "admits no requests until an operator resumes it (POST /resume_memory); retry after "
+                                 f"{DEFAULT_RETRY_AFTER_S} s", DEFAULT_RETRY_AFTER_S)
         if self.draining:
             raise EngineDraining("the server is draining (shutting down or out of rotation) and admits no new "
                                  f"requests; retry on another replica after {DEFAULT_RETRY_AFTER_S} s",

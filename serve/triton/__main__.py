@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -23,8 +24,11 @@ from serve.triton.http_front import FrontOptions
 from serve.triton.install import TritonLaunchError
 from serve.config import EMBEDDED_MODEL, parse_policy_overrides
 from serve.config_flags import add_engine_flags, engine_kwargs
+from serve.triton.llmapi_config import FrontSettings
 from serve.triton.model_params import validate_params
 from serve.triton.repository import (
+    LLMAPI_MODEL_NAME,
+    llmapi_config_of,
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
     fill_config_parameters,
@@ -76,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--server-log."
         ),
         epilog=(
-            "Endpoints: HTTP POST /v2/models/morphserve/generate and /generate_stream (JSON keys: "
-            "text_input, max_tokens, temperature, top_p, top_k, seed, stop, stream, and TensorRT-LLM's "
-            "inputs); the same engine also answers as TensorRT-LLM's models ensemble and tensorrt_llm_bls "
-            "([1, 1] tensors, TensorRT-LLM's meanings); gRPC streaming "
+            "Endpoints: HTTP POST /v2/models/tensorrt_llm/generate and /generate_stream (TensorRT-LLM's LLM-API "
+            "model: text_input, sampling_param_max_tokens, ..., streaming; its model.yaml is written from the flags "
+            "below), the same engine as /v2/models/morphserve/... (JSON keys: text_input, max_tokens, temperature, "
+            "top_p, top_k, seed, stop, stream, and TensorRT-LLM's inputs) and as TensorRT-LLM's legacy models "
+            "ensemble and tensorrt_llm_bls ([1, 1] tensors); gRPC streaming "
             "(python -m serve.triton.client); Prometheus text on the metrics port (/metrics, morphserve_* "
             "and nv_* families). Ports default to $HTTP_PORT, $GRPC_PORT, $METRICS_PORT, then "
             "8000/8001/8002, and the operator port ($OPERATOR_PORT, 8003; loopback only) serves the engine's "
@@ -122,14 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
         "parse, ladder also as int8,int4); merged over the JSON object in config.pbtxt's policy parameter. A "
         "bad key or value is refused before the server starts",
     )
+    p.add_argument("--llmapi-decoupled", choices=["true", "false"], default=None,
+                   help="the tensorrt_llm model's transaction policy (model.yaml triton_config.decoupled and "
+                        "config.pbtxt): true streams (and serves gRPC streams only), false answers unary calls "
+                        "(ModelInfer) and refuses streaming, as upstream's model with decoupled: false (default: as "
+                        "the repository's model.yaml says; the shipped one: true)")
+    p.add_argument("--stop-by-request-id", choices=["true", "false"], default=None,
+                   help="the tensorrt_llm model's stop input: a request with stop=true ends the in-flight request of "
+                        "the same client-chosen request id (model.yaml morphserve.stop_by_request_id; "
+                        "docs/hardening.md has the trust model; default: as the repository's model.yaml says, the "
+                        "shipped one: true)")
     p.add_argument(
         "--write-repository",
         type=Path,
         default=None,
         metavar="DIR",
-        help="do not start a server: write a self-contained model repository (morphserve, ensemble, "
-        "tensorrt_llm_bls; config.pbtxt filled from the flags above, model.py importing the installed "
-        "morphserve package) to DIR for a Triton container, then exit",
+        help="do not start a server: write a self-contained model repository (morphserve, tensorrt_llm with its "
+        "model.yaml, the legacy ensemble and tensorrt_llm_bls; config.pbtxt filled from the flags above, model.py "
+        "importing the installed morphserve package) to DIR for a Triton container, then exit",
     )
     p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -226,9 +241,22 @@ def check_params(params: dict[str, object], repository: Path, model_name: str) -
 
 
 def curl_example(srv: TritonServer) -> str:
-    """A one-line curl command that exercises the generate endpoint."""
+    """A one-line curl command that exercises the generate endpoint (upstream's LLM-API model when it is served)."""
+    if LLMAPI_MODEL_NAME in srv.also_load:
+        body = json.dumps({"text_input": "What is ML?", "sampling_param_max_tokens": 50})
+        return f"curl -s -X POST http://{srv.http_url}/v2/models/{LLMAPI_MODEL_NAME}/generate -d '{body}'"
     body = json.dumps({"text_input": "The capital of France is", "max_tokens": 16})
     return f"curl -s -X POST http://{srv.http_url}/v2/models/{srv.model_name}/generate -d '{body}'"
+
+
+def llmapi_settings(args: argparse.Namespace) -> FrontSettings | None:
+    """The tensorrt_llm model's settings the flags make over its model.yaml's; None when no flag is given."""
+    if args.llmapi_decoupled is None and args.stop_by_request_id is None:
+        return None
+    base = llmapi_config_of(Path(args.model_repository) / LLMAPI_MODEL_NAME).front
+    return dataclasses.replace(base, **{k: v == "true" for k, v in (("decoupled", args.llmapi_decoupled),
+                                                                  ("stop_by_request_id", args.stop_by_request_id))
+                                        if v is not None})
 
 
 class _Terminate(Exception):
@@ -252,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.write_repository is not None:
         try:
-            files = write_repository(args.write_repository, params, src=args.model_repository)
+            files = write_repository(args.write_repository, params, src=args.model_repository,
+                                     llmapi=llmapi_settings(args))
         except TritonLaunchError as e:
             sys.stderr.write(f"morphserve: {e}\n")
             return 1
@@ -278,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         front_options=front_options,
         client_apis=args.client_api,
         grpc_max_message_bytes=args.grpc_max_message_bytes,
+        llmapi=llmapi_settings(args),
     )
     if args.allow_repository_api:
         log.warning("repository_api_open", warning="clients can load/unload models, including Python code")

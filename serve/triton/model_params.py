@@ -25,6 +25,9 @@ class ServerParams:
     # (serve/triton/operator_port.py); 0: none. The request lifecycle's knobs (queue_timeout_s, shed_on_arrival,
     # request_timeout_s, max_num_waiting) are EngineConfig fields: the engine decides them.
     operator_port: int = 0
+    # Where the operator port listens: 127.0.0.1, or another address only with the operator key set
+    # (TRTLLM_RUNTIME_CONTROL_API_KEY in the server's environment; serve/operator_auth.py).
+    operator_host: str = "127.0.0.1"
 
     @classmethod
     def from_params(cls, params: dict[str, str], default_max_tokens: int) -> ServerParams:
@@ -47,7 +50,7 @@ class ServerParams:
 
 # Parameters the Triton model consumes itself rather than passing to EngineConfig.
 MODEL_ONLY_PARAMS = {"engine_dir", "max_tokens_limit", "default_max_tokens", "poll_interval_s", "log_level",
-                     "max_prompt_bytes", "max_list_items", "operator_port"}
+                     "max_prompt_bytes", "max_list_items", "operator_port", "operator_host", "llmapi_config"}
 # config.pbtxt parameter -> EngineConfig field, where the names differ.
 # enable_kv_cache_reuse is tensorrtllm_backend's name for prefix caching; policy is a JSON object of
 # PolicyConfig fields (e.g. {"kv_high": 0.7}), the same overrides as --policy KEY=VALUE.

@@ -53,6 +53,8 @@ class ParsedRequest:
     include_stop_str: bool = False        # stop_words (TensorRT-LLM) end the answer with the stop string
     guided: dict[str, str] | None = None  # {"type", "guide"}: structured output (serve/guided), validated there
     speculate: bool = True                # False: decode without speculation (speculate / num_draft_tokens 0)
+    perf_metrics: bool = False            # return_perf_metrics: every response carries the request's perf metrics
+    stop_reason: bool = False             # return_stop_reason: the final response carries stop_reason
 
     timeout_s: float | None = None
 
@@ -66,10 +68,10 @@ class ParsedRequest:
                     repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words,
                     logprobs=self.return_log_probs, include_stop_str_in_output=self.include_stop_str,
-                    guided_decoding=self.guided, speculate=self.speculate)
+                    guided_decoding=self.guided, speculate=self.speculate, perf_metrics=self.perf_metrics)
 
 
-def _scalar(get_input: InputGetter, name: str, kind: str) -> Any:
+def scalar(get_input: InputGetter, name: str, kind: str) -> Any:
     """The single element of an optional input, or None when absent. ``kind`` names the expected type
     for error messages; Triton has already checked the data type against config.pbtxt."""
     arr = get_input(name)
@@ -129,23 +131,23 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
     if not prompt:
         raise InputError("text_input is empty")
 
-    mt = _scalar(get_input, "max_tokens", "INT32")
+    mt = scalar(get_input, "max_tokens", "INT32")
     max_tokens = default_max_tokens if mt is None else int(mt)
     if max_tokens > max_tokens_limit:
         raise InputError(f"max_tokens={max_tokens} exceeds this server's limit (max_tokens_limit={max_tokens_limit})")
 
-    temp = _scalar(get_input, "temperature", "FP32")
+    temp = scalar(get_input, "temperature", "FP32")
     temperature = 0.0 if temp is None else float(temp)
 
-    tp = _scalar(get_input, "top_p", "FP32")
+    tp = scalar(get_input, "top_p", "FP32")
     top_p = 1.0 if tp is None else float(tp)
 
-    tk = _scalar(get_input, "top_k", "INT32")
+    tk = scalar(get_input, "top_k", "INT32")
     top_k = 0 if tk is None else int(tk)
 
-    sd = _scalar(get_input, "seed", "UINT64")
+    sd = scalar(get_input, "seed", "UINT64")
     if sd is None:
-        sd = _scalar(get_input, "random_seed", "UINT64")
+        sd = scalar(get_input, "random_seed", "UINT64")
     seed = None if sd is None else int(sd)
 
     # empty strings dropped (TensorRT-LLM clients send [""] for none); counts and sizes bounded first
@@ -156,9 +158,9 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
                          "(TensorRT-LLM: the answer ends with it), not both")
     timeout_s = _timeout(get_input, limits)
 
-    sm = _scalar(get_input, "stream", "BOOL")
+    sm = scalar(get_input, "stream", "BOOL")
     stream = bool(sm) if sm is not None else False
-    ie = _scalar(get_input, "ignore_eos", "BOOL")
+    ie = scalar(get_input, "ignore_eos", "BOOL")
     ignore_eos = bool(ie) if ie is not None else False
     out = ParsedRequest(prompt, max_tokens, temperature, top_p, top_k, seed, stop or stop_words, stream, ignore_eos)
     out.timeout_s = timeout_s
@@ -168,7 +170,7 @@ def parse_request(get_input: InputGetter, max_tokens_limit: int, default_max_tok
 
 
 def _optional(get_input: InputGetter, name: str, kind: str, default: Any, cast: Callable[[Any], Any]) -> Any:
-    v = _scalar(get_input, name, kind)
+    v = scalar(get_input, name, kind)
     return default if v is None else cast(v)
 
 
@@ -198,6 +200,8 @@ def _parse_trtllm_options(get_input: InputGetter, out: ParsedRequest, limits: In
     # length_penalty only steers beam search in TensorRT-LLM; with beam_width 1 it has no effect there either.
     out.guided = _guided(get_input, limits)
     out.speculate = _speculate(get_input)
+    out.perf_metrics = _optional(get_input, "return_perf_metrics", "BOOL", False, bool)
+    out.stop_reason = _optional(get_input, "return_stop_reason", "BOOL", False, bool)
 
 
 def _speculate(get_input: InputGetter) -> bool:
@@ -217,8 +221,8 @@ def _speculate(get_input: InputGetter) -> bool:
 def _guided(get_input: InputGetter, limits: InputLimits) -> dict[str, str] | None:
     """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide (an empty type: no guide). The type
     and the guide's content are checked by the engine's SamplingParams (serve/guided/spec.py)."""
-    kind = _scalar(get_input, "guided_decoding_guide_type", "STRING")
-    guide = _scalar(get_input, "guided_decoding_guide", "STRING")
+    kind = scalar(get_input, "guided_decoding_guide_type", "STRING")
+    guide = scalar(get_input, "guided_decoding_guide", "STRING")
     if guide is not None and _bytes_len(guide) > limits.max_guide_bytes:
         raise InputError(f"guided_decoding_guide may have at most {limits.max_guide_bytes} bytes, "
                          f"got {_bytes_len(guide)}")
@@ -234,7 +238,7 @@ def _guided(get_input: InputGetter, limits: InputLimits) -> dict[str, str] | Non
 
 def _timeout(get_input: InputGetter, limits: InputLimits) -> float | None:
     """Optional per-request deadline in seconds from arrival (None: no deadline)."""
-    v = _scalar(get_input, "timeout_s", "FP32")
+    v = scalar(get_input, "timeout_s", "FP32")
     if v is None:
         return None
     t = float(v)
@@ -255,8 +259,8 @@ class SloInputs:
 
 def parse_slo_inputs(get_input: InputGetter) -> SloInputs:
     """The optional inputs ttft_slo_s, tbt_slo_s (FP32 seconds) and priority (INT32 tier, 0 = strict)."""
-    ttft = _scalar(get_input, "ttft_slo_s", "FP32")
-    tbt = _scalar(get_input, "tbt_slo_s", "FP32")
-    prio = _scalar(get_input, "priority", "INT32")
+    ttft = scalar(get_input, "ttft_slo_s", "FP32")
+    tbt = scalar(get_input, "tbt_slo_s", "FP32")
+    prio = scalar(get_input, "priority", "INT32")
     return SloInputs(None if ttft is None else float(ttft), None if tbt is None else float(tbt),
                      None if prio is None else int(prio))

@@ -30,6 +30,7 @@ from serve.triton.client_apis import open_apis, triton_restrictions
 from serve.triton.doors import Doors
 from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
 from serve.triton.http_front import FrontOptions
+from serve.triton.llmapi_config import FrontSettings
 from serve.triton.install import (
     TritonInstall,
     TritonLaunchError,
@@ -44,7 +45,7 @@ from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
     REPO_ROOT,
-    TRTLLM_MODEL_NAMES,
+    FRONT_MODEL_NAMES,
     read_config_parameters,
     render_model_repository,
 )
@@ -125,14 +126,16 @@ class TritonServer:
         grpc_front: bool = True,
         client_apis: Sequence[str] = (),
         grpc_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        llmapi: FrontSettings | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
         self.params = dict(params or {})
         # Models loaded beside model_name: by default TensorRT-LLM's names (BLS models over the engine
         # model) when the repository has them and the engine model is the default one.
+        self.llmapi = llmapi  # the tensorrt_llm model's own settings over its model.yaml's (None: as written)
         if also_load is None:
-            also_load = [n for n in TRTLLM_MODEL_NAMES if model_name == DEFAULT_MODEL_NAME
+            also_load = [n for n in FRONT_MODEL_NAMES if model_name == DEFAULT_MODEL_NAME
                          and (self.model_repository / n / "config.pbtxt").is_file()]
         self.also_load = [n for n in also_load if n != model_name]
         self.cwd = Path(cwd) if cwd is not None else REPO_ROOT  # the server's working directory
@@ -279,7 +282,7 @@ class TritonServer:
         if self.params or not self.repository_api:  # control mode none loads all it finds: render exactly ours
             repository = render_model_repository(
                 self.model_repository, self.workdir / "model_repository", self.model_name, self.params,
-                also=tuple(self.also_load),
+                also=tuple(self.also_load), llmapi=self.llmapi,
             )
         ended = end_stale(self.model_repository)  # model processes a killed launcher of this repository left
         if ended:

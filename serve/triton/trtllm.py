@@ -40,6 +40,7 @@ MORPHSERVE_INPUTS: dict[str, str] = {
     "ttft_slo_s": "float", "tbt_slo_s": "float", "priority": "int",   # SLO-aware scheduling (README)
     "timeout_s": "float",                                             # per-request deadline (Hardening)
     "speculate": "bool",                                              # false: no speculation (speculation.md)
+    "return_stop_reason": "bool",                                     # the final response's stop_reason
     "random_seed": "uint", "stop_words": "strs", "bad_words": "strs", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "length_penalty": "float", "min_length": "int",
     "beam_width": "int", "num_return_sequences": "int", "exclude_input_in_output": "bool",
@@ -53,7 +54,8 @@ MORPHSERVE_INPUTS: dict[str, str] = {
     "decoder_text_input": "str",
 }
 # The morphserve-only inputs; every other name is TensorRT-LLM's (what the BLS models declare).
-MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority", "timeout_s", "speculate")
+MORPHSERVE_ONLY = ("seed", "stop", "ignore_eos", "ttft_slo_s", "tbt_slo_s", "priority", "timeout_s", "speculate",
+                   "return_stop_reason")
 TRTLLM_INPUTS = [n for n in MORPHSERVE_INPUTS if n not in MORPHSERVE_ONLY]
 # Request-parameter names that mean an input (other names: see MORPHSERVE_INPUTS).
 PARAMETER_ALIASES = {"min_tokens": "min_length", "logprobs": "return_log_probs", "max_new_tokens": "max_tokens"}
@@ -75,7 +77,6 @@ def _positive(a: np.ndarray) -> bool:
 UNSUPPORTED: dict[str, tuple[Callable[[np.ndarray], bool], str]] = {
     "return_context_logits": (_flag, "context logits are not returned by this engine"),
     "return_generation_logits": (_flag, "generation logits are not returned by this engine"),
-    "return_perf_metrics": (_flag, "per-request perf metrics are not returned; read /metrics"),
     "lora_task_id": (lambda a: a.size > 0, "LoRA adapters are not supported"),
     "lora_weights": (lambda a: a.size > 0, "LoRA adapters are not supported"),
     "lora_config": (lambda a: a.size > 0, "LoRA adapters are not supported"),
@@ -206,6 +207,11 @@ def trtllm_to_morphserve(get_input: InputGetter, parameters: str | Mapping[str, 
         return arr[0]
 
     full = with_parameters(unbatched, parameters)
+    perf = full("return_perf_metrics")
+    if perf is not None and _flag(perf):
+        raise ContractError("return_perf_metrics: per-request perf metrics are answered by the tensorrt_llm model "
+                            "(sampling_param_return_perf_metrics) and the morphserve model, not by the legacy "
+                            f"{'/'.join(('ensemble', 'tensorrt_llm_bls'))} models")
     out = {n: a for n in MORPHSERVE_INPUTS if (a := full(n)) is not None}
     top_k = int(out["top_k"].reshape(-1)[0]) if "top_k" in out and out["top_k"].size else 0
     top_p = float(out["top_p"].reshape(-1)[0]) if "top_p" in out and out["top_p"].size else 0.0

@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve.metrics_catalogue": set(),  # the engine metrics' names, types and help (both front ends export them)
     "serve.error_kinds": set(),  # why a request was refused or ended early: the engine's and every front end's words
     "serve.request_values": set(),  # client text and numbers checked once, for every front end (stdlib only)
+    "serve.operator_auth": set(),  # the operator key: HMAC-signed operator controls, for every operator surface
     # per-request TTFT / ITL / finish accounting for every front end; reads RequestOutput by duck type (no engine)
     "serve.request_tracker": {"serve.metrics_catalogue", "serve.error_kinds"},
     "serve.config": {"serve.model", "policy"},  # serve.model.embedded: the embedded model's name (stdlib only)
@@ -38,12 +39,12 @@ ALLOWED: dict[str, set[str]] = {
     "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.process", "serve.config",
                      "serve.logging_setup", "serve.error_kinds", "policy"},
     "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
-                     "serve.error_kinds", "serve.request_values", "policy"},
+                     "serve.error_kinds", "serve.request_values", "serve.operator_auth", "policy"},
     "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
-                     "serve.request_tracker", "serve.error_kinds", "serve.request_values", "policy"},
+                     "serve.request_tracker", "serve.error_kinds", "serve.request_values", "serve.operator_auth", "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.config_flags", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "serve.request_tracker",
-                      "serve.error_kinds", "policy"},
+                      "serve.error_kinds", "serve.operator_auth", "policy"},
     # builder.step_costs (make build-engines' second step) times the layers as an engine's layer bank serves them
     "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config",
                 "serve.config_flags"},

@@ -128,3 +128,60 @@ def test_a_client_cannot_cancel_others_or_yield_memory_and_the_operator_can(serv
              and metric(server, "morphserve_memory_reclaims_total") >= 1, "the reclaim")
     refused = post_control(server.operator_port, "memory_yield", {"size": "lots"})
     assert refused["status"] == "error" and "must be a size" in refused["message"]
+
+
+KEY = "operator-e2e-key-5b1d"
+
+
+@pytest.mark.slow
+def test_with_the_operator_key_memory_is_released_and_resumed(tmp_path, monkeypatch) -> None:
+    """trtllm-serve's memory endpoints on the operator port, with the key in the server's environment: unsigned or
+    wrongly signed requests get 401 and change nothing; signed, release parks the engine (admission refused, layers
+    quantized and their bytes given back), a release of a tag that does not map is refused by name, resume brings
+    full precision back and the next answer equals the one before."""
+    from serve.operator_auth import ENV_KEY
+    from serve.triton.operator_port import operator_request
+
+    monkeypatch.setenv(ENV_KEY, KEY)
+    with running_server(PARAMS, tmp_path) as srv:
+        port = srv.operator_port
+        body = {"text_input": "The capital of France is", "max_tokens": 24}
+        status, before = http(srv, body)
+        assert status == 200
+
+        def stats() -> dict[str, Any]:
+            return post_control(port, "state", key=KEY)["stats"]
+
+        start = stats()
+        for method, path, payload in [("POST", "/release_memory", {"tags": ["model_weights"]}),
+                                      ("GET", "/memory_status", None), ("POST", "/engine/control/memory_yield",
+                                                                         {"size": "1MiB"})]:
+            for key in (None, "not-the-key"):
+                status, answer = operator_request(port, method, path, payload, key=key)
+                assert status == 401 and "detail" in answer and KEY not in json.dumps(answer), (path, answer)
+        after_refusals = stats()
+        assert after_refusals["memory_yielded_bytes"] == 0 and not sum(after_refusals["layers_quantized"].values())
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200, {"state": "running", "parked_tags": []})
+
+        status, answer = operator_request(port, "POST", "/release_memory", {"tags": ["model_weights", "kv_cache"]},
+                                          key=KEY, timeout=300)
+        assert (status, answer) == (200, {"status": "success"})
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (
+            200, {"state": "parked", "parked_tags": ["kv_cache", "model_weights"]})
+        parked = stats()
+        assert parked["memory_yielded_bytes"] > 0 and sum(parked["layers_quantized"].values()) > 0
+        assert parked["memory_held_bytes"] < start["memory_held_bytes"]
+        status, refused = http(srv, body)
+        assert status == 503 and "resume" in refused, refused
+        assert operator_request(port, "POST", "/release_memory", {"tags": ["model_weights"]}, key=KEY) == (
+            200, {"status": "success"})  # already parked: nothing more to do
+        status, answer = operator_request(port, "POST", "/release_memory", {"tags": ["sampler"]}, key=KEY)
+        assert status == 400 and "sampler" in answer["error"]["message"]
+
+        status, answer = operator_request(port, "POST", "/resume_memory", None, key=KEY, timeout=300)
+        assert (status, answer) == (200, {"status": "success"})
+        resumed = stats()
+        assert resumed["memory_yielded_bytes"] == 0 and not sum(resumed["layers_quantized"].values())
+        assert resumed["memory_held_bytes"] == start["memory_held_bytes"]
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200, {"state": "running", "parked_tags": []})
+        assert http(srv, body) == (200, before)

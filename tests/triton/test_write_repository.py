@@ -1,10 +1,11 @@
 """``python -m serve.triton --write-repository DIR``: a self-contained model repository that a Triton
 deployment copies. The test writes it outside the checkout, installs the package (pip, from a copy of the
 sources) into a fresh environment outside the checkout, starts tritonserver on the written copy from a
-working directory outside the checkout, and serves requests under all three model names."""
+working directory outside the checkout, and serves requests under all four model names."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -17,7 +18,9 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
+from serve.config import EngineConfig  # noqa: E402
 from serve.triton.__main__ import main  # noqa: E402
+from serve.triton.llmapi_config import parse_model_yaml  # noqa: E402
 from serve.triton.repository import SERVED_MODELS, read_config_parameters, write_repository  # noqa: E402
 from serve.triton.install import TritonLaunchError  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
@@ -72,14 +75,22 @@ def test_written_repository_serves_outside_the_checkout(tmp_path: Path, capsys: 
     bin_dir = _installed_env(tmp_path)
     srv = TritonServer(repo, python_bin_dir=bin_dir, cwd=tmp_path, log_path=tmp_path / "server.log",
                        workdir=tmp_path / "work")
-    assert srv.also_load == ["ensemble", "tensorrt_llm_bls"]
+    assert srv.also_load == ["tensorrt_llm", "ensemble", "tensorrt_llm_bls"]
+    written = parse_model_yaml((repo / "tensorrt_llm" / "1" / "model.yaml").read_text(),
+                               tuple(f.name for f in dataclasses.fields(EngineConfig)))
+    assert written.engine["morph_mode"] == "default" and written.engine["policy_overrides"] == {"kv_high": 0.7}
+    assert written.engine["max_model_len"] == 256 and written.front.decoupled
+    assert params["llmapi_config"] == "../tensorrt_llm/1/model.yaml"
     srv.start()
     try:
         srv.wait_ready(timeout=300)
         answers = {}
         for model in SERVED_MODELS:
-            body = json.dumps({"text_input": "The capital of France is", "max_tokens": 6,
-                               **({"exclude_input_in_output": True} if model != "morphserve" else {})}).encode()
+            if model == "tensorrt_llm":  # the LLM-API model's names
+                fields = {"sampling_param_max_tokens": 6, "sampling_param_exclude_input_from_output": True}
+            else:
+                fields = {"max_tokens": 6, **({"exclude_input_in_output": True} if model != "morphserve" else {})}
+            body = json.dumps({"text_input": "The capital of France is", **fields}).encode()
             req = urllib.request.Request(f"http://{srv.http_url}/v2/models/{model}/generate", data=body, method="POST")
             with urllib.request.urlopen(req, timeout=120) as r:
                 answers[model] = json.loads(r.read())["text_output"]

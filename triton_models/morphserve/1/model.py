@@ -47,9 +47,12 @@ if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkou
 from serve.engine.errors import error_kind, retry_after_of  # noqa: E402 - light (no torch)
 from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
+from serve.operator_auth import from_env  # noqa: E402
 from serve.request_tracker import OVERLOADED, RequestTracker, TrackedRequest  # noqa: E402
 from serve.triton.controls import cancel_target, door_arrival  # noqa: E402
 from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
+from serve.triton.llmapi import perf_metric_arrays  # noqa: E402
+from serve.triton.llmapi_config import ModelYamlError, parse_model_yaml  # noqa: E402
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
 from serve.triton.operator_port import OperatorPort  # noqa: E402
@@ -80,6 +83,8 @@ class _InFlight:
     sent_logprobs: int = 0      # streaming: log-probabilities already sent
     logprobs: list[float] | None = None  # return_log_probs: every generated token's log-probability
     abort_sent: bool = False    # the engine was asked to abort it (its final output is on its way)
+    perf_metrics: bool = False  # return_perf_metrics: every response carries its perf metrics
+    stop_reason: bool = False   # return_stop_reason: the final response carries stop_reason
 
 
 def _input_array(request: Any, name: str) -> np.ndarray | None:
@@ -88,8 +93,9 @@ def _input_array(request: Any, name: str) -> np.ndarray | None:
 
 
 def _response(text: str, num_input: int, num_output: int, finish_reason: str,
-              logprobs: tuple[list[float], float] | None = None) -> Any:
-    """One response; ``logprobs`` = (this response's tokens' log-probabilities, cumulative sum)."""
+              logprobs: tuple[list[float], float] | None = None, out: Any = None, inflight: _InFlight | None = None) -> Any:
+    """One response; ``logprobs`` = (this response's tokens' log-probabilities, cumulative sum); ``out`` (the
+    engine's RequestOutput) and ``inflight`` give the stop reason and perf metrics when the request asked."""
     tensors = [
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("num_input_tokens", np.array([num_input], dtype=np.int32)),
@@ -99,6 +105,12 @@ def _response(text: str, num_input: int, num_output: int, finish_reason: str,
     if logprobs is not None:
         tensors.append(pb_utils.Tensor("output_log_probs", np.array(logprobs[0], dtype=np.float32)))
         tensors.append(pb_utils.Tensor("cum_log_probs", np.array([logprobs[1]], dtype=np.float32)))
+    if inflight is not None and out is not None:
+        if inflight.stop_reason and out.finished:
+            reason = "None" if out.stop_reason is None else str(out.stop_reason)
+            tensors.append(pb_utils.Tensor("stop_reason", np.array([reason.encode("utf-8")], dtype=np.object_)))
+        if inflight.perf_metrics and out.metrics is not None:
+            tensors += [pb_utils.Tensor(n, a) for n, a in perf_metric_arrays(out.metrics, out.finished).items()]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -146,6 +158,7 @@ class TritonPythonModel:
         self._RequestSLO = RequestSLO
         try:  # a bad parameter (a policy key, a size) fails the load with its name, before the model loads
             kwargs, ignored = engine_config_kwargs(params, EngineConfig, REPO_ROOT)
+            kwargs.update(self._llmapi_engine_settings(params.get("llmapi_config", ""), args, EngineConfig))
             config = EngineConfig(**kwargs)
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"invalid model parameter: {exc}") from None
@@ -174,10 +187,35 @@ class TritonPythonModel:
         self._metrics_thread.start()
         self.operator: OperatorPort | None = None
         if server.operator_port:
-            try:
-                self.operator = OperatorPort(server.operator_port, self._control).start()
+            try:  # with the operator key every control must be signed; without it, loopback only (else ValueError)
+                self.operator = OperatorPort(server.operator_port, self._control, from_env(),
+                                             server.operator_host).start()
             except OSError as exc:  # the model serves; only the operator's controls are out of reach
                 log.error("operator_port_unavailable", port=server.operator_port, error=str(exc))
+            except ValueError as exc:
+                raise pb_utils.TritonModelException(str(exc)) from None
+
+    @staticmethod
+    def _llmapi_engine_settings(path: str, args: dict[str, str], config_cls: type) -> dict[str, Any]:
+        """The engine settings of the LLM-API model's model.yaml (parameter ``llmapi_config``, relative to this
+        model's directory), which win over config.pbtxt's; {} when none is named. ValueError names a bad key."""
+        if not path:
+            return {}
+        yaml_path = Path(args.get("model_repository", ".")) / path
+        try:
+            engine = parse_model_yaml(yaml_path.read_text(), tuple(f.name for f in dataclasses.fields(config_cls))).engine
+        except OSError as exc:
+            raise ValueError(f"llmapi_config {yaml_path}: {exc.strerror or exc}") from None
+        except ModelYamlError as exc:
+            raise ValueError(f"{yaml_path}: {exc}") from None
+        if "model" in engine:
+            model = Path(str(engine["model"])).expanduser()
+            for base in (yaml_path.parent, REPO_ROOT):  # a relative path: to model.yaml's folder, then the checkout
+                if not model.is_absolute() and (base / model).exists():
+                    engine["model"] = str((base / model).resolve())
+                    break
+        log.info("llmapi_config_read", path=str(yaml_path), settings=sorted(engine))
+        return engine
 
     # ---- execute -------------------------------------------------------------------------------
     def execute(self, requests: list[Any]) -> None:
@@ -219,6 +257,7 @@ class TritonPythonModel:
             inflight.prefix = parsed.prompt  # TensorRT-LLM: the answer repeats the prompt unless excluded
         if parsed.return_log_probs:
             inflight.logprobs = []
+        inflight.perf_metrics, inflight.stop_reason = parsed.perf_metrics, parsed.stop_reason
         with self._lock:
             self._inflight[request_id] = inflight
         try:  # the engine decides admission (draining, shedding, its queue bound) and the deadlines
@@ -339,7 +378,7 @@ class TritonPythonModel:
                                                              float(sum(inflight.logprobs)))
                 inflight.sent_logprobs = len(inflight.logprobs or ())
                 inflight.sender.send(_response(out.new_text, out.num_prompt_tokens, out.num_output_tokens,
-                                               reason if out.finished else "", lp),
+                                               reason if out.finished else "", lp, out, inflight),
                                      flags=FINAL if out.finished else 0)
         else:
             if out.new_text:
@@ -347,7 +386,7 @@ class TritonPythonModel:
             if out.finished:
                 lp = None if inflight.logprobs is None else (inflight.logprobs, float(sum(inflight.logprobs)))
                 inflight.sender.send(_response(inflight.prefix + "".join(inflight.parts), out.num_prompt_tokens,
-                                               out.num_output_tokens, reason, lp), flags=FINAL)
+                                               out.num_output_tokens, reason, lp, out, inflight), flags=FINAL)
         if out.finished:
             self._finished(inflight)
 
