@@ -178,3 +178,21 @@ def test_morph_state_control_and_published_capacity(cluster) -> None:
     assert state["published"]["kv_total_blocks"] == 64
     assert worker_metric(worker, "dynamo_component_total_blocks") == 64
     assert worker_metric(worker, "morphserve_kv_blocks_total") == 64
+
+
+def test_per_request_metrics_in_nvext_and_cached_tokens(client) -> None:
+    """Dynamo's nvext fields a worker fills: ``engine_data`` (the request's perf metrics under TensorRT-LLM's names)
+    and ``stop_reason``, on request (``nvext.extra_fields``); a repeated prompt's blocks served from the prefix cache
+    show as usage.prompt_tokens_details.cached_tokens, equal to the reused blocks times the block size."""
+    prompt = "The history of the city begins with a small settlement by the river. " * 4
+    body = {"nvext": {"extra_fields": ["engine_data", "stop_reason"]}}
+    first = client.completions.create(model="morphserve", prompt=prompt, max_tokens=4, temperature=0, extra_body=body)
+    second = client.completions.create(model="morphserve", prompt=prompt, max_tokens=4, temperature=0, extra_body=body)
+    data = second.model_extra["nvext"]["engine_data"]
+    assert data["kv_cache_reused_block"] > 0 and first.model_extra["nvext"]["engine_data"]["kv_cache_reused_block"] == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == data["kv_cache_reused_block"] * 16
+    assert 0 < data["arrival_time_ns"] <= data["first_token_time_ns"] <= data["last_token_time_ns"]
+    stopped = client.completions.create(model="morphserve", prompt="Count: one, two, three,", max_tokens=30,
+                                        temperature=0, stop=[","], extra_body=body)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.model_extra["nvext"].get("stop_reason") == ",", stopped.model_extra
