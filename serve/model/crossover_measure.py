@@ -30,7 +30,8 @@ from serve.model import crossovers, kernels
 from serve.model.crossovers import DEFAULTS, KernelCrossovers
 from serve.model.linear import DenseLinear, onednn_available, onednn_linear
 from serve.model.llama import LlamaModel
-from serve.model.step_costs import cache_dir, device_name, machine_key, read_entry, store_entry
+from policy.measurement import BAND, Verdict, judge
+from serve.model.step_costs import cache_dir, checked, device_name, machine_key, read_entry, store_entry
 
 CROSSOVERS_FILE = "kernel_crossovers.json"
 PLAIN_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -196,6 +197,26 @@ def find_entry(model: LlamaModel, engine_dir: Path | None) -> tuple[dict[str, An
 def lookup(model: LlamaModel, engine_dir: Path | None) -> KernelCrossovers | None:
     hit = find_entry(model, engine_dir)
     return hit[1] if hit is not None else None
+
+
+def measure_trusted(model: LlamaModel, repeats: int = 5, attempts: int = 1, pause_s: float = 0.0,
+                    on_attempt: Callable[[int, Verdict], None] | None = None
+                    ) -> tuple[KernelCrossovers, dict[str, Any], Verdict]:
+    """:func:`measure` under the conditions check of policy/measurement.py (the host's load, a reference kernel's
+    drift; each choice keeps the fastest of its repeats, so no spread), again while the host is busy, at most
+    ``attempts`` times: the last result, its entry (conditions recorded) and its verdict."""
+    for attempt in range(1, attempts + 1):
+        (found, timings), conditions = checked(lambda: measure(model, repeats), model.device, model.dtype,
+                                               lambda _: 0.0)
+        verdict = judge(conditions)
+        if on_attempt is not None:
+            on_attempt(attempt, verdict)
+        if verdict.trusted or attempt == attempts:
+            entry = {**entry_for(model, found, timings), "conditions": conditions.as_dict(),
+                     "trusted": verdict.trusted, "band": BAND, "verdict": verdict.why()}
+            return found, entry, verdict
+        time.sleep(pause_s)
+    raise AssertionError("unreachable")
 
 
 def entry_for(model: LlamaModel, found: KernelCrossovers, timings: Mapping[str, Any]) -> dict[str, Any]:

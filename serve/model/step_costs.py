@@ -7,6 +7,11 @@ very layer objects the engine serves (fused as the engine fuses them), precision
 repetition so a noisy neighbour hits them alike; the fastest repetition is kept (as timeit advises: slower
 ones measure the neighbours, not the kernel).
 
+Every measurement records the conditions it ran under (other processes' CPU time, steal, the repeats' spread, a
+reference kernel before and after; :func:`measure_checked`), and policy/measurement.py judges them: a table measured
+while the host was busy is measured again (:func:`measure_trusted`) and, if the host stays busy, never stored as
+this machine's. The stored table carries its conditions and the band it is trusted to (``meta``).
+
 Cache: ``step_costs.json`` beside an engine directory's manifest (written by ``make build-engines``) and a
 per-user cache (``$MORPHSERVE_CACHE_DIR`` or ``~/.cache/morphserve``), both keyed by the machine: device
 name and instruction set, torch version, threads, dtype, layer shape and a fingerprint of the kernel
@@ -27,9 +32,11 @@ from typing import Any
 import torch
 
 from policy.costs import StepCosts
+from policy.measurement import BAND, Conditions, Verdict, judge
 from serve.model import kernels as qkernels
 from serve.model.linear import LinearOp
 from serve.model.llama import DecoderLayer
+from serve.process.host_load import HostLoad
 
 DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
 PREFILL_CHUNKS: tuple[int, ...] = (128, 512)
@@ -135,7 +142,69 @@ def measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: to
     return StepCosts(device=device_name(device), token_counts=tuple(token_counts),
                      layer_s={p: tuple(med[p, n] for n in token_counts) for p in layers},
                      rest_s=tuple(med["rest", n] for n in token_counts) if head is not None else (),
-                     meta={"repeats": repeats, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                     meta={"repeats": repeats, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "spread": spread(samples.values())})
+
+
+def spread(samples: Any) -> float:
+    """How much repeats disagree: the median over cells of (median / fastest - 1)."""
+    ratios = sorted(sorted(v)[len(v) // 2] / min(v) - 1 for v in samples if v and min(v) > 0)
+    return ratios[len(ratios) // 2] if ratios else 0.0
+
+
+@torch.inference_mode()
+def reference_time(device: torch.device, dtype: torch.dtype, repeats: int = 7) -> float:
+    """The fastest of ``repeats`` runs of a fixed reference kernel (a 16-row matmul over 1024 x 1024 weights):
+    timed before and after a measurement, it says whether the machine changed speed meanwhile."""
+    x = torch.randn(16, 1024, device=device, dtype=dtype)
+    w = torch.randn(1024, 1024, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(8):
+            torch.mm(x, w)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def checked(run: Callable[[], Any], device: torch.device, dtype: torch.dtype,
+            spread_of: Callable[[Any], float]) -> tuple[Any, Conditions]:
+    """``run()``'s result and the conditions it ran under (policy/measurement.py): the host's load, the
+    repeats' spread (``spread_of(result)``), the reference kernel's drift across it."""
+    before = reference_time(device, dtype)
+    with HostLoad() as load:
+        result = run()
+    after = reference_time(device, dtype)
+    return result, Conditions(load.other_share, load.steal_share, spread_of(result), abs(after / before - 1),
+                              load.known)
+
+
+def measure_checked(*args: Any, **kwargs: Any) -> tuple[StepCosts, Conditions, Verdict]:
+    """:func:`measure`, with the conditions it ran under and their verdict; both recorded in the table's meta."""
+    layers, shape, device, dtype = args[:4]
+    costs, conditions = checked(lambda: measure(*args, **kwargs), device, dtype, lambda c: c.meta["spread"])
+    verdict = judge(conditions)
+    meta = {**costs.meta, "conditions": conditions.as_dict(), "trusted": verdict.trusted, "band": BAND,
+            "verdict": verdict.why()}
+    return StepCosts(costs.device, costs.token_counts, costs.layer_s, costs.rest_s, meta), conditions, verdict
+
+
+def measure_trusted(*args: Any, attempts: int = 3, pause_s: float = 10.0,
+                    on_attempt: Callable[[int, Verdict], None] | None = None,
+                    **kwargs: Any) -> tuple[StepCosts, Verdict]:
+    """:func:`measure_checked` until the verdict trusts the table, at most ``attempts`` times with ``pause_s``
+    between (the neighbour may finish); the last table and its verdict either way (the caller stores only a
+    trusted one)."""
+    for attempt in range(1, attempts + 1):
+        costs, _, verdict = measure_checked(*args, **kwargs)
+        if on_attempt is not None:
+            on_attempt(attempt, verdict)
+        if verdict.trusted or attempt == attempts:
+            return costs, verdict
+        time.sleep(pause_s)
+    raise AssertionError("unreachable")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -212,7 +281,9 @@ def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], de
         found = lookup(path, key, precisions)
         if found is not None:
             return found, str(path)
-    costs = measure(layers, shape, device, dtype, head=head, repeats=repeats)
+    costs, _, verdict = measure_checked(layers, shape, device, dtype, head=head, repeats=repeats)
+    if not verdict.trusted:  # used by this engine, never stored as this machine's
+        return costs, f"measured at start on a busy host, not cached ({verdict.why()})"
     try:
         store(cache_path(), key, costs)
     except OSError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 from builder import step_costs as cli
+from policy.measurement import Verdict
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.model import crossover_measure as cm
@@ -22,6 +23,9 @@ def test_build_step_costs_into_the_engine_dir_and_the_engine_reads_them(built, t
     eng = tmp_path / "eng"
     shutil.copytree(built.path, eng)
     monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    quiet = lambda c: Verdict(True, ())  # noqa: E731 - the host's load is the verdict's input; not this test's subject
+    monkeypatch.setattr(sc, "judge", quiet)
+    monkeypatch.setattr(cm, "judge", quiet)
     assert cli.main(["--model", str(eng), "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "| full |" in out and "| int4 |" in out and "| int8 |" in out
@@ -61,14 +65,17 @@ def test_step_costs_are_timed_under_the_measured_crossovers_with_the_head_a_step
     chosen = crossovers.KernelCrossovers(fp32_kernel_max_rows=7, blocked_kernel_max_rows=5, int8_head_max_rows=3,
                                          source="measured (test)")
     monkeypatch.setattr(cm, "measure", lambda model, repeats=5: (chosen, {"measured": "now", "repeats": repeats}))
+    quiet = lambda c: Verdict(True, ())  # noqa: E731 - the host's load is the verdict's input; not this test's subject
+    monkeypatch.setattr(sc, "judge", quiet)
+    monkeypatch.setattr(cm, "judge", quiet)
     seen = {}
-    real = cli.measure
+    real = sc.measure
 
     def spy(layers, shape, device, dtype, head=None, repeats=7):
         seen["crossovers"], seen["head"] = crossovers.current(), head
         return real(layers, shape, device, dtype, head=head, repeats=1)
 
-    monkeypatch.setattr(cli, "measure", spy)
+    monkeypatch.setattr(sc, "measure", spy)
     try:
         assert cli.main(["--model", str(eng), "--repeats", "1", "--force"]) == 0
     finally:

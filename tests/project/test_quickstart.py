@@ -49,7 +49,8 @@ def test_the_quickstart_documents_make_serve_and_the_stop_it_uses() -> None:
     make_serve = re.search(r"^serve:[^\n]*\n\t([^\n]+)", (REPO / "Makefile").read_text(), re.M)
     assert make_serve and "-m serve.triton --engine-dir" in make_serve.group(1)  # what the test below starts
     path, body = readme_generate_request()
-    assert path == "/v2/models/morphserve/generate" and body["text_input"] and body["max_tokens"] > 0
+    # the first request is Triton's LLM guide's: TensorRT-LLM's LLM-API model under its upstream name
+    assert path == "/v2/models/tensorrt_llm/generate" and body["text_input"] and body["sampling_param_max_tokens"] > 0
 
 
 def test_quickstart_start_one_generate_stop() -> None:
