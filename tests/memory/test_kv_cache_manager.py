@@ -20,7 +20,7 @@ from serve.engine.scheduler import Scheduler
 from serve.engine.sequence import SequenceStatus
 from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.memory.block_pool import BlockPool
-from serve.memory.kv_cache_manager import KVCacheManager
+from serve.memory.kv_cache_manager import KVBlockCounts, KVCacheManager
 from tests.morph_support import morph
 
 
@@ -33,6 +33,7 @@ class Req:
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     hash_root: bytes | None = None
+    kv_counts: KVBlockCounts = field(default_factory=KVBlockCounts)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +68,9 @@ def test_a_starting_request_takes_the_cached_prefix_then_new_blocks_with_exact_i
     assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 11
     assert pool._refs == {0: 2, 1: 2, 2: 1, 3: 1}
     assert (kv.prefix_queried_tokens, kv.prefix_hit_tokens) == (21, 8)
+    # per request (TensorRT-LLM's per-request KV metrics): a reused nothing of its 3 prompt blocks, b 2 of its 3
+    assert a.kv_counts == KVBlockCounts(reused=0, missed=3, new=3)
+    assert b.kv_counts == KVBlockCounts(reused=2, missed=1, new=1)
     c = Req(list(range(10, 18)))                      # exactly a's 2 blocks: the last token is still computed
     assert kv.get_computed_blocks(c) == [0]
     kv.free(a)
