@@ -93,6 +93,13 @@ class MorphController:
         self._calm_since: float | None = None
         self.yield_rule = YieldRule(config, order)
 
+    def use_costs(self, costs: StepCosts) -> None:
+        """A corrected step-cost table (policy/cost_drift.py): the cost rule weighs it from the next decision on,
+        and the cost-ranked ladder is ranked again."""
+        if self.config.cost_aware:
+            self.costs = costs
+            self._ladder = None
+
     def ladder(self, t: Telemetry) -> tuple[str, ...]:
         """The rungs in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
         if self._ladder is None:

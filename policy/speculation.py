@@ -161,6 +161,13 @@ class SpeculationController:
         self.on = False
         self.since_draft = 0
 
+    def use_costs(self, costs: StepCosts) -> None:
+        """A corrected step-cost table (policy/cost_drift.py); the learned corrections are relative to the old one
+        and start again."""
+        self.costs = costs
+        self.est.correction.clear()
+        self.est.ratios.clear()
+
     # ---- feedback ------------------------------------------------------------------------------------
     def observe_acceptance(self, rung: str, drafted: int, accepted: int) -> None:
         """A verification: ``accepted`` of ``drafted`` draft tokens agreed (each token one weighted sample)."""

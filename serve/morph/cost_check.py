@@ -1,0 +1,121 @@
+"""A serving engine's check of its step-cost table against its own machine, and the correction (policy/cost_drift.py).
+
+Now and then (after ``first`` steps, then every ``every`` steps) the check times a probe: the full-precision layer's
+linears at 1 and 8 tokens, three repeats, a few milliseconds, under the conditions check of
+policy/measurement.py. The rule compares it with the table; when quiet probes say the table is off, the whole
+table is measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
+speculation controller take it), written back to the per-machine cache, and the kernel crossovers are measured
+again and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
+
+``remeasure()`` does the correction at once (the operator's ``remeasure_costs`` control).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policy import FULL, StepCosts
+from policy.cost_drift import DriftDecision, DriftRule
+from serve.logging_setup import get_logger
+from serve.model import crossover_measure, crossovers
+from serve.model.llama import DecoderLayer, LlamaModel
+from serve.model.step_costs import cache_path, machine_key, measure_checked, store
+
+log = get_logger("morphserve.cost_check")
+
+PROBE_TOKENS = (1, 8)
+
+
+@dataclass
+class CostCheckStats:
+    probes: int = 0
+    corrections: int = 0
+    last_reason: str = ""
+    table_source: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"probes": self.probes, "corrections": self.corrections, "last_reason": self.last_reason,
+                "table_source": self.table_source}
+
+
+class CostCheck:
+    def __init__(self, model: LlamaModel, layers: Mapping[str, DecoderLayer], shape: tuple[int, int, int],
+                 head: Callable[[torch.Tensor], torch.Tensor], costs: StepCosts, source: str,
+                 on_correct: Callable[[StepCosts], None], first: int = 16, every: int = 256,
+                 rule: DriftRule | None = None) -> None:
+        self.model, self.layers, self.shape, self.head = model, dict(layers), shape, head
+        self.costs = costs
+        self.on_correct = on_correct
+        self.first, self.every = first, every
+        self.rule = rule or DriftRule()
+        self.stats = CostCheckStats(table_source=source)
+        self._steps = 0
+
+    def on_step(self) -> None:
+        """After a serving step: probe when one is due (the first after ``first`` steps, then every ``every``)."""
+        self._steps += 1
+        due = self._steps == self.first or (self._steps > self.first and (self._steps - self.first) % self.every == 0)
+        if due:
+            self.check()
+
+    def check(self) -> DriftDecision:
+        """One probe and the rule's decision; a correction when it says so."""
+        model = self.model
+        probe, _, verdict = measure_checked({FULL: self.layers[FULL]}, self.shape, model.device, model.dtype,
+                                            token_counts=PROBE_TOKENS, repeats=3)
+        self.stats.probes += 1
+        ratios = {n: probe.layer_cost_s(FULL, n) / self.costs.layer_cost_s(FULL, n) for n in PROBE_TOKENS}
+        decision = self.rule.observe(ratios, verdict.trusted, verdict.why())
+        log.info("step_costs_probe", correct=decision.correct, reason=decision.reason,
+                 ratios={n: round(r, 3) for n, r in ratios.items()})
+        self.stats.last_reason = decision.reason
+        if decision.correct:
+            self.remeasure(decision.reason)
+        return decision
+
+    def remeasure(self, why: str = "asked by the operator") -> dict[str, Any]:
+        """Measure the table and the kernel crossovers again; use and cache what was measured quietly."""
+        model = self.model
+        t0 = time.perf_counter()
+        costs, conditions, verdict = measure_checked(self.layers, self.shape, model.device, model.dtype,
+                                                     head=self.head, repeats=3)
+        answer: dict[str, Any] = {"why": why, "trusted": verdict.trusted, "verdict": verdict.why(),
+                                  "conditions": conditions.as_dict()}
+        if not verdict.trusted:
+            log.warning("step_costs_not_corrected", why=why, verdict=verdict.why())
+            return answer
+        old = self.costs
+        self.costs = costs
+        self.on_correct(costs)
+        self.stats.corrections += 1
+        self.stats.table_source = f"measured while serving ({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})"
+        try:
+            store(cache_path(), machine_key(model.device, model.dtype, self.shape), costs)
+        except OSError as exc:
+            answer["cache"] = f"not written: {exc}"
+        answer["crossovers"] = self._crossovers()
+        answer["full_ratio"] = {n: round(costs.layer_cost_s(FULL, n) / old.layer_cost_s(FULL, n), 3)
+                                for n in costs.token_counts}
+        log.warning("step_costs_corrected", why=why, seconds=round(time.perf_counter() - t0, 3),
+                    new_over_old=answer["full_ratio"], crossovers=answer["crossovers"])
+        return answer
+
+    def _crossovers(self) -> dict[str, Any]:
+        """The kernel crossovers measured again (fp32 CPU models only); made current and cached when quiet."""
+        model = self.model
+        if model.device.type != "cpu" or model.dtype != torch.float32:
+            return {"note": "no kernel crossovers on this device"}
+        found, entry, verdict = crossover_measure.measure_trusted(model, repeats=3)
+        if not verdict.trusted:
+            return {"trusted": False, "verdict": verdict.why(), "kept": crossovers.current().values()}
+        crossovers.use(found)
+        try:
+            crossover_measure.store(model, None, entry)
+        except OSError:
+            pass
+        return {"trusted": True, "values": found.values()}
