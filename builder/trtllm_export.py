@@ -1,4 +1,7 @@
-"""TensorRT-LLM checkpoints (modelopt export_tensorrt_llm_checkpoint) and the engine compile.
+"""Legacy TensorRT-LLM checkpoints (modelopt export_tensorrt_llm_checkpoint) and the engine compile: only with
+``python -m builder --legacy-trtllm``, for deployments that still run ``trtllm-build`` engines. Upstream deprecated
+that path (TensorRT-LLM's ``convert_checkpoint.py`` / ``trtllm-build``; modelopt's legacy export from 0.48, removed in
+0.49); the default build writes unified Hugging Face checkpoints instead (builder/hf_export.py).
 
 Three kinds, all under ``trtllm/`` of the engine directory:
 - ``trtllm/fp16/`` (``bf16/`` for a bf16 source): the full-precision model, the level-0 baseline;
@@ -39,16 +42,14 @@ the q/k/v variants' codes; o/gate/up/down and all int8 modules hold the runtime 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import json
 import shlex
 import shutil
-import struct
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 
 from builder import levels as lv
+from builder.hf_export import level_model, safetensors_header, safetensors_tensor_bytes
 from builder.quantize import token_batches_loop
 from builder.variants import captured_output
 from serve.logging_setup import get_logger
@@ -147,18 +149,6 @@ def source_dtype(source_path: Path, tensor_types: tuple[str, ...]) -> tuple[str,
     return "float16", f"no bf16 in the source (tensor types {stored}): float16"
 
 
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
-
-
-def safetensors_tensor_bytes(path: Path) -> int:
-    """Bytes of the tensors in a safetensors file (its header's data offsets; the header itself excluded)."""
-    return sum(t["data_offsets"][1] - t["data_offsets"][0]
-               for k, t in _safetensors_header(path).items() if k != "__metadata__")
-
-
 def _export(model: nn.Module, rel: str, root: Path, config: ModelConfig, dtype: str, what: str,
             check: Any = None) -> dict[str, Any]:
     """Export ``model`` into ``root/rel``; never raises. ``check(out_dir)`` post-processes and validates
@@ -212,25 +202,6 @@ def export_full(model: nn.Module, root: Path, config: ModelConfig, dtype: str) -
 # ------------------------------------------------------------------------------------------- levels
 
 
-@contextlib.contextmanager
-def level_model(full: nn.Module, quantized: Mapping[str, nn.Module],
-                layer_precisions: Mapping[int, str]) -> Iterator[nn.Module]:
-    """A model whose layer i is ``quantized[p]``'s layer i where ``layer_precisions[i] == p`` and the
-    full-precision model's layer i elsewhere: the first quantized precision's model with its decoder
-    ModuleList temporarily re-pointed (no copies; the layers are put back on exit)."""
-    base = quantized[next(iter(layer_precisions.values()))]
-    layers = base.model.layers
-    saved = list(layers)
-    try:
-        for i in range(len(layers)):
-            precision = layer_precisions.get(i)
-            layers[i] = (full if precision is None else quantized[precision]).model.layers[i]
-        yield base
-    finally:
-        for i, layer in enumerate(saved):
-            layers[i] = layer
-
-
 def _module_order(name: str) -> tuple[int, int]:
     parts = name.split(".")
     return int(parts[2]), list(lv.TRTLLM_LINEARS).index(".".join(parts[3:]))
@@ -247,7 +218,7 @@ def as_mixed_precision(out_dir: Path, expected: Mapping[str, str], group_size: i
         if not quant.get("quant_algo"):
             raise ValueError("modelopt exported no quantized layer")
         per_layer = {k: quant[k] for k in ("quant_algo", "group_size", "has_zero_point", "pre_quant_scale") if k in quant}
-        modules = sorted((k[: -len(".weights_scaling_factor")] for k in _safetensors_header(out_dir / "rank0.safetensors")
+        modules = sorted((k[: -len(".weights_scaling_factor")] for k in safetensors_header(out_dir / "rank0.safetensors")
                           if k.endswith(".weights_scaling_factor")), key=_module_order)
         qcfg = {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
                 "quantized_layers": {m: dict(per_layer) for m in modules}}
