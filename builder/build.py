@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from builder import defaults, hf_export, importance
+from builder.hf_export import source_dtype
 from builder import levels as lv
 from builder.calibration import CalibrationData, calibration_text, load_calibration, text_sha256
 from builder.errors import BuildError
@@ -34,7 +35,6 @@ from builder.trtllm_export import (
     export_levels,
     export_precision,
     fp8_w8a8_model,
-    source_dtype,
     trtllm_available,
 )
 from builder.summary import summary
@@ -318,11 +318,14 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
                                   "full": None}
     levels: dict[str, Any] = {"enabled": False, "entries": {}, "skipped": levels_left_out}
     if opts.hf_export:  # first: it copies the models, the legacy export re-smooths them in place
-        log.info("exporting_hf_full")
-        hf_section["full"] = hf_export.export_full(hf, stage)
+        dtype, dtype_reason = source_dtype(Path(source["path"]), loaded.source_tensor_types)
+        hf_section.update(dtype=dtype, dtype_reason=dtype_reason)
+        log.info("exporting_hf_full", dtype=dtype)
+        hf_section["full"] = hf_export.export_full(hf, stage, dtype)
         if level_names:
             levels = hf_export.export_levels(stage, hf, level_models, list(level_names), profile_json["order"], cfg,
-                                             opts.kv_block_size, hf_section["full"], levels_left_out, opts.progress)
+                                             dtype, opts.kv_block_size, hf_section["full"], levels_left_out,
+                                             opts.progress)
     trtllm = (_export_legacy(stage, hf, models, batches, cfg, source, loaded, level_names, levels_left_out,
                              profile_json["order"], group_size, opts.kv_block_size)
               if opts.legacy_trtllm else {"enabled": False})

@@ -23,13 +23,15 @@ What the export does to a level (so what a checkpoint holds against the runtime 
 fuses the projections that share an input before it packs them. For int4 AWQ that means q/k/v (and gate/up) get the
 average of their AWQ pre_quant_scales, their weights are re-smoothed and re-quantized with it, and that scale is
 folded into the RMSNorm before them (input_layernorm, post_attention_layernorm), so those projections hold no
-pre_quant_scale; o_proj and down_proj keep theirs and the variants' codes. int8 weight-only modules hold the
-variants' codes. :func:`in_memory_level` is that level in memory, the model the export receives after modelopt's
-own fusion step, as this engine runs it: the reference a served checkpoint must reproduce token for token.
+pre_quant_scale; o_proj and down_proj keep theirs. Every module is packed by modelopt's real quantization (``w /
+scale`` rounded), which in rare ties rounds apart from its fake quantization (``w * (max / amax)``, the rule the
+runtime variants follow), and from the checkpoint dtype's weights (below). :func:`exported_level` is the level as the
+export left it in memory, as this engine runs it: the reference a served checkpoint must reproduce token for token.
 
-Checkpoints store the build's float32 tensors (modelopt 0.47 writes an fp32 model's unquantized tensors as fp32
-whatever ``dtype`` it is given): a level holds exactly the values of the level in memory, and GPU engines cast to
-their compute dtype when they load it (docs/engines.md gives the flags).
+Checkpoints are in the source's half precision (:func:`source_dtype`: bfloat16 for a bf16 source, float16
+otherwise), the dtype the engines that load them compute in: modelopt 0.47 writes an fp32 model's unquantized tensors
+as fp32 whatever ``dtype`` it is given, so the level's copy is cast first (:func:`at_dtype`) and the export packs the
+quantized modules from the cast weights and calibration (the in-memory level is that same cast copy).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from torch import nn
 from tqdm import tqdm
 
 from builder import levels as lv
-from builder.quantize import extract_quantized_linear
+from builder.quantize import modelopt_format
 from builder.variants import captured_output
 from serve.logging_setup import get_logger
 from serve.model import engine_dir as ed
@@ -59,7 +61,8 @@ from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
-from serve.model.quantized_linear import QuantizedLinear, quant_format
+from serve.model.quantized_linear import QuantizedLinear
+from serve.model.quantized_linear.common import UnifiedTensors
 from serve.model.tokenizer import Tokenizer
 from serve.model.unified_checkpoint import MIXED_PRECISION, UnifiedQuantization, module_formats
 
@@ -67,12 +70,34 @@ log = get_logger("builder.hf")
 
 HF_FULL = f"{ed.HF_DIR}/full"
 HF_LEVELS = f"{ed.HF_DIR}/levels"
-CHECKPOINT_DTYPE = "float32"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = (ed.TOKENIZER, ed.TOKENIZER_CONFIG)
 WEIGHTS_FILE = "model.safetensors"
 
 
 # ------------------------------------------------------------------------------------ the level model
+
+
+def source_dtype(source_path: Path, tensor_types: tuple[str, ...]) -> tuple[str, str]:
+    """The checkpoint dtype: bfloat16 where the source is bf16 (a Hugging Face directory's declared dtype,
+    else its stored tensor types; a GGUF's tensor types), float16 otherwise. Returns (dtype, why)."""
+    config = source_path / "config.json" if source_path.is_dir() else None
+    if config is not None and config.is_file():
+        cfg = json.loads(config.read_text())
+        declared = cfg.get("torch_dtype") or cfg.get("dtype")
+        if declared in DTYPES:
+            return declared, f"config.json declares {declared}"
+    stored = ", ".join(tensor_types) or "unknown"
+    if "BF16" in tensor_types:
+        return "bfloat16", f"the source stores BF16 tensors ({stored})"
+    return "float16", f"no bf16 in the source (tensor types {stored}): float16"
+
+
+def at_dtype(model: nn.Module, dtype: str) -> nn.Module:
+    """``model`` (a private copy) cast to the checkpoint dtype, its config saying so: what the export writes it as."""
+    model.to(DTYPES[dtype])
+    model.config.dtype = DTYPES[dtype]
+    return model
 
 
 @contextlib.contextmanager
@@ -105,36 +130,37 @@ def unquantized_model(model: nn.Module) -> nn.Module:
         return mtq.quantize(copy.deepcopy(model), off, forward_loop=None)
 
 
-def level_copy(full: nn.Module, quantized: Mapping[str, nn.Module], layer_precisions: Mapping[int, str]) -> nn.Module:
-    """A private copy of the level model: the export packs the quantized modules it is given in place."""
+def level_copy(full: nn.Module, quantized: Mapping[str, nn.Module], layer_precisions: Mapping[int, str],
+               dtype: str) -> nn.Module:
+    """A private copy of the level model at the checkpoint dtype: the export packs the quantized modules it is
+    given in place."""
     with level_model(full, quantized, layer_precisions) as model:
-        return copy.deepcopy(model)
+        return at_dtype(copy.deepcopy(model), dtype)
 
 
-def fuse_for_export(model: nn.Module) -> None:
-    """modelopt's own first export step, in place: projections sharing an input get one AWQ pre_quant_scale
-    (re-smoothed, re-quantized) folded into the norm before them. ``export_hf_checkpoint`` runs it again (a no-op
-    the second time: the scales are equal and already folded)."""
-    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers  # noqa: PLC0415
-
-    with captured_output("modelopt_fuse_for_export"), torch.no_grad():
-        requantize_resmooth_fused_llm_layers(model)
-
-
-def in_memory_level(model: nn.Module, layer_precisions: Mapping[int, str], config: ModelConfig,
-                    tokenizer: Tokenizer, name: str) -> LoadedModel:
-    """The level as this engine runs it from memory: ``model`` (a :func:`level_copy`) after :func:`fuse_for_export`,
-    its quantized projections rebuilt from their calibrated quantizers by the format registry (the rule the runtime
-    variants in ``layers/`` come from), every other tensor as the model holds it (the folded norms included)."""
-    fuse_for_export(model)
+def exported_level(model: nn.Module, layer_precisions: Mapping[int, str], config: ModelConfig, tokenizer: Tokenizer,
+                   name: str) -> LoadedModel:
+    """The level built in memory, as this engine runs it: ``model`` (a :func:`level_copy`) as ``export_hf_checkpoint``
+    left it after writing it, in memory (q/k/v and gate/up re-smoothed and folded into the norms, each quantized
+    module packed by modelopt's quantization with its scales beside it). Each quantized projection's format comes
+    from its modelopt module (``get_quantization_format``, never from a config file), its tensors through the format
+    registry's reader; every other tensor as the model holds it."""
     modules = dict(model.named_modules())
     quantized: dict[int, dict[str, QuantizedLinear]] = {}
     formats: dict[str, str] = {}
-    for layer, precision in sorted(layer_precisions.items()):
+    for layer in sorted(layer_precisions):
         for proj in PROJECTIONS:
             key = projection_key(layer, proj)
-            quantized.setdefault(layer, {})[proj] = extract_quantized_linear(modules[key], precision)
-            formats[key] = quant_format(precision).trtllm.quant_algo
+            module = modules[key]
+            fmt = modelopt_format(module)
+            if fmt is None:
+                raise ValueError(f"{key}: not a quantized module of a format this engine runs")
+            tensors = {"weight": module.weight.detach(), "weight_scale": module.weight_scale}
+            pqs = getattr(module.input_quantizer, "_pre_quant_scale", None)
+            if pqs is not None:
+                tensors["pre_quant_scale"] = pqs
+            quantized.setdefault(layer, {})[proj] = fmt.from_unified(UnifiedTensors(key, tensors), {})
+            formats[key] = fmt.trtllm.quant_algo
     skip = {projection_key(layer, proj) + ".weight" for layer in layer_precisions for proj in PROJECTIONS}
     weights = {k: v.detach().float().clone() for k, v in model.named_parameters() if k not in skip}
     algos = set(formats.values())
@@ -199,19 +225,25 @@ def level_modules(layer_precisions: Mapping[int, str]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------- exporting
 
 
-def export_checkpoint(model: nn.Module, root: Path, rel: str, expected: Mapping[str, str]) -> dict[str, Any]:
+def write_checkpoint(model: nn.Module, out_dir: Path) -> None:
+    """modelopt's ``export_hf_checkpoint`` of ``model`` into ``out_dir``, quietly (it packs ``model`` in place)."""
+    from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # modelopt prints, transformers draws a shard bar on stderr; the builder draws its own
+    with captured_output("modelopt_export_hf"), contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+        export_hf_checkpoint(model, export_dir=out_dir)
+
+
+def export_checkpoint(model: nn.Module, root: Path, rel: str, expected: Mapping[str, str], dtype: str) -> dict[str, Any]:
     """``model`` into ``root/rel`` with modelopt's ``export_hf_checkpoint``, the engine directory's tokenizer files
     beside it, then :func:`check_checkpoint`; never raises. Returns the manifest record."""
-    from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
 
     out_dir = root / rel
     start = time.perf_counter()
-    record: dict[str, Any] = {"dir": rel, "dtype": CHECKPOINT_DTYPE}
+    record: dict[str, Any] = {"dir": rel, "dtype": dtype}
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # transformers' shard bar goes to stderr; the builder draws its own
-        with captured_output("modelopt_export_hf"), contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
-            export_hf_checkpoint(model, export_dir=out_dir)
+        write_checkpoint(model, out_dir)
         for name in TOKENIZER_FILES:
             shutil.copyfile(root / name, out_dir / name)
         record["quant_algo"] = check_checkpoint(out_dir, expected)
@@ -227,9 +259,9 @@ def export_checkpoint(model: nn.Module, root: Path, rel: str, expected: Mapping[
     return record
 
 
-def export_full(model: nn.Module, root: Path) -> dict[str, Any]:
-    """The unquantized model into ``root/hf/full/``; never raises."""
-    return export_checkpoint(model, root, HF_FULL, {})
+def export_full(model: nn.Module, root: Path, dtype: str) -> dict[str, Any]:
+    """The unquantized model into ``root/hf/full/``, at ``dtype``; never raises."""
+    return export_checkpoint(at_dtype(copy.deepcopy(model), dtype), root, HF_FULL, {}, dtype)
 
 
 def kv_budget(config: ModelConfig, dtype: str, block_size: int) -> dict[str, Any]:
@@ -247,14 +279,15 @@ def kv_budget(config: ModelConfig, dtype: str, block_size: int) -> dict[str, Any
 
 
 def export_levels(root: Path, full: nn.Module, quantized: Mapping[str, nn.Module | None], names: list[str],
-                  swap_order: list[int], config: ModelConfig, block_size: int, baseline: dict[str, Any] | None,
-                  skipped: list[dict[str, str]], progress: bool = False) -> dict[str, Any]:
+                  swap_order: list[int], config: ModelConfig, dtype: str, block_size: int,
+                  baseline: dict[str, Any] | None, skipped: list[dict[str, str]],
+                  progress: bool = False) -> dict[str, Any]:
     """One unified checkpoint per level into ``root/hf/levels/<level>/``; never raises.
 
     Returns the manifest's ``levels`` section: the budget assumption, the baseline (``hf/full``), and per level its
     segments and ``{layer: precision}``, the modes that reach it, the checkpoint record, and the bytes it frees
     against the baseline with the KV blocks they buy."""
-    budget = kv_budget(config, CHECKPOINT_DTYPE, block_size)
+    budget = kv_budget(config, dtype, block_size)
     full = unquantized_model(full) if names else full
     full_bytes = (baseline or {}).get("stored_bytes")
     entries: dict[str, Any] = {}
@@ -286,8 +319,9 @@ def export_levels(root: Path, full: nn.Module, quantized: Mapping[str, nn.Module
                          error=f"no modelopt model for {missing} (RTN fallback); nothing to export")
         else:
             log.info("exporting_hf_level", level=name, layers=len(layer_precisions))
-            model = level_copy(full, quantized, layer_precisions)  # type: ignore[arg-type]
-            entry.update(export_checkpoint(model, root, f"{HF_LEVELS}/{level.dirname}", level_modules(layer_precisions)))
+            model = level_copy(full, quantized, layer_precisions, dtype)  # type: ignore[arg-type]
+            entry.update(export_checkpoint(model, root, f"{HF_LEVELS}/{level.dirname}", level_modules(layer_precisions),
+                                           dtype))
             del model
             if entry["status"] == "exported" and full_bytes is not None:
                 entry["bytes_freed"] = full_bytes - entry["stored_bytes"]

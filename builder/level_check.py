@@ -3,12 +3,13 @@ with the same level built in memory (the round trip docs/engines.md reports).
 
     python -m builder.level_check --engine-dir engines/smollm2-135m [--levels int4@25,int4@50] [--json FILE]
 
-"The same level built in memory" (builder/hf_export.py ``in_memory_level``) is the model ``export_hf_checkpoint``
-receives, after modelopt's own fusion step, as this engine runs it: its quantized projections rebuilt from their
-calibrated quantizers by the format registry, every other tensor as the model holds it. The check rebuilds it the
-way the build did: the engine directory's source and calibration tokens, modelopt's calibration per precision, and
-it first checks that the rebuild reproduces the engine directory's runtime variants exactly (else the recalibration
-on this machine is not the build's, and the comparison would mean nothing). Then, per level:
+"The same level built in memory" (builder/hf_export.py ``exported_level``) is the level's modelopt model at the
+checkpoint dtype, the object ``export_hf_checkpoint`` receives, as the export leaves it in memory (fused, folded,
+packed), run by this engine: each quantized projection's format read off its modelopt module, never off a config
+file. The check rebuilds it the way the build did: the engine directory's source and calibration tokens, modelopt's
+calibration per precision, and it first checks that the rebuild reproduces the engine directory's runtime variants
+exactly (else the recalibration on this machine is not the build's, and the comparison would mean nothing); it
+exports that level again into a scratch directory, which leaves the model as the export holds it. Then, per level:
 
 - ``served``: this engine started on the level's directory (``--engine-dir hf/levels/<level>``, morph mode off);
 - ``in_memory``: the same engine on the in-memory level; the two must be equal token for token;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,8 +149,11 @@ def check_levels(root: Path, names: list[str] | None = None, prompts: tuple[str,
         plan = plans[name]
         if plan != lv.parse_level(name).layer_precisions(engine.swap_order):
             raise BuildError(f"{root}: level {name}'s layers in the manifest are not its plan over the swap order")
-        reference = hf_export.in_memory_level(hf_export.level_copy(full, models, plan), plan, source.config,
-                                              source.tokenizer, name)
+        model = hf_export.level_copy(full, models, plan, levels[name]["dtype"])
+        with tempfile.TemporaryDirectory(prefix="level-check-") as scratch:  # the export packs the copy in memory
+            hf_export.write_checkpoint(model, Path(scratch))
+        reference = hf_export.exported_level(model, plan, source.config, source.tokenizer, name)
+        del model
         in_memory = greedy(reference, prompts, max_tokens)
         directory = (level_dirs or {}).get(name, root / levels[name]["dir"])
         served, error = None, None

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from builder import levels as lv
-from builder.hf_export import level_model, safetensors_header, safetensors_tensor_bytes
+from builder.hf_export import DTYPES, level_model, safetensors_header, safetensors_tensor_bytes
 from builder.quantize import token_batches_loop
 from builder.variants import captured_output
 from serve.logging_setup import get_logger
@@ -73,7 +73,6 @@ LEVELS_SUBDIR = "trtllm/levels"
 MIXED_PRECISION = "MIXED_PRECISION"
 QUANT_ALGO_PRECISION = {REGISTRY[p].trtllm.quant_algo: p for p in lv.LEVEL_PRECISIONS}
 """TensorRT-LLM quant_algo of a level's quantized module -> our precision (the format registry's names)."""
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_DIRS = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -132,21 +131,6 @@ def _write_build_script(out_dir: Path, command: list[str], what: str, skipped_re
     path = out_dir / "build_commands.sh"
     path.write_text(script)
     path.chmod(0o755)
-
-
-def source_dtype(source_path: Path, tensor_types: tuple[str, ...]) -> tuple[str, str]:
-    """The checkpoint dtype: bfloat16 where the source is bf16 (a Hugging Face directory's declared dtype,
-    else its stored tensor types; a GGUF's tensor types), float16 otherwise. Returns (dtype, why)."""
-    config = source_path / "config.json" if source_path.is_dir() else None
-    if config is not None and config.is_file():
-        cfg = json.loads(config.read_text())
-        declared = cfg.get("torch_dtype") or cfg.get("dtype")
-        if declared in DTYPES:
-            return declared, f"config.json declares {declared}"
-    stored = ", ".join(tensor_types) or "unknown"
-    if "BF16" in tensor_types:
-        return "bfloat16", f"the source stores BF16 tensors ({stored})"
-    return "float16", f"no bf16 in the source (tensor types {stored}): float16"
 
 
 def _export(model: nn.Module, rel: str, root: Path, config: ModelConfig, dtype: str, what: str,

@@ -31,7 +31,7 @@ from builder import defaults
 from builder import levels as lv
 from builder.build import BuildOptions, build_engine, requested_params, resolve_levels
 from builder.errors import BuildError
-from builder.trtllm_export import source_dtype
+from builder.hf_export import source_dtype
 from policy.modes import MODES
 from serve.config import EngineConfig
 from serve.model import engine_dir as ed
