@@ -116,6 +116,23 @@ def test_default_build_writes_unified_checkpoints_and_no_legacy_trtllm(built) ->
     assert not any("TensorRT-LLM" in line for line in built.messages)
 
 
+def test_int4_variants_keep_their_awq_scale_when_modelopt_updates_its_own(tiny_model) -> None:
+    """modelopt's exports re-smooth fused projections by writing a new pre_quant_scale into the quantizer's buffer in
+    place; a runtime variant must keep the scale its codes were made with (the layer profile runs on the variants
+    after the exports)."""
+    from builder.variants import build_variants
+    from serve.model.hf_reference import hf_llama
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 250, (1, 32), generator=g) for _ in range(2)]
+    result = build_variants(hf_llama(tiny_model), "int4", batches, 32)
+    variant = result.layers[0]["k_proj"]
+    before = variant.pre_quant_scale.clone()
+    quantizer = result.quantized_model.model.layers[0].self_attn.k_proj.input_quantizer
+    quantizer.pre_quant_scale = quantizer.pre_quant_scale * 2  # modelopt's setter copies into its buffer
+    assert torch.equal(variant.pre_quant_scale, before)
+
+
 def test_load_engine_dir_round_trip(built, tiny_dir, tiny_model) -> None:
     engine = ed.load_engine_dir(built.path, verify_checksums=True)
     assert engine.config == load_model(str(tiny_dir)).config  # named after the source directory

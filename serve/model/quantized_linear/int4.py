@@ -300,7 +300,9 @@ def int4_from_calibration(cal: Calibration) -> Int4WeightOnly:
         q.reshape(n, k) + 8,
         _scale(amax, cal.max_bound),
         block,
-        pre_quant_scale=None if pqs is None else pqs.float().reshape(k),
+        # a copy: modelopt updates its quantizer's scale in place (its exports re-smooth fused projections), and a
+        # shared one would change this layer's activation scale under codes made for the old one
+        pre_quant_scale=None if pqs is None else pqs.detach().float().reshape(k).clone(),
     )
 
 
