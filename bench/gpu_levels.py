@@ -115,7 +115,9 @@ def level_section(engine_dir: Path | None, device: str, max_tokens: int = MAX_TO
         from serve.model.loader import load_model  # noqa: PLC0415
 
         dirs = checkpoint_dirs(root)
-        tokenizer = load_model(str(dirs["full"])).tokenizer
+        if not dirs:
+            raise ValueError(f"{root} holds no unified checkpoint (built with --no-hf-export?)")
+        tokenizer = load_model(str(next(iter(dirs.values())))).tokenizer
         ids = [tokenizer.encode(p) for p in PROMPTS]
         rows = []
         for name, directory in dirs.items():

@@ -288,31 +288,13 @@ def export_levels(root: Path, full: nn.Module, quantized: Mapping[str, nn.Module
     segments and ``{layer: precision}``, the modes that reach it, the checkpoint record, and the bytes it frees
     against the baseline with the KV blocks they buy."""
     budget = kv_budget(config, dtype, block_size)
-    full = unquantized_model(full) if names else full
     full_bytes = (baseline or {}).get("stored_bytes")
     entries: dict[str, Any] = {}
-    skipped = list(skipped)
-    seen: dict[tuple, str] = {}
-    for name in tqdm(names, desc="export levels (modelopt unified HF)", unit="level", disable=not progress):
-        level = lv.parse_level(name)
-        layer_precisions = level.layer_precisions(swap_order)
-        key = tuple(sorted(layer_precisions.items()))
-        empty = [str(s) for s in level.segments if lv.layers_at(s.percent, len(swap_order)) <= 0]
-        if not layer_precisions or empty:
-            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
-            continue
-        if key in seen:
-            skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
-            continue
-        seen[key] = name
-        entry: dict[str, Any] = {
-            "segments": [{"precision": s.precision, "percent": int(s.percent) if s.percent.is_integer() else s.percent,
-                          "layers": [l for l, p in layer_precisions.items() if p == s.precision]}
-                         for s in level.segments],
-            "layers": {str(l): p for l, p in layer_precisions.items()},
-            "num_quantized": len(layer_precisions),
-            "reached_by_modes": lv.reaching_modes(layer_precisions, swap_order),
-        }
+    planned, skipped = lv.plan_levels(names, swap_order, skipped)
+    full = unquantized_model(full) if planned else full
+    for name, level, layer_precisions in tqdm(planned, desc="export levels (modelopt unified HF)", unit="level",
+                                              disable=not progress):
+        entry = lv.level_entry(level, layer_precisions, swap_order)
         missing = [p for p in level.precisions if quantized.get(p) is None]
         if missing:
             entry.update(dir=None, status="failed", files=[],

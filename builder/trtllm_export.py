@@ -252,28 +252,11 @@ def export_levels(root: Path, full: nn.Module, quantized: Mapping[str, nn.Module
     budget = kv_budget(config, dtype, block_size)
     full_bytes = lv.checkpoint_weight_bytes(config, {}, elt, group_size)
     entries: dict[str, Any] = {}
-    skipped = list(skipped)
-    seen: dict[tuple, str] = {}
-    for name in names:
-        level = lv.parse_level(name)
-        layer_precisions = level.layer_precisions(swap_order)
-        key = tuple(sorted(layer_precisions.items()))
-        empty = [str(s) for s in level.segments if lv.layers_at(s.percent, len(swap_order)) <= 0]
-        if not layer_precisions or empty:
-            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
-            continue
-        if key in seen:
-            skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
-            continue
-        seen[key] = name
+    planned, skipped = lv.plan_levels(names, swap_order, skipped)
+    for name, level, layer_precisions in planned:
         expected = lv.checkpoint_weight_bytes(config, layer_precisions, elt, group_size)
         entry: dict[str, Any] = {
-            "segments": [{"precision": s.precision, "percent": int(s.percent) if s.percent.is_integer() else s.percent,
-                          "layers": [l for l, p in layer_precisions.items() if p == s.precision]}
-                         for s in level.segments],
-            "layers": {str(l): p for l, p in layer_precisions.items()},
-            "num_quantized": len(layer_precisions),
-            "reached_by_modes": lv.reaching_modes(layer_precisions, swap_order),
+            **lv.level_entry(level, layer_precisions, swap_order),
             "expected_weight_bytes": expected,
             "bytes_freed": full_bytes - expected,
             "kv_blocks_freed": (full_bytes - expected) // budget["kv_bytes_per_block"],

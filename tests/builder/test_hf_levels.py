@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 from tests.ci_skip_policy import skip_outside_ci
-from tests.conftest import BUILD_LEVELS, REPO_ROOT
+from tests.conftest import BUILD_FAST, BUILD_LEVELS, REPO_ROOT
 
 from builder import hf_export as hx
+from builder.build import BuildOptions, build_engine
 from builder import levels as lv
 from builder.level_check import PROMPTS, check_levels, greedy
 from serve.config import EngineConfig
@@ -68,7 +69,7 @@ def check_level_dir(engine: ed.EngineDir, name: str, rec: dict) -> None:
 # ------------------------------------------------------------------------------------ the tiny build
 
 
-def test_levels_are_unified_checkpoints_of_the_plan(built) -> None:
+def test_levels_are_unified_checkpoints_of_the_plan(built, tiny_dir) -> None:
     engine = ed.load_engine_dir(built.path, verify_checksums=True)  # every checkpoint file's sha256 too
     levels = built.manifest["levels"]
     assert list(levels["entries"]) == list(BUILD_LEVELS) and levels["skipped"] == []
@@ -80,6 +81,8 @@ def test_levels_are_unified_checkpoints_of_the_plan(built) -> None:
     # one format plus full-precision layers: modelopt's quant_algo + exclude_modules; two formats: MIXED_PRECISION
     assert [levels["entries"][n]["quant_algo"] for n in BUILD_LEVELS] == ["W4A16_AWQ", "W8A16", "MIXED_PRECISION"]
     assert any(line.strip().startswith("int4@34: 1 layers, W4A16_AWQ") for line in built.messages)
+    again = build_engine(BuildOptions(model=str(tiny_dir), output=str(built.path), levels=BUILD_LEVELS, **BUILD_FAST))
+    assert again.skipped and again.manifest == built.manifest  # idempotent over the checkpoints too
 
 
 def test_served_levels_give_the_in_memory_levels_tokens(built) -> None:
