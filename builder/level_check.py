@@ -38,6 +38,7 @@ from builder.calibration import load_calibration
 from builder.calibration_corpus import DEFAULT_CALIBRATION_NAME
 from builder.errors import BuildError
 from builder.variants import build_variants
+from serve.model import crossovers
 from serve.model import engine_dir as ed
 from serve.model.hf_reference import hf_llama
 from serve.model.layers import PROJECTIONS, projection_key
@@ -85,7 +86,11 @@ def greedy(loaded: LoadedModel | None, prompts: tuple[str, ...], max_tokens: int
     engine = LLMEngine(config, loaded=loaded)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return [r["token_ids"] for r in engine.generate(list(prompts), params)]
+        # one kernel choice for every engine compared: each takes this machine's measured crossovers from the
+        # per-user cache when it starts, which other processes may rewrite in between, and the kernels on either side
+        # of a crossover sum in different orders
+        with crossovers.using(crossovers.DEFAULTS):
+            return [r["token_ids"] for r in engine.generate(list(prompts), params)]
     finally:
         engine.shutdown()
 

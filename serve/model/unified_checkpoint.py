@@ -53,19 +53,13 @@ class UnifiedQuantization:
 
     @property
     def precisions(self) -> dict[int, str]:
-        return {i: self.modules_precision(i) for i in sorted(self.layers)}
-
-    def modules_precision(self, layer: int) -> str:
-        return {format_for_quant_algo(self.modules[_name(layer, p)]).precision  # type: ignore[union-attr]
-                for p in PROJECTIONS}.pop()
+        """Each quantized layer's precision (its q_proj's format: a layer holds one, read_quantized checks it)."""
+        fmt = {i: format_for_quant_algo(self.modules[projection_key(i, "q_proj")]) for i in sorted(self.layers)}
+        return {i: f.precision for i, f in fmt.items() if f is not None}
 
     def describe(self) -> dict[str, Any]:
         return {"quant_method": QUANT_METHOD, "quant_algo": self.quant_algo,
                 "layers": {str(i): p for i, p in self.precisions.items()}}
-
-
-def _name(layer: int, proj: str) -> str:
-    return projection_key(layer, proj)
 
 
 def quantization_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -171,9 +165,9 @@ def read_quantized(cfg: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         quant.modules[module] = algo
         quant.layers.setdefault(int(match.group(1)), {})[match.group(2)] = op
     for layer in quant.layers:
-        algos = {quant.modules.get(_name(layer, p)) for p in PROJECTIONS}
+        algos = {quant.modules.get(projection_key(layer, p)) for p in PROJECTIONS}
         if len(algos) != 1:
-            named = ", ".join(f"{p} {quant.modules.get(_name(layer, p)) or 'unquantized'}" for p in PROJECTIONS)
+            named = ", ".join(f"{p} {quant.modules.get(projection_key(layer, p)) or 'unquantized'}" for p in PROJECTIONS)
             raise UnifiedCheckpointError(f"layer {layer} mixes formats ({named}): this engine holds one precision "
                                          "per decoder layer")
     return quant, rest
