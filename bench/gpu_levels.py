@@ -13,7 +13,7 @@ equal ours, with the first position they part at. Ours computes in float32 on CP
 the checkpoint's float16, so a parting deep into a prompt is rounding, not a misread checkpoint.
 
 The checkpoints: ``--levels-engine-dir`` (an engine directory with levels, e.g. engines/smollm2-135m), else a small
-random model built here (modelopt calibration on CPU, levels int4@25, int8@25, int4@12+int8@25; random weights, so
+random model built here (modelopt calibration on CPU, levels int4@25, int8@25, int4@25+int8@50; random weights, so
 only the machinery is checked, and tokens part early).
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 PROMPTS = ("The capital of France is", "Water boils at", "def fibonacci(n):", "Once upon a time,")
 MAX_TOKENS = 12
 PEER_TIMEOUT_S = 480.0
-RANDOM_LEVELS = ("int4@25", "int8@25", "int4@12+int8@25")
+RANDOM_LEVELS = ("int4@25", "int8@25", "int4@25+int8@50")
 
 _TRTLLM = """
 import json, sys

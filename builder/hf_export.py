@@ -229,10 +229,18 @@ def write_checkpoint(model: nn.Module, out_dir: Path) -> None:
     """modelopt's ``export_hf_checkpoint`` of ``model`` into ``out_dir``, quietly (it packs ``model`` in place)."""
     from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
 
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    # modelopt prints, transformers draws a shard bar on stderr; the builder draws its own
-    with captured_output("modelopt_export_hf"), contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
-        export_hf_checkpoint(model, export_dir=out_dir)
+    # modelopt prints, transformers draws a shard bar on stderr and warns through its own handler (modelopt reads the
+    # deprecated config.torch_dtype); the builder draws its own bar
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with captured_output("modelopt_export_hf"), contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            export_hf_checkpoint(model, export_dir=out_dir)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def export_checkpoint(model: nn.Module, root: Path, rel: str, expected: Mapping[str, str], dtype: str) -> dict[str, Any]:
