@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 MODEL ?= smollm2-135m
 ENGINE_DIR ?= engines/$(MODEL)
-# morph-level TensorRT-LLM checkpoints: empty = the default ladders, "none" skips them, else e.g. int4@50,int8@25
+# morph levels exported as unified HF checkpoints (hf/levels/): empty = the default ladders, "none" skips them, else e.g. int4@50,int8@25
 LEVELS ?=
 PY := $(VENV)/bin/python
 HTTP_PORT ?= 8000
@@ -33,8 +33,9 @@ help:
 	@echo "make test           run the test suite but its slow cases (under 10 minutes on 2 cores)"
 	@echo "make test-slow      the slow cases: server restarts, Dynamo clusters, whole-CLI runs (CI runs both)"
 	@echo "make test-py312     the unit suite (+ the written-repository e2e) on Python 3.12 in $(VENV312) (CI runs it too)"
-	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + TensorRT-LLM checkpoints;"
-	@echo "                    LEVELS=int4@50,int8@25 or LEVELS=none picks the morph levels; a no-op when up to date)"
+	@echo "make build-engines  build engines/$(MODEL) (layer profile + quantized variants + unified HF checkpoints of the"
+	@echo "                    full model and each morph level, hf/; LEVELS=int4@50,int8@25 or LEVELS=none picks the levels;"
+	@echo "                    BUILD_ARGS=--legacy-trtllm adds the legacy TensorRT-LLM checkpoints; a no-op when up to date)"
 	@echo "                    then this machine's per-precision step costs (COSTS_ARGS=--force re-measures)"
 	@echo "make plan         plan a GPU deployment on a virtual clock from NVIDIA's kernel tables (PLAN_ARGS; docs/planner.md)"
 	@echo "make quality        perplexity table (LIS vs front-to-back, int8/int4) on held-out text"
@@ -44,7 +45,8 @@ help:
 	@echo "make bench-dynamo-faults (root) faults of a cluster of hosts under load: kill, cut link, delay+loss, etcd, frontend"
 	@echo "                    (FAULTS_ARGS, default: $(FAULTS_ARGS))"
 	@echo "make bench-engine   engine throughput vs transformers on this machine"
-	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay"
+	@echo "make gpu-check      on a CUDA host: CUDA tests, per-precision step and swap cost, off vs default replay, the"
+	@echo "                    unified checkpoints in TensorRT-LLM / vLLM vs our tokens (GPU_CHECK_ARGS=--levels-engine-dir DIR)"
 	@echo "make bench-aiperf   AIPerf (own venv $(AIPERF_VENV)) vs the project's client on the bench workload (BENCH_ARGS, AIPERF_ARGS)"
 	@echo "make bench-peer     the engine vs vLLM (fp32) and llama.cpp (4 bits) in one run, with a batch-1 speculation row;"
 	@echo "                    peers in PEERS_DIR=$(PEERS_DIR)"

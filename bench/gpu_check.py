@@ -9,7 +9,9 @@
    (serve/model/step_costs.py's measurement, the same code `make build-engines` runs), and whole-model
    decode at batch 1 / 8 / 32 and prefill 512 per static mode, the end-to-end check of that table;
 4. swap cost on this GPU (variant copy on the copy stream + in-place install) and restore;
-5. a short bursty replay, morph mode off vs default at a budget where full precision runs out of KV.
+5. a short bursty replay, morph mode off vs default at a budget where full precision runs out of KV;
+6. the unified checkpoints `make build-engines` writes (hf/full, hf/levels/<level>) in TensorRT-LLM's PyTorch backend
+   and vLLM, where they import, their greedy tokens against ours (bench/gpu_levels.py; "not installed" otherwise).
 
 Random weights built in place (serve/model/random_model.py): the embedded GGUF need not be installed, and the
 numbers are about the machinery, not model quality. Writes gpu-check.md and gpu-check.json to --out.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench import gpu_levels
 from serve.model.random_model import make_tiny_model
 from serve.morph.runtime import MorphRuntime
 
@@ -285,6 +288,8 @@ def to_markdown(report: dict) -> str:
             lines.append(f"| {mode} | {r['completed']}/{r['requests']} | {ttft.get('p50')} | {ttft.get('p95')} | "
                          f"{tpot.get('mean')} | {slo.get('violation_rate')} | {m.get('swaps')} | {m.get('max_quantized_layers')} |")
         lines.append("")
+    if report.get("levels"):
+        lines += gpu_levels.to_markdown(report["levels"])
     for name, err in report.get("errors", {}).items():
         lines += [f"## {name}: FAILED", "", "```", err[-3000:], "```", ""]
     return "\n".join(lines)
@@ -297,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-tests", action="store_true", help="skip the CUDA-marked tests")
     p.add_argument("--tests-timeout", type=float, default=300.0)
     p.add_argument("--replay-seconds", type=float, default=12.0, help="arrival span of the replay (default: %(default)s)")
+    p.add_argument("--levels-engine-dir", type=Path, default=None,
+                   help="engine directory whose unified checkpoints the peer engines load (default: a small random "
+                        "model built here with three levels)")
     p.add_argument("--dry-run-cpu", action="store_true",
                    help="run the sections on CPU with a small model (checks the script itself, no GPU numbers)")
     args = p.parse_args(argv)
@@ -320,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     model = make_tiny_model(seed=11, **MODEL_SHAPE)
     for name, fn in (("layer_costs", lambda: layer_costs(model)), ("step_costs", lambda: step_costs(model)),
                      ("swap_costs", lambda: swap_costs(model)), ("memory_yield", lambda: memory_yield(model)),
-                     ("replay", lambda: replay_modes(model, args.replay_seconds))):
+                     ("replay", lambda: replay_modes(model, args.replay_seconds)),
+                     ("levels", lambda: gpu_levels.level_section(args.levels_engine_dir, DEVICE))):
         t0 = time.perf_counter()
         try:
             report[name] = fn()

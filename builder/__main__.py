@@ -49,8 +49,10 @@ def _positive(value: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="python -m builder", description=(
         "Build an engine directory: full-precision weights, per-layer int8 / int4-AWQ / fp8 variants "
-        "(nvidia-modelopt), the MorphServe layer-importance swap order (LIS), a manifest, and TensorRT-LLM "
-        "checkpoints. Idempotent and atomic."))
+        "(nvidia-modelopt), the MorphServe layer-importance swap order (LIS), a manifest, and modelopt unified "
+        "Hugging Face checkpoints of the full model and of each morph level (hf/full, hf/levels/<level>: what "
+        "TensorRT-LLM's PyTorch backend, vLLM, SGLang and this engine load, nothing to compile). Idempotent and "
+        "atomic."))
     add_engine_flags(p, ("model",), defaults={"model": defaults.MODEL}, help_overrides={
         "model": "the model to build from: embedded model name, a .gguf file or a Hugging Face directory"})
     p.add_argument("--output", default=None, help="engine directory to write (default: engines/<model name>)")
@@ -68,10 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with N x layers^3 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="torch seed (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="rebuild even if the engine directory is up to date")
-    p.add_argument("--no-trtllm", dest="trtllm", action="store_false",
-                   help="skip the TensorRT-LLM checkpoint export (full-precision, per-precision and level checkpoints)")
+    p.add_argument("--no-hf-export", dest="hf_export", action="store_false",
+                   help="skip the unified Hugging Face checkpoints (hf/full and the morph levels)")
+    p.add_argument("--legacy-trtllm", action="store_true",
+                   help="LEGACY, for old deployments: also write TensorRT-LLM legacy checkpoints (trtllm/: per "
+                        "precision, full precision, per level) with their trtllm-build commands; upstream deprecated "
+                        "trtllm-build and modelopt's legacy export (removed in modelopt 0.49)")
     p.add_argument("--levels", type=_levels, default=None, metavar="SPEC",
-                   help="morph levels to export as mixed-precision TensorRT-LLM checkpoints: comma-separated "
+                   help="morph levels to export as unified Hugging Face checkpoints: comma-separated "
                         "PRECISION@PERCENT[+PRECISION@PERCENT] (first PERCENT of the LIS swap order at PRECISION, "
                         "int8 or int4), 'default' (the ladders of policy/modes.py: "
                         f"{','.join(levels.default_levels())}) or 'none' (default: default)")
@@ -92,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = BuildOptions(model=args.model, output=args.output, precisions=args.precisions, group_size=args.group_size,
                         calib_text=args.calib_text, calib_tokens=args.calib_tokens,
-                        profile_tokens=args.profile_tokens, seed=args.seed, force=args.force, trtllm=args.trtllm,
+                        profile_tokens=args.profile_tokens, seed=args.seed, force=args.force,
+                        hf_export=args.hf_export, legacy_trtllm=args.legacy_trtllm,
                         levels=args.levels, kv_block_size=args.kv_block_size, progress=not args.quiet)
     try:
         outcome = build_engine(opts)

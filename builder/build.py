@@ -1,10 +1,10 @@
 """One engine-directory build: load, calibrate, quantize per layer, profile importance, export, commit.
 
 Order of work (all inside a staging directory, see serve/model/engine_dir.py; the manifest is written last):
-model files -> for each precision: modelopt calibration + per-layer variant files (+ TensorRT-LLM
-checkpoint) -> layer-importance profile on the int4 variants -> profile.json -> TensorRT-LLM full-precision
-checkpoint + one mixed-precision checkpoint per morph level (builder/levels.py; they need the swap order)
--> manifest.json -> rename.
+model files -> for each precision: modelopt calibration + per-layer variant files -> layer-importance profile on
+the int4 variants -> profile.json -> the unified Hugging Face checkpoints (builder/hf_export.py): the full model and
+one per morph level (builder/levels.py; they need the swap order) -> with ``legacy_trtllm`` only, the legacy
+TensorRT-LLM checkpoints (builder/trtllm_export.py) -> manifest.json -> rename.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from builder import defaults, importance
+from builder import defaults, hf_export, importance
+from builder.hf_export import source_dtype
 from builder import levels as lv
 from builder.calibration import CalibrationData, calibration_text, load_calibration, text_sha256
 from builder.errors import BuildError
@@ -34,9 +35,9 @@ from builder.trtllm_export import (
     export_levels,
     export_precision,
     fp8_w8a8_model,
-    source_dtype,
     trtllm_available,
 )
+from builder.summary import summary
 from builder.variants import VariantResult, build_variants
 from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS
 from serve.logging_setup import get_logger
@@ -64,7 +65,10 @@ class BuildOptions:
     seq_len: int = defaults.SEQ_LEN
     seed: int = 0
     force: bool = False
-    trtllm: bool = True
+    hf_export: bool = True
+    """The unified Hugging Face checkpoints (hf/full, hf/levels/<level>)."""
+    legacy_trtllm: bool = False
+    """Also the legacy TensorRT-LLM checkpoints (trtllm/) and their trtllm-build commands, for old deployments."""
     levels: tuple[str, ...] | None = None
     """Morph levels to export (builder/levels.py names); None = lv.default_levels(), () = none."""
     kv_block_size: int = defaults.KV_BLOCK_SIZE
@@ -118,8 +122,8 @@ def resolve_levels(opts: BuildOptions) -> tuple[tuple[str, ...], list[dict[str, 
                                  f"(building {', '.join(opts.precisions)})")
     else:
         names = lv.default_levels()
-    if not opts.trtllm:
-        return (), ([{"level": n, "reason": "the TensorRT-LLM export is disabled (--no-trtllm)"} for n in names])
+    if not opts.hf_export and not opts.legacy_trtllm:
+        return (), ([{"level": n, "reason": "the checkpoint export is disabled (--no-hf-export)"} for n in names])
     keep = tuple(n for n in names if all(p in opts.precisions for p in lv.parse_level(n).precisions))
     left = [{"level": n, "reason": f"its precisions are not built (--precisions {','.join(opts.precisions)})"}
             for n in names if n not in keep]
@@ -166,7 +170,8 @@ def requested_params(opts: BuildOptions) -> dict[str, Any]:
         "profile_tokens": opts.profile_tokens,
         "profile_precision": PROFILE_PRECISION,
         "seed": opts.seed,
-        "trtllm_export": opts.trtllm,
+        "hf_export": opts.hf_export,
+        "legacy_trtllm": opts.legacy_trtllm,
         "levels": {"names": list(levels), "kv_block_size": opts.kv_block_size},
     }
 
@@ -219,10 +224,6 @@ def _versions() -> dict[str, str]:
             "project": version("morphserve")}
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 # ------------------------------------------------------------------------------------------ build
 
 
@@ -263,7 +264,7 @@ def build_engine(opts: BuildOptions) -> BuildOutcome:
         ed.write_json(stage / ed.MANIFEST, manifest)
     seconds = time.perf_counter() - start
     log.info("built", path=str(final), seconds=round(seconds, 1))
-    return BuildOutcome(final, False, manifest, seconds, _summary(final, manifest, seconds))
+    return BuildOutcome(final, False, manifest, seconds, summary(final, manifest, seconds))
 
 
 def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: dict[str, Any], params: dict[str, Any],
@@ -275,13 +276,11 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
     batches = calib.batches()
     level_names, levels_left_out = resolve_levels(opts)
     level_precisions = {p for n in level_names for p in lv.parse_level(n).precisions}
-    level_models: dict[str, torch.nn.Module | None] = {}
-    dtype, dtype_reason = source_dtype(Path(source["path"]), loaded.source_tensor_types)
+    models: dict[str, VariantResult] = {}  # the modelopt models the exports need, by precision
     needed = list(opts.precisions) + ([PROFILE_PRECISION] if PROFILE_PRECISION not in opts.precisions else [])
     layers: list[dict[str, Any]] = [{"layer": i, "full_nbytes": _full_layer_bytes(loaded, i), "variants": {}}
                                     for i in range(cfg.num_layers)]
     quantization: dict[str, Any] = {}
-    trtllm: dict[str, Any] = {}
     profile_variants, profile_method = None, ""
     for precision in tqdm(needed, desc="quantize (modelopt)", unit="precision", disable=not opts.progress):
         log.info("quantizing", precision=precision, calib_tokens=len(calib.token_ids))
@@ -294,11 +293,10 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
         for i in tqdm(range(cfg.num_layers), desc=f"write {precision} layers", unit="layer", leave=False,
                       disable=not opts.progress):
             layers[i]["variants"][precision] = ed.write_layer_variant(stage, i, precision, result.layers[i])
-        if opts.trtllm:
-            trtllm[precision] = _export_trtllm(stage, hf, result, batches, cfg, dtype)
-        if precision in level_precisions:  # kept for the level checkpoints, which need the swap order
-            level_models[precision] = result.quantized_model
-        result.quantized_model = None
+        if precision in level_precisions or opts.legacy_trtllm:  # the exports need the swap order: after the profile
+            models[precision] = result
+        else:
+            result.quantized_model = None
     assert profile_variants is not None
     log.info("profiling_layers", tokens=opts.profile_tokens)
     dense = DenseLlama(cfg, loaded.weights, max_positions=max(opts.profile_tokens, 16))
@@ -315,17 +313,23 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
     }
     ed.write_json(stage / ed.PROFILE, profile_json)
     files[ed.PROFILE] = ed.file_record(stage, ed.PROFILE)
-    full_record: dict[str, Any] | None = None
+    level_models = {p: r.quantized_model for p, r in models.items()}
+    hf_section: dict[str, Any] = {"enabled": opts.hf_export, "format": "modelopt unified Hugging Face checkpoint",
+                                  "full": None}
     levels: dict[str, Any] = {"enabled": False, "entries": {}, "skipped": levels_left_out}
-    if opts.trtllm:
-        log.info("exporting_trtllm_full", dtype=dtype)
-        full_record = export_full(hf, stage, cfg, dtype)
-        full_record["dtype_reason"] = dtype_reason
+    if opts.hf_export:  # first: it copies the models, the legacy export re-smooths them in place
+        dtype, dtype_reason = source_dtype(Path(source["path"]), loaded.source_tensor_types)
+        hf_section.update(dtype=dtype, dtype_reason=dtype_reason)
+        log.info("exporting_hf_full", dtype=dtype)
+        hf_section["full"] = hf_export.export_full(hf, stage, dtype)
         if level_names:
-            levels = export_levels(stage, hf, level_models, list(level_names), profile_json["order"], cfg, dtype,
-                                   group_size, opts.kv_block_size, full_record, levels_left_out)
-    level_models.clear()
-    available, reason = trtllm_available()
+            levels = hf_export.export_levels(stage, hf, level_models, list(level_names), profile_json["order"], cfg,
+                                             dtype, opts.kv_block_size, hf_section["full"], levels_left_out,
+                                             opts.progress)
+    trtllm = (_export_legacy(stage, hf, models, batches, cfg, source, loaded, level_names, levels_left_out,
+                             profile_json["order"], group_size, opts.kv_block_size)
+              if opts.legacy_trtllm else {"enabled": False})
+    models.clear()
     return {
         "format_version": ed.FORMAT_VERSION,
         "model": {"name": cfg.name, "config": cfg.to_hf_dict(), "num_layers": cfg.num_layers},
@@ -342,14 +346,30 @@ def _build_into(stage: Path, loaded: LoadedModel, opts: BuildOptions, source: di
         "int4": {"group_size": group_size, "reason": group_reason},
         "quantization": quantization,
         "layers": layers,
-        "trtllm": {"enabled": opts.trtllm, "tensorrt_llm_available": available,
-                   "compile_skipped_reason": None if available else reason, "full": full_record,
-                   "precisions": trtllm},
+        "hf": hf_section,
         "levels": levels,
+        "trtllm": trtllm,
         "build": {"params": params, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}},
         "versions": _versions(),
     }
+
+
+def _export_legacy(stage: Path, hf: torch.nn.Module, models: dict[str, VariantResult], batches: list[torch.Tensor],
+                   cfg: ModelConfig, source: dict[str, Any], loaded: LoadedModel, level_names: tuple[str, ...],
+                   left_out: list[dict[str, str]], order: list[int], group_size: int,
+                   block_size: int) -> dict[str, Any]:
+    """The legacy TensorRT-LLM checkpoints (``--legacy-trtllm``): per precision, full precision and per level."""
+    dtype, dtype_reason = source_dtype(Path(source["path"]), loaded.source_tensor_types)
+    precisions = {p: _export_trtllm(stage, hf, r, batches, cfg, dtype) for p, r in models.items()}
+    log.info("exporting_trtllm_full", dtype=dtype)
+    full = {**export_full(hf, stage, cfg, dtype), "dtype_reason": dtype_reason}
+    levels = (export_levels(stage, hf, {p: r.quantized_model for p, r in models.items()}, list(level_names), order,
+                            cfg, dtype, group_size, block_size, full, left_out) if level_names else None)
+    available, reason = trtllm_available()
+    return {"enabled": True, "legacy": True, "tensorrt_llm_available": available,
+            "compile_skipped_reason": None if available else reason, "full": full, "precisions": precisions,
+            "levels": levels}
 
 
 def _export_trtllm(stage: Path, hf: torch.nn.Module, result: VariantResult, batches: list[torch.Tensor],
@@ -371,51 +391,3 @@ def _export_trtllm(stage: Path, hf: torch.nn.Module, result: VariantResult, batc
 def _full_layer_bytes(loaded: LoadedModel, i: int) -> int:
     prefix = f"model.layers.{i}."
     return sum(t.numel() * t.element_size() for k, t in loaded.weights.items() if k.startswith(prefix) and "_proj." in k)
-
-
-def _summary(final: Path, manifest: dict[str, Any], seconds: float) -> list[str]:
-    total = _dir_bytes(final)
-    lines = [
-        f"built {final} in {seconds:.1f} s (layer profile {manifest['importance']['profile_seconds']:.1f} s); "
-        f"{total / 2**20:.1f} MiB on disk",
-        f"precisions: {', '.join(manifest['precisions'])}; int4 group size {manifest['int4']['group_size']} "
-        f"({manifest['int4']['reason']})",
-        f"swap order (LIS): {' '.join(map(str, manifest['swap_order']))}",
-    ]
-    for precision, q in manifest["quantization"].items():
-        if q["fallback_reason"]:
-            lines.append(f"WARNING: {precision} used the RTN fallback: {q['fallback_reason']}")
-    trt = manifest["trtllm"]
-    if not trt["enabled"]:
-        lines.append("TensorRT-LLM: export disabled (--no-trtllm)")
-    exports = dict(trt["precisions"])
-    if trt.get("full"):
-        exports = {f"full precision ({trt['full']['dtype']})": trt["full"], **exports}
-    for precision, rec in exports.items():
-        if rec["status"] != "exported":
-            lines.append(f"TensorRT-LLM {precision}: export FAILED ({rec['error']})")
-        elif rec.get("engine_built"):
-            lines.append(f"TensorRT-LLM {precision}: checkpoint exported and engine built in {final / rec['dir']}/engine")
-        else:
-            reason = rec.get("compile_skipped_reason") or rec.get("compile_error", "compile failed")
-            lines.append(f"TensorRT-LLM {precision}: checkpoint exported to {final / rec['dir']}; compile step SKIPPED "
-                         f"({reason}) -- NO engine was built; run {final / rec['dir']}/build_commands.sh on a GPU host")
-    levels = manifest["levels"]
-    if levels["enabled"]:
-        bpb = levels["budget"]["kv_bytes_per_block"]
-        lines.append(f"morph levels ({len(levels['entries'])}; KV blocks of {levels['budget']['kv_block_size']} tokens, "
-                     f"{bpb / 2**10:.0f} KiB each at {levels['budget']['kv_dtype']}):")
-        for name, rec in levels["entries"].items():
-            if rec["status"] != "exported":
-                lines.append(f"  {name}: export FAILED ({rec['error']})")
-                continue
-            lines.append(f"  {name}: {rec['num_quantized']} layers -> {final / rec['dir']} "
-                         f"({rec['weight_bytes'] / 2**20:.1f} MiB of weights, frees {rec['bytes_freed'] / 2**20:.1f} MiB "
-                         f"= {rec['kv_blocks_freed']} KV blocks; modes: {', '.join(rec['reached_by_modes']) or 'none'}; "
-                         f"{'engine built' if rec.get('engine_built') else 'compile SKIPPED'})")
-            if rec["weight_bytes"] != rec["expected_weight_bytes"]:
-                lines.append(f"  WARNING: {name} holds {rec['weight_bytes']} weight bytes, the byte accounting "
-                             f"(builder/levels.py) expects {rec['expected_weight_bytes']}")
-    for left in levels["skipped"]:
-        lines.append(f"  level {left['level']} not exported: {left['reason']}")
-    return lines

@@ -167,6 +167,41 @@ def reaching_modes(layer_precisions: dict[int, str], swap_order: list[int]) -> l
     return out
 
 
+def plan_levels(names: list[str], swap_order: list[int],
+                skipped: list[dict[str, str]]) -> tuple[list[tuple[str, Level, dict[int, str]]], list[dict[str, str]]]:
+    """The levels to export, each with its ``{layer: precision}``, and ``skipped`` plus the ones left out (a segment
+    covering no layer, or the same layers as an earlier level), each with its reason."""
+    planned: list[tuple[str, Level, dict[int, str]]] = []
+    skipped = list(skipped)
+    seen: dict[tuple, str] = {}
+    for name in names:
+        level = parse_level(name)
+        layer_precisions = level.layer_precisions(swap_order)
+        key = tuple(sorted(layer_precisions.items()))
+        empty = [str(s) for s in level.segments if layers_at(s.percent, len(swap_order)) <= 0]
+        if not layer_precisions or empty:
+            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
+        elif key in seen:
+            skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
+        else:
+            seen[key] = name
+            planned.append((name, level, layer_precisions))
+    return planned, skipped
+
+
+def level_entry(level: Level, layer_precisions: dict[int, str], swap_order: list[int]) -> dict[str, Any]:
+    """A level's manifest entry before its export: segments with their layers, ``{layer: precision}``, the modes
+    that reach it."""
+    return {
+        "segments": [{"precision": s.precision, "percent": int(s.percent) if s.percent.is_integer() else s.percent,
+                      "layers": [l for l, p in layer_precisions.items() if p == s.precision]}
+                     for s in level.segments],
+        "layers": {str(l): p for l, p in layer_precisions.items()},
+        "num_quantized": len(layer_precisions),
+        "reached_by_modes": reaching_modes(layer_precisions, swap_order),
+    }
+
+
 # ------------------------------------------------------------------------- TensorRT-LLM byte accounting
 
 # TensorRT-LLM llama module -> (out_features, in_features) as functions of the model config.

@@ -29,7 +29,7 @@ from torch import nn
 
 from policy.precisions import check_quantized_precision
 from serve.model.layers import PROJECTIONS
-from serve.model.quantized_linear import Calibration, QuantizedLinear, quant_format
+from serve.model.quantized_linear import REGISTRY, Calibration, QuantFormat, QuantizedLinear, quant_format
 from serve.model.rtn import check_int4_block_size, choose_int4_block_size, quantize_linear_rtn
 
 _DECODER_LINEAR_RE = re.compile(r"(^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")$")
@@ -147,6 +147,16 @@ def extract_quantized_linear(module: nn.Module, precision: str) -> QuantizedLine
     _check_modelopt_format(module, precision)
     with torch.no_grad():
         return fmt.from_calibration(calibration(module))
+
+
+def modelopt_format(module: nn.Module) -> QuantFormat | None:
+    """The registry format of a modelopt-quantized module (by modelopt's ``get_quantization_format``), or None."""
+    from modelopt.torch.export import model_config as mc
+    from modelopt.torch.export.quant_utils import get_quantization_format
+
+    found = get_quantization_format(module) if hasattr(module, "weight_quantizer") else None
+    return next((f for f in REGISTRY.values()
+                 if found in {getattr(mc, name) for name in f.modelopt.export_formats}), None)
 
 
 def _check_modelopt_format(module: nn.Module, precision: str) -> None:

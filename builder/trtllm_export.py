@@ -1,4 +1,7 @@
-"""TensorRT-LLM checkpoints (modelopt export_tensorrt_llm_checkpoint) and the engine compile.
+"""Legacy TensorRT-LLM checkpoints (modelopt export_tensorrt_llm_checkpoint) and the engine compile: only with
+``python -m builder --legacy-trtllm``, for deployments that still run ``trtllm-build`` engines. Upstream deprecated
+that path (TensorRT-LLM's ``convert_checkpoint.py`` / ``trtllm-build``; modelopt's legacy export from 0.48, removed in
+0.49); the default build writes unified Hugging Face checkpoints instead (builder/hf_export.py).
 
 Three kinds, all under ``trtllm/`` of the engine directory:
 - ``trtllm/fp16/`` (``bf16/`` for a bf16 source): the full-precision model, the level-0 baseline;
@@ -39,16 +42,14 @@ the q/k/v variants' codes; o/gate/up/down and all int8 modules hold the runtime 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import json
 import shlex
 import shutil
-import struct
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 
 from builder import levels as lv
+from builder.hf_export import DTYPES, level_model, safetensors_header, safetensors_tensor_bytes
 from builder.quantize import token_batches_loop
 from builder.variants import captured_output
 from serve.logging_setup import get_logger
@@ -71,7 +73,6 @@ LEVELS_SUBDIR = "trtllm/levels"
 MIXED_PRECISION = "MIXED_PRECISION"
 QUANT_ALGO_PRECISION = {REGISTRY[p].trtllm.quant_algo: p for p in lv.LEVEL_PRECISIONS}
 """TensorRT-LLM quant_algo of a level's quantized module -> our precision (the format registry's names)."""
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_DIRS = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -132,33 +133,6 @@ def _write_build_script(out_dir: Path, command: list[str], what: str, skipped_re
     path.chmod(0o755)
 
 
-def source_dtype(source_path: Path, tensor_types: tuple[str, ...]) -> tuple[str, str]:
-    """The checkpoint dtype: bfloat16 where the source is bf16 (a Hugging Face directory's declared dtype,
-    else its stored tensor types; a GGUF's tensor types), float16 otherwise. Returns (dtype, why)."""
-    config = source_path / "config.json" if source_path.is_dir() else None
-    if config is not None and config.is_file():
-        cfg = json.loads(config.read_text())
-        declared = cfg.get("torch_dtype") or cfg.get("dtype")
-        if declared in DTYPES:
-            return declared, f"config.json declares {declared}"
-    stored = ", ".join(tensor_types) or "unknown"
-    if "BF16" in tensor_types:
-        return "bfloat16", f"the source stores BF16 tensors ({stored})"
-    return "float16", f"no bf16 in the source (tensor types {stored}): float16"
-
-
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
-
-
-def safetensors_tensor_bytes(path: Path) -> int:
-    """Bytes of the tensors in a safetensors file (its header's data offsets; the header itself excluded)."""
-    return sum(t["data_offsets"][1] - t["data_offsets"][0]
-               for k, t in _safetensors_header(path).items() if k != "__metadata__")
-
-
 def _export(model: nn.Module, rel: str, root: Path, config: ModelConfig, dtype: str, what: str,
             check: Any = None) -> dict[str, Any]:
     """Export ``model`` into ``root/rel``; never raises. ``check(out_dir)`` post-processes and validates
@@ -212,25 +186,6 @@ def export_full(model: nn.Module, root: Path, config: ModelConfig, dtype: str) -
 # ------------------------------------------------------------------------------------------- levels
 
 
-@contextlib.contextmanager
-def level_model(full: nn.Module, quantized: Mapping[str, nn.Module],
-                layer_precisions: Mapping[int, str]) -> Iterator[nn.Module]:
-    """A model whose layer i is ``quantized[p]``'s layer i where ``layer_precisions[i] == p`` and the
-    full-precision model's layer i elsewhere: the first quantized precision's model with its decoder
-    ModuleList temporarily re-pointed (no copies; the layers are put back on exit)."""
-    base = quantized[next(iter(layer_precisions.values()))]
-    layers = base.model.layers
-    saved = list(layers)
-    try:
-        for i in range(len(layers)):
-            precision = layer_precisions.get(i)
-            layers[i] = (full if precision is None else quantized[precision]).model.layers[i]
-        yield base
-    finally:
-        for i, layer in enumerate(saved):
-            layers[i] = layer
-
-
 def _module_order(name: str) -> tuple[int, int]:
     parts = name.split(".")
     return int(parts[2]), list(lv.TRTLLM_LINEARS).index(".".join(parts[3:]))
@@ -247,7 +202,7 @@ def as_mixed_precision(out_dir: Path, expected: Mapping[str, str], group_size: i
         if not quant.get("quant_algo"):
             raise ValueError("modelopt exported no quantized layer")
         per_layer = {k: quant[k] for k in ("quant_algo", "group_size", "has_zero_point", "pre_quant_scale") if k in quant}
-        modules = sorted((k[: -len(".weights_scaling_factor")] for k in _safetensors_header(out_dir / "rank0.safetensors")
+        modules = sorted((k[: -len(".weights_scaling_factor")] for k in safetensors_header(out_dir / "rank0.safetensors")
                           if k.endswith(".weights_scaling_factor")), key=_module_order)
         qcfg = {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
                 "quantized_layers": {m: dict(per_layer) for m in modules}}
@@ -297,28 +252,11 @@ def export_levels(root: Path, full: nn.Module, quantized: Mapping[str, nn.Module
     budget = kv_budget(config, dtype, block_size)
     full_bytes = lv.checkpoint_weight_bytes(config, {}, elt, group_size)
     entries: dict[str, Any] = {}
-    skipped = list(skipped)
-    seen: dict[tuple, str] = {}
-    for name in names:
-        level = lv.parse_level(name)
-        layer_precisions = level.layer_precisions(swap_order)
-        key = tuple(sorted(layer_precisions.items()))
-        empty = [str(s) for s in level.segments if lv.layers_at(s.percent, len(swap_order)) <= 0]
-        if not layer_precisions or empty:
-            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
-            continue
-        if key in seen:
-            skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
-            continue
-        seen[key] = name
+    planned, skipped = lv.plan_levels(names, swap_order, skipped)
+    for name, level, layer_precisions in planned:
         expected = lv.checkpoint_weight_bytes(config, layer_precisions, elt, group_size)
         entry: dict[str, Any] = {
-            "segments": [{"precision": s.precision, "percent": int(s.percent) if s.percent.is_integer() else s.percent,
-                          "layers": [l for l, p in layer_precisions.items() if p == s.precision]}
-                         for s in level.segments],
-            "layers": {str(l): p for l, p in layer_precisions.items()},
-            "num_quantized": len(layer_precisions),
-            "reached_by_modes": lv.reaching_modes(layer_precisions, swap_order),
+            **lv.level_entry(level, layer_precisions, swap_order),
             "expected_weight_bytes": expected,
             "bytes_freed": full_bytes - expected,
             "kv_blocks_freed": (full_bytes - expected) // budget["kv_bytes_per_block"],

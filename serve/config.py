@@ -62,6 +62,9 @@ def check_device_memory(text: str | None) -> None:
 @dataclass
 class EngineConfig:
     model: str = EMBEDDED_MODEL        # embedded name, .gguf file, or Hugging Face directory
+    # serve one morph level of the engine directory `model` (a name from its manifest, e.g. int4@25, or its directory
+    # under hf/levels/): that level's unified checkpoint, static (morph_mode off); None: the model itself
+    level: str | None = None
     device: str = "cpu"                # cpu | cuda[:N] | auto (CUDA when available)
     dtype: str | None = None           # default: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16

@@ -22,6 +22,8 @@ from serve.config import EMBEDDED_MODEL, PREFIX_CACHE_ACROSS_MORPH, SCHEDULERS, 
 
 ENGINE_FLAG_HELP: dict[str, str] = {
     "model": f"engine directory, embedded model name ({EMBEDDED_MODEL!r}), .gguf file or Hugging Face directory",
+    "level": "serve one morph level of the engine directory given as the model (its name, e.g. int4@25, or its "
+             "directory under hf/levels/): its unified checkpoint, static (morph mode off)",
     "device": "cpu, cuda, cuda:N or auto (CUDA when available)",
     "dtype": "model dtype",
     "block_size": "tokens per KV block",
@@ -63,6 +65,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
 }
 
 UNSET_MEANS: dict[str, str] = {
+    "level": "the model itself",
     "dtype": "float32 on CPU, bfloat16 on CUDA",
     "enable_prefix_caching": "on",
     "kv_cache_dtype": "auto",

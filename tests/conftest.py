@@ -71,8 +71,18 @@ def tiny_dir(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def built(tiny_dir, tmp_path_factory):
-    """One full build (all precisions, TensorRT-LLM export, three morph levels) shared by read-only tests."""
+    """One full build (all precisions, unified Hugging Face checkpoints, three morph levels) shared by read-only
+    tests."""
     from builder.build import BuildOptions, build_engine
 
     return build_engine(BuildOptions(model=str(tiny_dir), output=str(tmp_path_factory.mktemp("eng") / "tiny"),
                                      levels=BUILD_LEVELS, **BUILD_FAST))
+
+
+@pytest.fixture(scope="session")
+def legacy_built(tiny_dir, tmp_path_factory):
+    """A build with only the legacy TensorRT-LLM checkpoints (--legacy-trtllm --no-hf-export), three morph levels."""
+    from builder.build import BuildOptions, build_engine
+
+    return build_engine(BuildOptions(model=str(tiny_dir), output=str(tmp_path_factory.mktemp("legacy") / "tiny"),
+                                     levels=BUILD_LEVELS, hf_export=False, legacy_trtllm=True, **BUILD_FAST))

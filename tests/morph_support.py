@@ -7,7 +7,8 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model.llama import DecoderLayer
 from serve.model.loader import LoadedModel
-from serve.morph.layer_bank import host_copy, quantized_layer
+from serve.model.quantized_layer import quantized_layer
+from serve.morph.layer_bank import host_copy
 from serve.morph.placement import remap
 from serve.morph.plan import rtn_plan
 from serve.morph.runtime import MorphRuntime

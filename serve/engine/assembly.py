@@ -22,6 +22,7 @@ from serve.logging_setup import get_logger
 from serve.memory.pressure import pressure_source
 from serve.model.crossover_measure import apply_measured
 from serve.model.llama import LlamaModel
+from serve.model.quantized_layer import build_model
 from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ from serve.engine.memory_assembly import EngineMemory, build_memory
 from serve.engine.kv_rung import build_kv_rung
 from serve.engine.resources import ResourceManager
 from serve.engine.spec_assembly import wrap_executor
+from serve.engine.static_model import static_config
 from serve.morph.plan import load_model_and_plan, resolve_plan
 from serve.morph.setup import build_runtime
 
@@ -77,8 +79,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
     if loaded is None:
         loaded, plan = load_model_and_plan(config)
     max_model_len = config.context_length(loaded.config.max_position_embeddings)
-    model = LlamaModel(loaded.config, loaded.weights, device, dtype, max_model_len)
     policy = resolve_kv_rung(config.policy_config(), device.type, dtype == torch.float32, config.kv_cache_dtype)
+    config = static_config(config, policy, loaded)  # a static checkpoint: refused morphing, said before any work
+    model = build_model(loaded, device, dtype, max_model_len)
     plan = resolve_plan(config, policy, loaded.weights, loaded.config.num_layers, plan)
     # where our CPU kernels hand over to oneDNN on this machine (measured by make build-engines, else defaults)
     chosen = apply_measured(model, plan.engine_dir if plan is not None else None)

@@ -11,16 +11,16 @@ Layout of ``engines/<model>/``::
                                   key "<proj>.<tensor>" from QuantizedLinear.tensors(); safetensors
                                   metadata "projs" = JSON {proj: QuantizedLinear.metadata()}
     profile.json                  layer importance (LTS/LRS/MDS/LIS per layer per round) and orders
-    trtllm/<precision>/           TensorRT-LLM checkpoint (config.json, rank0.safetensors) and
-                                  build_commands.sh: the whole model at int8 / int4 / fp8
-    trtllm/fp16/ (bf16/)          the full-precision TensorRT-LLM checkpoint (manifest "trtllm"."full")
-    trtllm/levels/<level>/        one MIXED_PRECISION checkpoint per morph level (config.json, quant_cfg.json,
-                                  rank0.safetensors, build_commands.sh), e.g. int4-25 = the first 25 % of the
-                                  swap order at int4. Manifest "levels": "entries" maps a level name
-                                  (builder/levels.py, e.g. "int4@25") to its segments and {layer: precision},
-                                  the modes that reach it, the checkpoint dir and files, expected and
-                                  measured weight bytes, bytes freed against the full-precision checkpoint and
-                                  the KV blocks they buy under "budget" (block size, KV dtype, bytes per block)
+    hf/full/                      the full model as a modelopt unified Hugging Face checkpoint (manifest "hf"."full")
+    hf/levels/<level>/            one unified checkpoint per morph level (builder/hf_export.py: model.safetensors,
+                                  config.json with quantization_config, hf_quant_config.json, tokenizer files), e.g.
+                                  int4-25 = the first 25 % of the swap order at int4. Manifest "levels": "entries"
+                                  maps a level name (builder/levels.py, e.g. "int4@25") to its segments and
+                                  {layer: precision}, the modes that reach it, the checkpoint dir, quant_algo and
+                                  files, its stored bytes, the bytes it frees against hf/full and the KV blocks they
+                                  buy under "budget" (block size, KV dtype, bytes per block)
+    trtllm/                       only with --legacy-trtllm: legacy TensorRT-LLM checkpoints (per precision, full
+                                  precision, per level; manifest "trtllm") and their build_commands.sh
 
 Builds are atomic: everything is written into a hidden staging sibling, the manifest last, and the
 staging directory is renamed into place (an older engine directory is moved aside first and deleted
@@ -56,6 +56,7 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 FULL_WEIGHTS = "full/model.safetensors"
+HF_DIR = "hf"
 _STAGING_TAG = ".staging-"
 _OLD_TAG = ".old-"
 
@@ -259,14 +260,15 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 
 def manifest_files(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every file record of the manifest (model files, profile, layer variants, TensorRT-LLM checkpoints:
-    per precision, full precision, morph levels)."""
+    """Every file record of the manifest (model files, profile, layer variants, the unified checkpoints: full model
+    and morph levels, and any legacy TensorRT-LLM checkpoints: per precision, full precision, morph levels)."""
     records = list(manifest["files"].values())
     for layer in manifest["layers"]:
         records.extend(layer["variants"].values())
     trtllm = manifest.get("trtllm", {})
-    exports = [*trtllm.get("precisions", {}).values(), trtllm.get("full") or {},
-               *manifest.get("levels", {}).get("entries", {}).values()]
+    exports = [(manifest.get("hf") or {}).get("full") or {}, *manifest.get("levels", {}).get("entries", {}).values(),
+               *trtllm.get("precisions", {}).values(), trtllm.get("full") or {},
+               *((trtllm.get("levels") or {}).get("entries") or {}).values()]
     for export in exports:
         records.extend(export.get("files", []))
     return records
@@ -350,9 +352,33 @@ class EngineDir:
 
     @property
     def levels(self) -> dict[str, dict[str, Any]]:
-        """Morph levels with an exported TensorRT-LLM checkpoint, by name (empty for older builds)."""
-        entries = self.manifest.get("levels", {}).get("entries", {})
-        return {name: rec for name, rec in entries.items() if rec.get("status") == "exported"}
+        """Morph levels with an exported unified checkpoint, by name (empty for builds without them)."""
+        return exported_levels(self.manifest)
+
+    def level_checkpoint(self, name: str) -> Path:
+        return level_checkpoint(self.root, name, self.manifest)
+
+
+def exported_levels(manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The manifest's morph levels with an exported unified checkpoint, by name."""
+    entries = manifest.get("levels", {}).get("entries", {})
+    return {name: rec for name, rec in entries.items()
+            if rec.get("status") == "exported" and str(rec.get("dir", "")).startswith(HF_DIR + "/")}
+
+
+def level_checkpoint(root: str | os.PathLike, name: str, manifest: Mapping[str, Any] | None = None) -> Path:
+    """The unified checkpoint directory of morph level ``name`` of the engine directory ``root`` (its manifest name,
+    e.g. ``int4@25``, or its directory name, ``int4-25``), its files checked against the manifest; EngineDirError
+    naming the levels built otherwise."""
+    root = Path(root)
+    manifest = read_manifest(root) if manifest is None else manifest
+    levels = exported_levels(manifest)
+    for level, rec in levels.items():
+        if name in (level, Path(rec["dir"]).name):
+            check_files(root, {"files": {}, "layers": [], "levels": {"entries": {level: rec}}})
+            return root / rec["dir"]
+    built = ", ".join(levels) or "none (built with LEVELS=none, --no-hf-export or before unified checkpoints)"
+    raise EngineDirError(f"{root}: no exported morph level {name!r}; built: {built}")
 
 
 def load_engine_dir(path: str | os.PathLike, verify_checksums: bool = False) -> EngineDir:
@@ -373,9 +399,16 @@ def is_engine_dir(source: str | os.PathLike) -> bool:
     return (Path(source) / MANIFEST).is_file()
 
 
-def open_model(source: str | os.PathLike, verify_checksums: bool = False) -> tuple[LoadedModel, EngineDir | None]:
+def open_model(source: str | os.PathLike, verify_checksums: bool = False,
+               level: str | None = None) -> tuple[LoadedModel, EngineDir | None]:
     """The one way to open what a user names as the model: an engine directory (its weights, tokenizer,
-    LIS order and prebuilt variants) or any model source :func:`serve.model.loader.load_model` takes."""
+    LIS order and prebuilt variants) or any model source :func:`serve.model.loader.load_model` takes. ``level``:
+    one of the engine directory's morph levels instead (its unified checkpoint, a static model: no variants)."""
+    if level is not None:
+        if not is_engine_dir(source):
+            raise EngineDirError(f"level {level!r} names a morph level of an engine directory, but {source} is not one "
+                                 "(no manifest.json); point the model at its unified checkpoint directory instead")
+        return load_model(str(level_checkpoint(source, level))), None
     if is_engine_dir(source):
         ed = load_engine_dir(source, verify_checksums)
         return ed.loaded, ed

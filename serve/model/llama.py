@@ -166,14 +166,18 @@ def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_positions: int) -> None:
+                 dtype: torch.dtype, max_positions: int, layers: dict[int, DecoderLayer] | None = None) -> None:
+        """``layers``: decoder layers already built (a static checkpoint's quantized ones,
+        serve/model/quantized_layer.py); every other layer is built from ``weights``."""
         self.config = config
         self.device = device
         self.dtype = dtype
         embed = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype)
         self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
         head = embed if config.tie_word_embeddings else weights["lm_head.weight"].to(device=device, dtype=dtype)
-        self.layers = [build_decoder_layer(weights, i, device, dtype) for i in range(config.num_layers)]
+        built = layers or {}
+        self.layers = [built[i] if i in built else build_decoder_layer(weights, i, device, dtype)
+                       for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config, max_positions, device, dtype)
         self.scale = config.head_dim ** -0.5
         group = config.num_heads // config.num_kv_heads

@@ -2,7 +2,10 @@
 
 Sources: the embedded SmolLM2-135M-Instruct GGUF (serve/model/embedded.py), any GGUF file of a llama-arch model,
 or a Hugging Face directory (config.json, *.safetensors, tokenizer.json). Tensor names follow Hugging Face
-(model.layers.N.self_attn.q_proj.weight, ...), so HF checkpoints load without renaming.
+(model.layers.N.self_attn.q_proj.weight, ...), so HF checkpoints load without renaming. A Hugging Face directory
+that modelopt exported quantized (a unified checkpoint: ``quantization_config`` in config.json, e.g. a morph level
+that ``make build-engines`` writes under ``hf/levels/``) loads its quantized projections as runtime layers
+(serve/model/unified_checkpoint.py) and every other tensor as usual.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +23,9 @@ import torch
 from serve.model.embedded import EMBEDDED_MODELS
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from serve.model.unified_checkpoint import UnifiedQuantization
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -44,6 +51,9 @@ class LoadedModel:
     source_tensor_types: tuple[str, ...] = ()
     """Storage types of the source's tensors as its format names them (GGUF "Q4_1", "F32", ...; safetensors
     "BF16", "F16", "F32"), sorted; empty when unknown. The builder exports bf16 checkpoints for bf16 sources."""
+    quantized: UnifiedQuantization | None = None
+    """A modelopt unified checkpoint's quantized decoder projections (runtime layers); ``weights`` then lacks those
+    projections' weights, so the model is static (nothing can morph those layers back up)."""
 
 
 def embedded_model_path(name: str) -> Path:
@@ -179,15 +189,20 @@ def load_hf_directory(path: Path) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
-    weights: dict[str, torch.Tensor] = {}
-    types: set[str] = set()
+    tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            for k, v in load_file(str(file)).items():
-                types.add(_SAFETENSORS_DTYPE_NAMES.get(v.dtype, str(v.dtype)))
-                weights[k] = v.to(torch.float32)
+            tensors.update(load_file(str(file)))
         except Exception as exc:  # noqa: BLE001
             raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc
+    from serve.model.unified_checkpoint import UnifiedCheckpointError, read_quantized  # noqa: PLC0415
+
+    try:
+        quantized, rest = read_quantized(cfg, tensors, config.num_layers)
+    except UnifiedCheckpointError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    types = {_SAFETENSORS_DTYPE_NAMES.get(v.dtype, str(v.dtype)) for v in rest.values()}
+    weights = {k: v.to(torch.float32) for k, v in rest.items()}
     if "lm_head.weight" not in weights and not config.tie_word_embeddings:
         raise ModelLoadError(f"{path}: lm_head.weight missing and tie_word_embeddings is false")
     tok_json = path / "tokenizer.json"
@@ -200,7 +215,7 @@ def load_hf_directory(path: Path) -> LoadedModel:
     tokenizer = Tokenizer.from_hf_files(str(tok_json), tok_cfg, config.eos_token_ids, config.bos_token_id)
     if tokenizer.eos_token_ids != config.eos_token_ids:
         config = ModelConfig(**{**config.__dict__, "eos_token_ids": tokenizer.eos_token_ids})
-    return LoadedModel(config, weights, tokenizer, str(path), tuple(sorted(types)))
+    return LoadedModel(config, weights, tokenizer, str(path), tuple(sorted(types)), quantized)
 
 
 def save_hf_directory(model: LoadedModel, out_dir: str | os.PathLike) -> Path:

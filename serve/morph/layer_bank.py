@@ -15,7 +15,6 @@ stream waits on before the copied layer is used. Nothing calls a device-wide syn
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,34 +22,11 @@ import torch
 
 from policy import FULL
 from serve.memory.arena import Arena, SlotRange
-from serve.model.layers import PROJECTIONS
-from serve.model.linear import ConcatLinear, LinearOp
+from serve.model.linear import ConcatLinear
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.process.omp_threads import serial_torch_here
-from serve.model.quantized_linear import fuse_quantized, host_packed
+from serve.model.quantized_linear import host_packed
 from serve.morph.placement import arena_nbytes, remap, weight_tensors
-
-
-def _fuse(ops: list, bias: torch.Tensor | None) -> LinearOp:
-    """One kernel call where the ops' format has a fusion rule that accepts them (the format registry: int8
-    always, int4 in our CPU kernel's layout); otherwise run each op."""
-    fused = fuse_quantized(ops) if bias is None else None
-    return fused if fused is not None else ConcatLinear(ops, bias)
-
-
-def quantized_layer(full: DecoderLayer, linears: Mapping[str, LinearOp], precision: str) -> DecoderLayer:
-    missing = [p for p in PROJECTIONS if p not in linears]
-    if missing:
-        raise ValueError(f"{precision} variant lacks projections {missing}")
-    qkv_bias = getattr(full.qkv, "bias", None)
-    return DecoderLayer(
-        input_norm=full.input_norm, post_attention_norm=full.post_attention_norm,
-        qkv=_fuse([linears["q_proj"], linears["k_proj"], linears["v_proj"]], qkv_bias),
-        o=linears["o_proj"],
-        gate_up=_fuse([linears["gate_proj"], linears["up_proj"]], None),
-        down=linears["down_proj"],
-        precision=precision,
-    )
 
 
 def host_copy(layer: DecoderLayer, device: torch.device) -> DecoderLayer:

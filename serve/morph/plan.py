@@ -19,7 +19,8 @@ from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
 from serve.model.quantized_linear import REGISTRY
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
-from serve.morph.layer_bank import host_copy, quantized_layer
+from serve.model.quantized_layer import quantized_layer
+from serve.morph.layer_bank import host_copy
 
 VariantSource = Callable[[int, str], Mapping[str, LinearOp]]
 
@@ -97,7 +98,7 @@ def resolve_plan(config: EngineConfig, policy: PolicyConfig, weights: Mapping[st
 
 def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:
     """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain."""
-    loaded, ed = open_model(config.model)
+    loaded, ed = open_model(config.model, level=config.level)
     if ed is None:
         return loaded, None
     return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, engine_dir=ed.root)

@@ -100,20 +100,37 @@ def test_profile_json_follows_the_greedy_lis_rule(built) -> None:
     assert profile["order"] == quantized == built.manifest["swap_order"]
 
 
-def test_trtllm_checkpoints_exported_and_compile_not_claimed(built) -> None:
-    trt = built.manifest["trtllm"]
-    assert trt["enabled"] and not trt["tensorrt_llm_available"]
-    algos = {"int8": "W8A16", "int4": "W4A16_AWQ", "fp8": "FP8"}
-    for precision, rec in trt["precisions"].items():
-        assert rec["status"] == "exported" and rec["engine_built"] is False, rec
-        assert rec["quant_algo"] == algos[precision]
-        d = built.path / rec["dir"]
-        cfg = json.loads((d / "config.json").read_text())
-        assert cfg["rotary_base"] == 10000.0 and cfg["num_hidden_layers"] == NUM_LAYERS
-        assert (d / "rank0.safetensors").is_file() and not (d / "engine").exists()
-        script = (d / "build_commands.sh").read_text()
-        assert "trtllm-build --checkpoint_dir . --output_dir engine" in script and "SKIPPED" in script
-    assert any("NO engine was built" in line for line in built.messages)
+def test_default_build_writes_unified_checkpoints_and_no_legacy_trtllm(built) -> None:
+    """The default build: hf/full (and the levels, tests/builder/test_hf_levels.py); no trtllm/, no trtllm-build
+    commands (the legacy export is opt-in, --legacy-trtllm)."""
+    assert built.manifest["trtllm"] == {"enabled": False}
+    assert not (built.path / "trtllm").exists() and not list(built.path.rglob("build_commands.sh"))
+    full = built.manifest["hf"]["full"]
+    assert built.manifest["hf"]["enabled"] and full["status"] == "exported" and full["dir"] == "hf/full"
+    d = built.path / full["dir"]
+    cfg = json.loads((d / "config.json").read_text())
+    assert "quantization_config" not in cfg and not (d / "hf_quant_config.json").exists()
+    assert cfg["num_hidden_layers"] == NUM_LAYERS and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert {f["file"] for f in full["files"]} >= {f"hf/full/{n}" for n in ("config.json", "model.safetensors",
+                                                                          "tokenizer.json", "tokenizer_config.json")}
+    assert not any("TensorRT-LLM" in line for line in built.messages)
+
+
+def test_int4_variants_keep_their_awq_scale_when_modelopt_updates_its_own(tiny_model) -> None:
+    """modelopt's exports re-smooth fused projections by writing a new pre_quant_scale into the quantizer's buffer in
+    place; a runtime variant must keep the scale its codes were made with (the layer profile runs on the variants
+    after the exports)."""
+    from builder.variants import build_variants
+    from serve.model.hf_reference import hf_llama
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 250, (1, 32), generator=g) for _ in range(2)]
+    result = build_variants(hf_llama(tiny_model), "int4", batches, 32)
+    variant = result.layers[0]["k_proj"]
+    before = variant.pre_quant_scale.clone()
+    quantizer = result.quantized_model.model.layers[0].self_attn.k_proj.input_quantizer
+    quantizer.pre_quant_scale = quantizer.pre_quant_scale * 2  # modelopt's setter copies into its buffer
+    assert torch.equal(variant.pre_quant_scale, before)
 
 
 def test_load_engine_dir_round_trip(built, tiny_dir, tiny_model) -> None:
@@ -224,7 +241,7 @@ def test_suffix_mds_equals_brute_force(tiny_model) -> None:
 
 
 def test_second_build_is_a_noop_and_force_rebuilds(tiny_dir, tmp_path) -> None:
-    opts = dict(model=str(tiny_dir), output=str(tmp_path / "e"), trtllm=False, **FAST)
+    opts = dict(model=str(tiny_dir), output=str(tmp_path / "e"), hf_export=False, **FAST)
     first = build_engine(BuildOptions(**opts))
     manifest_path = first.path / ed.MANIFEST
     stamp = manifest_path.stat().st_mtime_ns
@@ -244,7 +261,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 def test_failed_build_leaves_old_engine_dir_intact(tiny_dir, tmp_path, monkeypatch) -> None:
-    opts = dict(model=str(tiny_dir), output=str(tmp_path / "e"), trtllm=False, **FAST)
+    opts = dict(model=str(tiny_dir), output=str(tmp_path / "e"), hf_export=False, **FAST)
     first = build_engine(BuildOptions(**opts))
     before = _snapshot(first.path)
 
@@ -262,13 +279,13 @@ def test_failed_build_leaves_old_engine_dir_intact(tiny_dir, tmp_path, monkeypat
 def test_killed_build_leaves_old_engine_dir_intact(tiny_dir, tmp_path) -> None:
     """SIGKILL in the middle of a build (after the layer files, before the manifest)."""
     out = tmp_path / "e"
-    first = build_engine(BuildOptions(model=str(tiny_dir), output=str(out), trtllm=False, **FAST))
+    first = build_engine(BuildOptions(model=str(tiny_dir), output=str(out), hf_export=False, **FAST))
     before = _snapshot(first.path)
     script = (
         "import os, signal, builder.importance as imp\n"
         "from builder.build import BuildOptions, build_engine\n"
         "imp.profile_layers = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"build_engine(BuildOptions(model={str(tiny_dir)!r}, output={str(out)!r}, trtllm=False, force=True, "
+        f"build_engine(BuildOptions(model={str(tiny_dir)!r}, output={str(out)!r}, hf_export=False, force=True, "
         "calib_tokens=64, profile_tokens=32, progress=False))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -285,10 +302,9 @@ def test_killed_build_leaves_old_engine_dir_intact(tiny_dir, tmp_path) -> None:
 
 def test_engine_dir_errors(built, tmp_path) -> None:
     root = tmp_path / "copy"
-    shutil.copytree(built.path, root, ignore=shutil.ignore_patterns("trtllm"))
+    shutil.copytree(built.path, root, ignore=shutil.ignore_patterns("hf"))
     manifest = json.loads((root / ed.MANIFEST).read_text())
-    manifest["trtllm"]["precisions"] = {}
-    manifest["trtllm"]["full"] = None
+    manifest["hf"]["full"] = None
     manifest["levels"]["entries"] = {}
     ed.write_json(root / ed.MANIFEST, manifest)
     ed.load_engine_dir(root, verify_checksums=True)
@@ -320,7 +336,7 @@ def test_cli_help_and_bad_input(tiny_dir, tmp_path) -> None:
     corrupt.write_bytes(b"GGUF" + os.urandom(256))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    base = ["--calib-tokens", "64", "--profile-tokens", "32", "--quiet", "--no-trtllm"]
+    base = ["--calib-tokens", "64", "--profile-tokens", "32", "--quiet", "--no-hf-export"]
     cases = {
         "missing model": (["--model", str(tmp_path / "nope.gguf")], "does not exist"),
         "corrupt model": (["--model", str(corrupt)], "not a readable GGUF"),
@@ -340,7 +356,8 @@ def test_cli_help_and_bad_input(tiny_dir, tmp_path) -> None:
     help_out = subprocess.run([sys.executable, "-m", "builder", "--help"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert help_out.returncode == 0
     for flag in ("--model", "--output", "--precisions", "--group-size", "--calib-text", "--calib-tokens", "--seed",
-                 "--force", "--no-trtllm", "--levels", "--no-levels", "--kv-block-size", "--quiet"):
+                 "--force", "--no-hf-export", "--legacy-trtllm", "--levels", "--no-levels", "--kv-block-size",
+                 "--quiet"):
         assert flag in help_out.stdout
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -357,10 +374,11 @@ def test_cli_defaults_match_the_builder() -> None:
     assert cli.PRECISIONS == PRECISIONS
     args = cli.parse_args([])
     opts = BuildOptions()
-    assert (args.model, args.precisions, args.calib_tokens, args.profile_tokens, args.group_size, args.trtllm,
-            args.levels, args.kv_block_size) == (
-        opts.model, opts.precisions, opts.calib_tokens, opts.profile_tokens, opts.group_size, opts.trtllm,
-        opts.levels, opts.kv_block_size)
+    assert (args.model, args.precisions, args.calib_tokens, args.profile_tokens, args.group_size, args.hf_export,
+            args.legacy_trtllm, args.levels, args.kv_block_size) == (
+        opts.model, opts.precisions, opts.calib_tokens, opts.profile_tokens, opts.group_size, opts.hf_export,
+        opts.legacy_trtllm, opts.levels, opts.kv_block_size)
+    assert opts.hf_export and not opts.legacy_trtllm  # the legacy TensorRT-LLM checkpoints are opt-in
     assert cli.parse_args(["--no-levels"]).levels == () == cli.parse_args(["--levels", "none"]).levels
     assert cli.parse_args(["--levels", "default"]).levels is None
     assert cli.parse_args(["--levels", "int4@50, int8@25,int4@50"]).levels == ("int4@50", "int8@25")

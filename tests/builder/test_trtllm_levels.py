@@ -1,4 +1,5 @@
-"""Morph-level TensorRT-LLM checkpoints (builder/levels.py, builder/trtllm_export.py), checked without TensorRT-LLM.
+"""Legacy morph-level TensorRT-LLM checkpoints (builder/levels.py, builder/trtllm_export.py; only with
+``--legacy-trtllm``), checked without TensorRT-LLM.
 
 TensorRT-LLM cannot be installed here, so each exported checkpoint is read back (config.json, quant_cfg.json,
 rank0.safetensors) and checked against TensorRT-LLM's documented checkpoint format
@@ -12,29 +13,25 @@ full-precision tensors equal the full weights in fp16, int8 and int4 codes equal
 codes (scales equal after the runtime's bf16 rounding), and the fused int4 qkv equals modelopt's
 re-smoothing of the q/k/v variants (one averaged pre_quant_scale for the fused GEMM).
 
-The shared tiny build (`built`, conftest.py) exports three levels; the engine directory `make build-engines` writes
-(engines/smollm2-135m, or MORPHSERVE_ENGINE_DIR) is checked the same way by the slow test_real_engine_levels. CI
-builds it first (.ci/run: the quickstart's `make build-engines`); elsewhere the test skips until it is built.
+The shared tiny legacy build (`legacy_built`, conftest.py) exports three levels. The default build writes unified
+Hugging Face checkpoints instead (tests/builder/test_hf_levels.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from tests.ci_skip_policy import skip_outside_ci
-from tests.conftest import BUILD_FAST, BUILD_LEVELS, BUILD_NUM_LAYERS, REPO_ROOT
+from tests.conftest import BUILD_FAST, BUILD_LEVELS, BUILD_NUM_LAYERS
 from safetensors.torch import load_file
 
 from builder import defaults
 from builder import levels as lv
 from builder.build import BuildOptions, build_engine, requested_params, resolve_levels
 from builder.errors import BuildError
-from builder.trtllm_export import source_dtype
+from builder.hf_export import source_dtype
 from policy.modes import MODES
 from serve.config import EngineConfig
 from serve.model import engine_dir as ed
@@ -48,11 +45,6 @@ DOCUMENTED_QUANT_FIELDS = {"quant_algo", "kv_cache_quant_algo", "group_size", "h
                            "exclude_modules"}
 LAYER_QUANT_CONFIG_FIELDS = {"quant_algo", "kv_cache_quant_algo", "quantized_layers"}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-REAL_ENGINE = Path(os.environ.get("MORPHSERVE_ENGINE_DIR", REPO_ROOT / "engines" / "smollm2-135m"))
-"""An engine directory from `make build-engines`, checked by test_real_engine_levels when MORPHSERVE_ENGINE_DIR
-names it (opt-in: it reads every level checkpoint, minutes on 2 cores)."""
-
-
 # ------------------------------------------------------------------------------- reading a checkpoint
 
 
@@ -255,8 +247,9 @@ def test_resolve_levels_and_block_size_default() -> None:
     names, left = resolve_levels(BuildOptions(precisions=("int4", "fp8")))
     assert names == ("int4@25", "int4@50", "int4@75") and [x["level"] for x in left] == ["int8@25"]
     assert resolve_levels(BuildOptions(levels=())) == ((), [])
-    names, left = resolve_levels(BuildOptions(trtllm=False, levels=("int4@50",)))
-    assert names == () and "--no-trtllm" in left[0]["reason"]
+    names, left = resolve_levels(BuildOptions(hf_export=False, levels=("int4@50",)))
+    assert names == () and "--no-hf-export" in left[0]["reason"]
+    assert resolve_levels(BuildOptions(hf_export=False, legacy_trtllm=True, levels=("int4@50",))) == (("int4@50",), [])
     with pytest.raises(BuildError, match="needs the int8 variants"):
         resolve_levels(BuildOptions(precisions=("int4",), levels=("int4@10+int8@20",)))
 
@@ -286,15 +279,16 @@ def test_source_dtype(tmp_path, tiny_dir, smollm) -> None:
 
 
 def _levels(built) -> dict:
-    return built.manifest["levels"]
+    return built.manifest["trtllm"]["levels"]
 
 
-def test_manifest_levels_section(built) -> None:
-    m, root = built.manifest, built.path
-    levels, order = m["levels"], m["swap_order"]
+def test_manifest_levels_section(legacy_built) -> None:
+    m, root = legacy_built.manifest, legacy_built.path
+    levels, order = m["trtllm"]["levels"], m["swap_order"]
     cfg = ed.load_engine_dir(root).config
     assert levels["enabled"] and list(levels["entries"]) == list(BUILD_LEVELS) and levels["skipped"] == []
     assert m["build"]["params"]["levels"] == {"names": list(BUILD_LEVELS), "kv_block_size": 16}
+    assert m["levels"]["entries"] == {} and not (root / "hf").exists()  # --no-hf-export
     budget = levels["budget"]
     assert (budget["kv_block_size"], budget["kv_dtype"]) == (16, "float16")
     assert budget["kv_bytes_per_block"] == kv_bytes_per_block(cfg, 16, torch.float16) == 2 * 3 * 16 * 32 * 2
@@ -329,15 +323,17 @@ def test_manifest_levels_section(built) -> None:
     # int4 frees more than int8 per layer; the mixed level sits between the two
     freed = {n: r["bytes_freed"] for n, r in levels["entries"].items()}
     assert freed["int8@67"] < freed["int4@34+int8@67"] < 2 * freed["int4@34"]
-    assert ed.load_engine_dir(root).levels.keys() == set(BUILD_LEVELS)
-    assert any(line.strip().startswith("int4@34: 1 layers") for line in built.messages)
+    assert ed.load_engine_dir(root, verify_checksums=True).levels == {}  # the engine serves unified checkpoints only
+    assert any(line.strip().startswith("level int4@34: checkpoint exported") for line in legacy_built.messages)
+    assert any("NO engine was built" in line for line in legacy_built.messages)
 
 
-def test_levels_are_build_parameters(built, tiny_dir) -> None:
+def test_levels_are_build_parameters(legacy_built, tiny_dir) -> None:
     """Same levels: a no-op over the level files too; other levels or block size: different parameters."""
-    opts = BuildOptions(model=str(tiny_dir), output=str(built.path), levels=BUILD_LEVELS, **BUILD_FAST)
+    opts = BuildOptions(model=str(tiny_dir), output=str(legacy_built.path), levels=BUILD_LEVELS, hf_export=False,
+                        legacy_trtllm=True, **BUILD_FAST)
     again = build_engine(opts)
-    assert again.skipped and again.manifest == built.manifest
+    assert again.skipped and again.manifest == legacy_built.manifest
     params = requested_params(opts)
     assert requested_params(BuildOptions(**{**opts.__dict__, "levels": ("int4@34",)})) != params
     assert requested_params(BuildOptions(**{**opts.__dict__, "kv_block_size": 32})) != params
@@ -345,8 +341,9 @@ def test_levels_are_build_parameters(built, tiny_dir) -> None:
 
 
 @pytest.mark.parametrize("which", ["fp16", "int8", "int4", *BUILD_LEVELS])
-def test_checkpoint_format_and_weights(built, which: str) -> None:
+def test_checkpoint_format_and_weights(legacy_built, which: str) -> None:
     """The full-precision, whole-model and level checkpoints against the format and the engine directory."""
+    built = legacy_built
     engine = ed.load_engine_dir(built.path)
     n = BUILD_NUM_LAYERS
     if which == "fp16":
@@ -373,27 +370,3 @@ def test_level_export_failure_is_recorded(tmp_path, tiny_model) -> None:
     assert rec["status"] == "failed" and "RTN fallback" in rec["error"] and rec["files"] == []
     assert out["skipped"] == [{"level": "int4@10", "reason": "int4@10 covers 0 of 3 layers"}]
     assert not (tmp_path / "trtllm").exists()
-
-
-# ------------------------------------------------------------------- the real engine, when it was built
-
-
-@pytest.mark.slow
-def test_real_engine_levels() -> None:
-    """`make build-engines` output: every level checkpoint against the format and the engine directory."""
-    if not (REAL_ENGINE / ed.MANIFEST).is_file():
-        skip_outside_ci(f"no engine directory at {REAL_ENGINE}: run `make build-engines` (or set MORPHSERVE_ENGINE_DIR)")
-    engine = ed.load_engine_dir(REAL_ENGINE)
-    levels = engine.manifest.get("levels", {})
-    if not levels.get("entries"):
-        skip_outside_ci(f"{REAL_ENGINE} has no morph levels (built before them or with LEVELS=none)")
-    dtype = engine.manifest["trtllm"]["full"]["dtype"]
-    for name, rec in levels["entries"].items():
-        assert rec["status"] == "exported", (name, rec.get("error"))
-        layer_precisions = {int(k): v for k, v in rec["layers"].items()}
-        assert layer_precisions == lv.parse_level(name).layer_precisions(engine.swap_order), name
-        tensors = check_format(REAL_ENGINE / rec["dir"], engine, layer_precisions, dtype)
-        check_weights(tensors, engine, layer_precisions, dtype)
-        assert rec["weight_bytes"] == rec["expected_weight_bytes"]
-        assert rec["kv_blocks_freed"] == math.floor(rec["bytes_freed"] / levels["budget"]["kv_bytes_per_block"])
-        del tensors

@@ -494,3 +494,26 @@ def test_config_defaults_build_a_valid_engine_config() -> None:
     assert kwargs2["max_num_seqs"] == 3 and "num_kv_blocks" not in kwargs2
     with pytest.raises(ValueError, match="max_num_seqs"):
         model.engine_config_kwargs({"max_num_seqs": "many"}, EngineConfig, model.REPO_ROOT)
+
+
+@pytest.mark.slow
+def test_a_morph_level_served_by_name(built, tmp_path: Path) -> None:
+    """``level`` picks a morph level of the engine directory: the server answers with the tokens this engine gives on
+    the level's unified checkpoint in-process; a morphing mode on a level fails the model load with the reason."""
+    from builder.level_check import greedy
+    from serve.model.loader import load_model
+
+    params = {**SERVER_PARAMS, "engine_dir": str(built.path), "level": "int4@34", "speculation": "off"}
+    with TritonServer(params=params, log_path=tmp_path / "server.log") as srv:
+        srv.wait_ready()
+        got = generate_http(PROMPTS[0], url=srv.http_url, max_tokens=8, temperature=0.0, ignore_eos=True)
+    loaded = load_model(str(built.path / "hf/levels/int4-34"))
+    want = greedy(None, (PROMPTS[0],), 8, model=str(built.path / "hf/levels/int4-34"))[0]
+    assert got.text == loaded.tokenizer.decode(want)
+    srv = TritonServer(params={**params, "morph_mode": "default"}, log_path=tmp_path / "refused.log")
+    srv.start()
+    try:
+        with pytest.raises(TritonLaunchError, match="morph mode 'default' needs every layer's full-precision weights"):
+            srv.wait_ready(timeout=300)
+    finally:
+        srv.stop()

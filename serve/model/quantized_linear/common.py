@@ -218,3 +218,20 @@ class Calibration:
     min_bound: float
     block_size: int = 0
     pre_quant_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class UnifiedTensors:
+    """One linear's tensors in a modelopt unified Hugging Face checkpoint (``weight``, ``weight_scale``,
+    ``pre_quant_scale``, ``input_scale``, keyed without the module prefix), for the formats' readers
+    (:attr:`serve.model.quantized_linear.registry.QuantFormat.from_unified`)."""
+
+    module: str
+    tensors: dict[str, torch.Tensor]
+
+    def require(self, name: str) -> torch.Tensor:
+        _check(name in self.tensors, f"{self.module}.{name} is missing (tensors: {sorted(self.tensors)})")
+        return self.tensors[name]
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)

@@ -11,6 +11,7 @@ import torch
 from serve.model.quantized_linear.common import (
     _AMAX_EPS,
     Calibration,
+    UnifiedTensors,
     WeightAndScale,
     _check,
     _flatten_input,
@@ -106,3 +107,14 @@ def _fp8_from_amax(w: torch.Tensor, amax: torch.Tensor) -> Fp8WeightOnly:
     bmult = mult[:, None] if mult.numel() > 1 else mult.reshape(())
     codes = (w.float() * bmult).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
     return Fp8WeightOnly(codes, 1 / mult)
+
+
+def fp8_from_unified(t: UnifiedTensors, layer_cfg: dict) -> Fp8WeightOnly:
+    """An ``FP8`` module of a modelopt unified checkpoint (``weight`` e4m3 ``[N, K]``, fp32 ``weight_scale``) as a
+    runtime layer. One with a static activation scale (``input_scale``: W8A8) is refused: this format runs weight-only
+    (its CPU path dequantizes, its CUDA path takes dynamic activation scales), so it would not compute what the
+    checkpoint describes."""
+    _check(t.optional("input_scale") is None,
+           "FP8 with a static activation scale (input_scale, W8A8) is not a format this engine runs: its fp8 is "
+           "weight-only")
+    return Fp8WeightOnly(t.require("weight"), t.require("weight_scale").float())

@@ -15,6 +15,7 @@ from serve.model import kernels
 from serve.model.quantized_linear import common
 from serve.model.quantized_linear.common import (
     Calibration,
+    UnifiedTensors,
     _check,
     _check_format,
     _flatten_input,
@@ -34,6 +35,7 @@ from serve.model.quantized_linear.int4_packing import (
     pack_int4_nibbles,
     unpack_int4_blocked,
     unpack_int4_nibbles,
+    unpack_int4_out_pairs,
 )
 
 _INT4_MAX = 7.0
@@ -298,5 +300,25 @@ def int4_from_calibration(cal: Calibration) -> Int4WeightOnly:
         q.reshape(n, k) + 8,
         _scale(amax, cal.max_bound),
         block,
-        pre_quant_scale=None if pqs is None else pqs.float().reshape(k),
+        # a copy: modelopt updates its quantizer's scale in place (its exports re-smooth fused projections), and a
+        # shared one would change this layer's activation scale under codes made for the old one
+        pre_quant_scale=None if pqs is None else pqs.detach().float().reshape(k).clone(),
     )
+
+
+def int4_from_unified(t: UnifiedTensors, layer_cfg: dict) -> Int4WeightOnly:
+    """A ``W4A16_AWQ`` module of a modelopt unified checkpoint (``weight`` uint8 ``[N/2, K]``, ``weight_scale`` fp32
+    ``[N, K/group]``, no zero point, optional ``pre_quant_scale [K]``) as a runtime layer."""
+    _check(not layer_cfg.get("has_zero_point", False), "W4A16_AWQ with a zero point is not a format this engine runs")
+    codes = unpack_int4_out_pairs(t.require("weight"))
+    scales = t.require("weight_scale").float()
+    n, k = codes.shape
+    _check(scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] > 0 and k % scales.shape[1] == 0,
+           f"weight_scale {tuple(scales.shape)} does not fit weight codes {(n, k)}")
+    group = k // scales.shape[1]
+    _check(layer_cfg.get("group_size", group) == group,
+           f"group_size {layer_cfg.get('group_size')} in the config, {group} in the tensors")
+    # the config's pre_quant_scale flag says the format is AWQ's; modelopt folds the scale of projections that share
+    # an input into the norm before them, so the tensor is there only where it was not folded
+    pqs = t.optional("pre_quant_scale")
+    return Int4WeightOnly.from_codes(codes, scales, group, pre_quant_scale=None if pqs is None else pqs.float())

@@ -71,6 +71,16 @@ def unpack_int4_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
 
 
+def unpack_int4_out_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """modelopt's unified-checkpoint int4 layout (``pack_int4_in_uint8``): uint8 ``[N/2, K]``, byte ``[j, k]`` holds
+    row 2j's signed code in its low nibble and row 2j+1's in its high nibble -> unsigned codes ``[N, K]`` in 0..15
+    (signed + 8, i.e. the nibble with its sign bit flipped)."""
+    _check(packed.dim() == 2 and packed.dtype == torch.uint8,
+           f"int4 weight must be uint8 [out/2, in], got {packed.dtype} {tuple(packed.shape)}")
+    pairs = torch.stack([packed & 0x0F, packed >> 4], dim=1)  # [N/2, 2, K]: rows 2j, 2j+1
+    return (pairs ^ 0x08).reshape(-1, packed.shape[1]).to(torch.int32)
+
+
 def pack_int4_blocked(codes: torch.Tensor) -> torch.Tensor:
     """Our CPU kernel's layout (``"avx2"``): codes ``[N, K]`` in 0..15, K a multiple of 32 -> uint8
     ``[N, K/2]``; per row, each run of 32 inputs is 16 bytes, byte j = code[32b + j] | code[32b + 16 + j] << 4

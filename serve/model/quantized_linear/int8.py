@@ -12,6 +12,7 @@ from serve.model import kernels
 from serve.model.quantized_linear import common
 from serve.model.quantized_linear.common import (
     Calibration,
+    UnifiedTensors,
     WeightAndScale,
     _aligned,
     _check,
@@ -108,3 +109,11 @@ def int8_from_calibration(cal: Calibration) -> Int8WeightOnly:
     amax = cal.amax.reshape(-1)  # [N]
     q = _round_codes(cal.weight, amax[:, None], cal.max_bound, cal.min_bound)
     return Int8WeightOnly.from_int(q, _scale(amax, cal.max_bound))
+
+
+def int8_from_unified(t: UnifiedTensors, layer_cfg: dict) -> Int8WeightOnly:
+    """A ``W8A16`` module of a modelopt unified checkpoint (``weight`` int8 ``[N, K]``, ``weight_scale`` fp32 ``[N]``)
+    as a runtime layer."""
+    weight, scale = t.require("weight"), t.require("weight_scale")
+    _check(weight.dtype == torch.int8, f"W8A16 weight must be int8, got {weight.dtype}")
+    return Int8WeightOnly(weight, scale.float().reshape(-1))

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from policy.precisions import PRECISION_CODE, QUANTIZED_PRECISIONS, check_quantized_precision
-from serve.model.quantized_linear.common import Calibration, QuantizedLinear, _check
-from serve.model.quantized_linear.fp8 import Fp8WeightOnly, fp8_from_calibration, quantize_fp8_rtn
-from serve.model.quantized_linear.int4 import Int4WeightOnly, int4_from_calibration, quantize_int4_rtn
-from serve.model.quantized_linear.int8 import Int8WeightOnly, int8_from_calibration, quantize_int8_rtn
+from serve.model.quantized_linear.common import Calibration, QuantizedLinear, UnifiedTensors, _check
+from serve.model.quantized_linear.fp8 import Fp8WeightOnly, fp8_from_calibration, fp8_from_unified, quantize_fp8_rtn
+from serve.model.quantized_linear.int4 import Int4WeightOnly, int4_from_calibration, int4_from_unified, quantize_int4_rtn
+from serve.model.quantized_linear.int8 import Int8WeightOnly, int8_from_calibration, int8_from_unified, quantize_int8_rtn
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class QuantFormat:
     """Plain round-to-nearest: ``(weight [N, K], group_size) -> layer`` (formats without groups ignore it)."""
     from_calibration: Callable[[Calibration], QuantizedLinear]
     """modelopt's exact codes from one calibrated weight quantizer (the builder reads it off the module)."""
+    from_unified: Callable[[UnifiedTensors, dict], QuantizedLinear]
+    """One module of a modelopt unified Hugging Face checkpoint (``export_hf_checkpoint``: its tensors and its
+    ``quantized_layers`` entry, whose ``quant_algo`` is :attr:`TrtllmForm.quant_algo`) as a runtime layer."""
     modelopt: ModeloptRecipe
     trtllm: TrtllmForm
     min_cuda_capability: tuple[int, int]
@@ -107,7 +110,7 @@ class QuantFormat:
 
 REGISTRY: dict[str, QuantFormat] = {f.precision: f for f in (
     QuantFormat(
-        "int8", Int8WeightOnly, quantize_int8_rtn, int8_from_calibration,
+        "int8", Int8WeightOnly, quantize_int8_rtn, int8_from_calibration, int8_from_unified,
         ModeloptRecipe("INT8_WEIGHT_ONLY_CFG", ("QUANTIZATION_INT8_WO",),
                        "modelopt INT8_WEIGHT_ONLY_CFG (per-output-channel max calibration)"),
         TrtllmForm("int8_wo", "W8A16", weight_bits=8, scales="channel"),
@@ -115,7 +118,7 @@ REGISTRY: dict[str, QuantFormat] = {f.precision: f for f in (
         fuse=Int8WeightOnly.concat,
     ),
     QuantFormat(
-        "int4", Int4WeightOnly, quantize_int4_rtn, int4_from_calibration,
+        "int4", Int4WeightOnly, quantize_int4_rtn, int4_from_calibration, int4_from_unified,
         ModeloptRecipe("INT4_AWQ_CFG", ("QUANTIZATION_INT4_AWQ",),
                        "modelopt INT4_AWQ_CFG (awq_lite, symmetric, group-wise)"),
         TrtllmForm("int4_wo", "W4A16_AWQ", weight_bits=4, scales="group", pre_quant_scale=True, group_size=128),
@@ -125,7 +128,7 @@ REGISTRY: dict[str, QuantFormat] = {f.precision: f for f in (
         host_pack=Int4WeightOnly.for_device_on_host,
     ),
     QuantFormat(
-        "fp8", Fp8WeightOnly, quantize_fp8_rtn, fp8_from_calibration,
+        "fp8", Fp8WeightOnly, quantize_fp8_rtn, fp8_from_calibration, fp8_from_unified,
         ModeloptRecipe("FP8_DEFAULT_CFG", ("QUANTIZATION_FP8", "QUANTIZATION_FP8_PC_PT"),
                        "modelopt FP8_DEFAULT_CFG with input quantizers disabled (e4m3 weights, per-tensor scale)",
                        weights_only=True),
@@ -141,14 +144,15 @@ FORMATS: dict[str, type] = {f.format: f.linear for f in REGISTRY.values()}
 """Runtime linear class by its safetensors ``format`` name ("int8_wo", ...)."""
 
 _BY_CLASS: dict[type, QuantFormat] = {f.linear: f for f in REGISTRY.values()}
+_BY_QUANT_ALGO: dict[str, QuantFormat] = {f.trtllm.quant_algo: f for f in REGISTRY.values()}
 
 
 def check_registry() -> None:
     """The table and policy's vocabulary name the same precisions, and every format name is unique."""
     if tuple(REGISTRY) != QUANTIZED_PRECISIONS:
         raise RuntimeError(f"quantization registry {tuple(REGISTRY)} differs from policy's {QUANTIZED_PRECISIONS}")
-    if len(FORMATS) != len(REGISTRY):
-        raise RuntimeError("two quantization formats share a format name")
+    if len(FORMATS) != len(REGISTRY) or len(_BY_QUANT_ALGO) != len(REGISTRY):
+        raise RuntimeError("two quantization formats share a format name or a quant_algo")
     for f in REGISTRY.values():
         if f.trtllm.scales not in SCALE_GRANULARITIES or (f.trtllm.scales == "group") != f.grouped:
             raise RuntimeError(f"{f.precision}: TensorRT-LLM scales {f.trtllm.scales!r} do not match grouped={f.grouped}")
@@ -160,6 +164,12 @@ check_registry()
 def quant_format(precision: str) -> QuantFormat:
     """The format of a quantized ``precision``; ValueError naming the known ones otherwise."""
     return REGISTRY[check_quantized_precision(precision)]
+
+
+def format_for_quant_algo(quant_algo: object) -> QuantFormat | None:
+    """The format a checkpoint module's ``quant_algo`` names (``"W4A16_AWQ"`` -> int4), or None for one this engine
+    does not run."""
+    return _BY_QUANT_ALGO.get(quant_algo) if isinstance(quant_algo, str) else None
 
 
 def format_of(op: object) -> QuantFormat | None:
