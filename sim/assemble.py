@@ -23,7 +23,7 @@ from serve.engine.assembly import EngineParts
 from serve.engine.engine import LLMEngine
 from serve.memory.block_pool import BlockPool
 from serve.memory.sizing import plan_arena
-from serve.engine.kv_rung import build_kv_rung
+from serve.engine.kv_rung import build_kv_rung, kv_blocks_per_slot
 from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.kv_format import KVLayout
 from serve.model.model_config import ModelConfig
@@ -167,11 +167,12 @@ def build_engine(config: EngineConfig, target: Target, clock: VirtualClock,
         costs = target.step_costs(precisions) if policy.cost_aware else None
         morph = build_runtime(policy, MorphPlan(precisions, list(target.swap_order), None),  # type: ignore[arg-type]
                               bank, pool, ledger, memory.kv, config.block_size,  # type: ignore[arg-type]
-                              clock=clock, costs=costs, prefix_cache=config.prefix_cache_across_morph)
-        morph.step_token_budget = config.max_num_batched_tokens
+                              clock=clock, costs=costs, prefix_cache=config.prefix_cache_across_morph,
+                              step_token_budget=config.max_num_batched_tokens,
+                              kv_blocks_per_freed_slot=kv_blocks_per_slot(kv) if rung is not None else 1.0)  # type: ignore[arg-type]
         resources.append(morph)
         if rung is not None:  # the KV-precision rung, the cheapest lever, goes before layer swapping (as the engine)
-            resources.insert(0, build_kv_rung(policy, pool, kv, config.prefix_cache_across_morph, morph))  # type: ignore[arg-type]
+            resources.insert(0, build_kv_rung(policy, pool, kv, config.prefix_cache_across_morph, morph, clock))  # type: ignore[arg-type]
             step_model = copy.copy(target.step_model)
             step_model.kv_rung = rung.kv_cache_dtype  # type: ignore[attr-defined]
             target = dataclasses.replace(target, step_model=step_model)

@@ -26,8 +26,8 @@ from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
 from serve.engine.memory_assembly import EngineMemory, build_memory
-from serve.engine.kv_rung import build_kv_rung
-from serve.engine.resources import ResourceManager
+from serve.engine.kv_rung import build_kv_rung, kv_blocks_per_slot
+from serve.resource_seam import ResourceManager
 from serve.engine.spec_assembly import wrap_executor
 from serve.morph.plan import load_model_and_plan, resolve_plan
 from serve.morph.setup import build_runtime
@@ -89,11 +89,13 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callabl
         morph = build_runtime(policy, plan, memory.bank, memory.pool, memory.ledger, memory.kv, config.block_size,
                               clock=clock, prefix_cache=config.prefix_cache_across_morph,
                               pressure=pressure_source(config.memory_pressure_source, device)
-                              if policy.strategy == "dynamic" else None)
-        morph.step_token_budget = config.max_num_batched_tokens
+                              if policy.strategy == "dynamic" else None,
+                              step_token_budget=config.max_num_batched_tokens,
+                              kv_blocks_per_freed_slot=kv_blocks_per_slot(memory.kv) if memory.kv.mixes_formats else 1.0)
         resources.append(morph)
         if memory.kv.mixes_formats:  # the KV-precision rung, the cheapest lever, goes before layer swapping
-            resources.insert(0, build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph))
+            resources.insert(0, build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph,
+                                              clock))
     # self-speculative decoding (off: the torch executor alone); its manager runs after the morph runtime's
     executor, speculation = wrap_executor(config, model, TorchExecutor(model, memory.kv), memory.bank, plan,
                                           loaded.weights, max_model_len, clock)

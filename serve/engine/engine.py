@@ -35,7 +35,8 @@ from serve.memory.block_pool import CacheEvents
 from serve.model.loader import LoadedModel
 from serve.process.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer
-from serve.engine.resources import ResourceManagers, YieldsMemory
+from serve.engine.resources import ResourceManagers
+from serve.resource_seam import YieldsMemory
 
 Callback = Callable[[RequestOutput], None]
 M = TypeVar("M")
@@ -69,13 +70,13 @@ class LLMEngine:
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
             # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
             parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
+        self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._assemble(config, parts)
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
         self._handoff = Handoff(config.max_num_waiting)
         self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
                                     backend=config.guided_backend)  # structured output, built or assembled alike
         self.grammars = GrammarWait(self.guides, self._handoff.work.set)  # guided requests wait for their grammar
-        self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -85,7 +86,6 @@ class LLMEngine:
         self.last_num_scheduled = 0   # sequences in the last iteration's batch
         self.last_num_context = 0     # of which prefill (context) chunks
         self.last_step_error: str | None = None
-        self._resources_ok = True     # no resource-manager failure in this iteration (a boundary's or a shortfall's)
         self._step_listeners: list[Callable[[], None]] = []
         self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)  # deadlines
         self.start_rate = self.lifecycle.start_rate
@@ -98,7 +98,7 @@ class LLMEngine:
         self.memory = parts.memory
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
-        self.resources = ResourceManagers(parts.resources)
+        self.resources = ResourceManagers(parts.resources, self.faults.record)  # a manager's failure: the fault log
         self._wire_resources(config)
         self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -208,7 +208,7 @@ class LLMEngine:
             self._admit_handoff()
             produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py), bad guide
                         [*self.lifecycle.expired(list(self._requests.values()), self.clock()), *self.grammars.failed()]]
-            self._resources_ok = self.resources.before_schedule(self.scheduler, self.faults.record)
+            self.resources.before_schedule(self.scheduler)
             sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not c.is_decode)
@@ -228,7 +228,7 @@ class LLMEngine:
                 else:
                     self.scheduler.on_executed(sched)
                     produced += self.appender.append(sampled, logits)  # drafted chunks: accepted runs
-                    if self._resources_ok:
+                    if self.resources.iteration_ok:  # no manager failed at the boundary or on a shortfall
                         self.faults.iteration_ok()
                 self.num_steps += 1
         self._deliver(produced)
@@ -244,9 +244,8 @@ class LLMEngine:
     def _cover_shortfall(self, blocks: int) -> None:
         """The scheduler is ``blocks`` KV blocks short and about to preempt (the KV-cache manager's hook): the
         managers that grow the pool cover what they can (quantize before preempt); the scheduler preempts the
-        rest. A failure is logged and counted as the boundary's."""
-        if not self.resources.cover_shortfall(self.scheduler, blocks, self.faults.record):
-            self._resources_ok = False
+        rest. A failure is recorded and the iteration not counted healthy, as the boundary's."""
+        self.resources.cover_shortfall(self.scheduler, blocks)
 
     def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:

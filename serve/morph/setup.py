@@ -21,7 +21,7 @@ from serve.morph.layer_bank import LayerBank
 from serve.morph.placement import remap
 from serve.morph.plan import MorphPlan
 from serve.morph.runtime import MorphRuntime
-from serve.morph.scheduler_view import IdleSchedulerView
+from serve.resource_seam import IdleSchedulerView
 
 log = get_logger("morphserve.morph")
 
@@ -56,14 +56,17 @@ def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> S
 
 def build_runtime(policy: PolicyConfig, plan: MorphPlan, bank: LayerBank, pool: BlockPool, ledger: MemoryLedger,
                   kv: PagedKVCache, block_size: int, clock=None, costs: StepCosts | None = None,
-                  prefix_cache: str = "exact", pressure: PressureSource | None = None) -> MorphRuntime:
+                  prefix_cache: str = "exact", pressure: PressureSource | None = None, step_token_budget: int = 0,
+                  kv_blocks_per_freed_slot: float = 1.0) -> MorphRuntime:
     """The morph runtime over the engine's memory; a cost-aware dynamic mode gets this machine's step costs
     (``costs`` or looked up)."""
     kwargs = {"clock": clock} if clock is not None else {}
     if costs is None and policy.cost_aware and policy.strategy == "dynamic":
         costs = step_costs(bank.model, bank, plan.engine_dir)
     runtime = MorphRuntime(policy, plan.swap_order, bank, pool, ledger, kv, block_size,
-                           costs=costs, prefix_cache=prefix_cache, pressure=pressure, **kwargs)
+                           costs=costs, prefix_cache=prefix_cache, pressure=pressure,
+                           step_token_budget=step_token_budget, kv_blocks_per_freed_slot=kv_blocks_per_freed_slot,
+                           **kwargs)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)

@@ -11,7 +11,8 @@ import pytest
 from serve.config import EngineConfig
 from serve.engine.assembly import build_parts
 from serve.engine.engine import LLMEngine
-from serve.engine.resources import ResourceManagerBase, ResourceManagers, YieldsMemory
+from serve.engine.resources import ResourceManagers
+from serve.resource_seam import ResourceManagerBase, YieldsMemory
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.stats import resource_fields
 from serve.morph.runtime import MorphRuntime
