@@ -28,6 +28,7 @@ from serve.engine.slo import RequestSLO
 from serve.engine.validation import RequestValidator
 from serve.engine.stats import EngineStats, resource_fields
 from serve.engine.token_append import TokenAppender
+from serve.engine.torch_device import TorchDevice
 from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
@@ -69,7 +70,8 @@ class LLMEngine:
                 torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
             # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
-            parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
+            parts = on_short_lived_thread(lambda: build_parts(config, TorchDevice(config, loaded), self.clock),
+                                          name="morphserve-load")
         self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._assemble(config, parts)
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it

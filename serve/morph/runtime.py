@@ -25,10 +25,9 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
 from serve.memory.arena import SlotRange
 from serve.memory.pressure import PressureSource
-from serve.model.kv_cache import PagedKVCache
-from serve.model.llama import DecoderLayer
+from serve.model.kv_cache import KVBlocks
 from serve.morph.latency_window import LatencyWindow
-from serve.morph.layer_bank import LayerBank
+from serve.morph.layer_bank import MorphBank
 from serve.morph.swap_records import MorphResourceStats, MorphStats, PendingSwap, Transition
 from serve.resource_seam import ResourceManagerBase, SchedulerView
 
@@ -36,8 +35,8 @@ log = get_logger("morphserve.morph")
 
 
 class MorphRuntime(ResourceManagerBase):
-    def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
-                 ledger: MemoryLedger, kv: PagedKVCache, block_size: int, window_s: float = 10.0,
+    def __init__(self, config: PolicyConfig, swap_order: list[int], bank: MorphBank, pool: BlockPool,
+                 ledger: MemoryLedger, kv: KVBlocks, block_size: int, window_s: float = 10.0,
                  clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None,
                  prefix_cache: str = "exact", pressure: PressureSource | None = None, step_token_budget: int = 0,
                  kv_blocks_per_freed_slot: float = 1.0) -> None:
@@ -272,7 +271,7 @@ class MorphRuntime(ResourceManagerBase):
             self.ledger.check()
             self._start_next()
 
-    def _recover_failed_copy(self, p: PendingSwap, exc: Exception) -> DecoderLayer | None:
+    def _recover_failed_copy(self, p: PendingSwap, exc: Exception) -> object | None:
         """A copy that failed mid-way. A quantize is dropped: nothing was installed and the pool is unchanged,
         so the layer stays at its precision (only staging holds partial bytes). A restore cannot be dropped:
         its KV chunk is gone and the layer serves from staging, which the next quantize overwrites; it is

@@ -10,6 +10,7 @@ import pytest
 
 from serve.config import EngineConfig
 from serve.engine.assembly import build_parts
+from serve.engine.torch_device import TorchDevice
 from serve.engine.engine import LLMEngine
 from serve.engine.resources import ResourceManagers
 from serve.resource_seam import ResourceManagerBase, YieldsMemory
@@ -64,7 +65,7 @@ def engine_with(tiny, mode: str, extra_before: list, extra_after: list, blocks: 
                           morph_mode=mode, max_model_len=256,
                           policy_overrides={"persist_iters": 1, "cost_aware": False, **policy} if mode != "off" else {})
     clock = FakeClock()
-    parts = build_parts(config, tiny, clock)
+    parts = build_parts(config, TorchDevice(config, tiny), clock)
     parts.resources = [*extra_before, *parts.resources, *extra_after]
     return LLMEngine(config, clock=clock, parts=parts)
 
