@@ -13,7 +13,7 @@ import torch
 
 from policy import StepCosts
 from serve.config import EngineConfig
-from serve.memory.budget import budget_bytes
+from serve.engine.memory_budget import budget_bytes
 from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.model_config import ModelConfig
 from sim.kernel_tables import KV_TABLE_DTYPE, KernelTables, TableError, GEMM_DTYPE

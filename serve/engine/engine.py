@@ -109,13 +109,12 @@ class LLMEngine:
                                       self.clock)
 
     def _wire_resources(self, config: EngineConfig) -> None:
-        """The admission bound the resource managers give, and the scheduler, which offers them the shortfalls
-        it meets when one of them can grow the pool."""
-        # Admission is bounded by the most blocks the mode can reach: what no configuration holds is refused at once.
+        """The admission bound the resource managers give (the most blocks the mode can reach: what no configuration
+        holds is refused at once), and the scheduler, which offers them its shortfalls when one can grow the pool."""
         reachable, note = self.resources.reachable_blocks(self.pool.base_blocks, self.pool.num_blocks)
-        self.scheduler = make_scheduler(config, self.pool, self.clock,
-                                        self._cover_shortfall if self.resources.grows_pool else None,
-                                        device_type=self.device.type)
+        # before a preemption the managers that grow the pool cover what they can (quantize before preempt)
+        cover = (lambda n: self.resources.cover_shortfall(self.scheduler, n)) if self.resources.grows_pool else None
+        self.scheduler = make_scheduler(config, self.pool, self.clock, cover, device_type=self.device.type)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                           config.block_size, reachable, note, config.morph_mode)
 
@@ -230,7 +229,7 @@ class LLMEngine:
             produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py), bad guide
                         [*self.lifecycle.expired(list(self._requests.values()), self.clock()), *self.grammars.failed()]]
             self.resources.before_schedule(self.scheduler)
-            sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
+            sched = self.scheduler.schedule()  # may offer the managers a shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not c.is_decode)
             self.resources.after_schedule(sum(c.num_tokens for c in sched.chunks))
@@ -261,12 +260,6 @@ class LLMEngine:
         """Call ``listener()`` from the stepping thread after every step, outside the engine lock (so it may
         call ``stats()``); idle morph ticks count, so it also sees every swap/restore and pool resize."""
         self._step_listeners.append(listener)
-
-    def _cover_shortfall(self, blocks: int) -> None:
-        """The scheduler is ``blocks`` KV blocks short and about to preempt (the KV-cache manager's hook): the
-        managers that grow the pool cover what they can (quantize before preempt); the scheduler preempts the
-        rest. A failure is recorded and the iteration not counted healthy, as the boundary's."""
-        self.resources.cover_shortfall(self.scheduler, blocks)
 
     def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
@@ -329,8 +322,7 @@ class LLMEngine:
         return self._output(seq, new, final=True, text=text)
 
     def _output(self, seq: Sequence, new_tokens: list[int], final: bool, text: str | None = None) -> RequestOutput:
-        """``text``: what the tokens released (token_append.py took it as each token went in); else the detokenizer's
-        now."""
+        """``text``: what the tokens released, taken as each went in (token_append.py); else the detokenizer's now."""
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=new_tokens,
             new_text=text if text is not None else seq.detokenizer.delta(final),

@@ -1,5 +1,5 @@
-"""The engine's memory for every mode and every device: the arena's arithmetic from the budget
-(serve/memory/sizing.py), the KV pool (the KV-precision rung's ids above everything), the device's arena, layer bank
+"""The engine's memory for every mode and every device: the memory knobs resolved into a budget
+(serve/engine/memory_budget.py), the arena's arithmetic from it (serve/memory/sizing.py), the KV pool (the KV-precision rung's ids above everything), the device's arena, layer bank
 and KV cache, and the base pool mapped. The server's device allocates (serve/engine/torch_device.py); the planner's
 counts bytes (sim/device.py); the arithmetic between is this module's, once.
 
@@ -22,7 +22,8 @@ from policy import PolicyConfig
 from serve.config import EngineConfig
 from serve.memory.arena import Arena, SlotRange
 from serve.memory.block_pool import BlockPool
-from serve.memory.budget import MemoryLedger, auto_budget
+from serve.engine.memory_budget import memory_budget
+from serve.memory.budget import MemoryLedger
 from serve.memory.sizing import ArenaPlan, plan_arena
 from serve.model.kv_cache import KVBlocks
 from serve.model.kv_format import KVLayout
@@ -88,13 +89,14 @@ class EngineMemory:
 
 def build_memory(config: EngineConfig, device: MemoryDevice, policy: PolicyConfig,
                  plan: MorphPlan | None) -> EngineMemory:
-    config = auto_budget(config, device.memory_kind, device.model_config.max_position_embeddings)  # "auto"
+    budget = memory_budget(config, device.memory_kind, device.model_config.max_position_embeddings,
+                           device.device_memory_bytes)
     slot = device.kv_block_bytes(config)
     morphing = plan if plan is not None and policy.strategy != "off" else None
     sizes = device.layer_sizes(morphing)
-    arena_plan = plan_arena(config, slot, sizes.full, sizes.variants, sizes.non_arena, device.device_memory_bytes)
+    arena_plan = plan_arena(budget, slot, sizes.full, sizes.variants, sizes.non_arena)
     # On CUDA only a VMM-built arena can give segments back; built when the operator armed yield (memory_floor).
-    arena, bank = device.place(arena_plan, morphing, releasable=morphing is not None and config.memory_floor is not None)
+    arena, bank = device.place(arena_plan, morphing, releasable=morphing is not None and budget.releasable)
     rung = kv_rung_layout(config, device, policy)
     # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every KV slot (the base
     # pool's and the layer chunks': the rung converts both); the chunks' blocks lie in disjoint bytes

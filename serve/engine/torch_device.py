@@ -15,10 +15,10 @@ from policy import FULL, PolicyConfig, StepCosts, resolve_kv_rung
 from serve.config import EngineConfig
 from serve.engine.executor import Executor, TorchExecutor
 from serve.engine.memory_assembly import EngineMemory, LayerSizes
+from serve.engine.memory_budget import device_memory_bytes
 from serve.engine.spec_assembly import wrap_executor
 from serve.logging_setup import get_logger
 from serve.memory.arena import ALIGN, Arena
-from serve.memory.budget import resolve_budget
 from serve.memory.pressure import PressureSource, pressure_source
 from serve.memory.sizing import ArenaPlan
 from serve.model.crossover_measure import apply_measured
@@ -81,7 +81,7 @@ class TorchDevice:
 
     # ---- memory (serve/engine/memory_assembly.py) ----------------------------------------------------------------
     def device_memory_bytes(self, text: str) -> int:
-        return resolve_budget(self.torch_device, text, 0)
+        return device_memory_bytes(self.torch_device, text)
 
     def kv_block_bytes(self, config: EngineConfig) -> int:
         check_kv_cache_dtype(config.kv_cache_dtype, self.torch_device.type)

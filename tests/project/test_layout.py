@@ -33,9 +33,10 @@ ALLOWED: dict[str, set[str]] = {
     "serve.model": {"policy"},
     # process tuning: the C heap's free pages back to the OS, one OpenMP team per process (stdlib + torch)
     "serve.process": set(),
-    "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
-    "serve.morph": {"serve.memory", "serve.model", "serve.process", "serve.config", "serve.logging_setup",
-                    "serve.resource_seam", "policy"},
+    # the memory and the morph lever read numbers, never the EngineConfig (serve/engine/memory_budget.py resolves it)
+    "serve.memory": {"serve.logging_setup", "policy"},
+    "serve.morph": {"serve.memory", "serve.model", "serve.process", "serve.logging_setup", "serve.resource_seam",
+                    "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
     "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.process", "serve.config",
                      "serve.logging_setup", "serve.error_kinds", "serve.resource_seam", "policy"},
