@@ -31,17 +31,15 @@ class Handoff:
     def __len__(self) -> int:
         return len(self._items)
 
-    def check_room(self, waiting_elsewhere: int) -> None:
-        """EngineOverloaded when ``waiting_elsewhere`` (admitted requests the loop holds, not running) plus this
-        queue's reach ``max_num_waiting``."""
-        waiting = waiting_elsewhere + len(self._items)
-        if self.max_waiting is not None and waiting >= self.max_waiting:
-            raise EngineOverloaded(
-                f"overloaded: {waiting} requests already waiting (max_num_waiting={self.max_waiting}); retry later",
-                DEFAULT_RETRY_AFTER_S)
-
-    def put(self, seq: Sequence) -> None:
+    def put(self, seq: Sequence, waiting_elsewhere: int) -> None:
+        """Queue ``seq``; EngineOverloaded when ``waiting_elsewhere`` (admitted requests the loop holds, not running)
+        plus this queue reach ``max_num_waiting``."""
         with self._lock:
+            waiting = waiting_elsewhere + len(self._items)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise EngineOverloaded(
+                    f"overloaded: {waiting} requests already waiting (max_num_waiting={self.max_waiting}); retry later",
+                    DEFAULT_RETRY_AFTER_S)
             self._items.append(seq)
         self.work.set()
 

@@ -173,11 +173,10 @@ class LLMEngine:
         admission lock (the loop drains between two, never inside one). EngineOverloaded past ``max_num_waiting``
         (the requests waiting for a grammar count, this one apart), InvalidRequest for an id in use."""
         with self._admission:
-            self._handoff.check_room(len(self.scheduler.waiting) + len(self.grammars) - int(waits_for_grammar))
             if seq.request_id in self._requests:
                 raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
-            self._requests[seq.request_id] = seq
-            self._handoff.put(seq)
+            self._handoff.put(seq, len(self.scheduler.waiting) + len(self.grammars) - int(waits_for_grammar))
+            self._requests[seq.request_id] = seq  # the loop drains under the same lock: never before this
 
     def _admit_handoff(self) -> None:
         """Move handed-over requests into the scheduler (caller holds the engine lock)."""
