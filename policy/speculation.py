@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .costs import StepCosts
@@ -293,8 +293,3 @@ class SpeculationController:
             why = f"never measured: {', '.join(unmeasured)}" if unmeasured else f"x{ideal:.2f} at full acceptance"
             return SpeculationDecision(True, k, rung, f"probe: {what}, {why} {sig}", gain)
         return SpeculationDecision.plain(f"{what} < x{need:.2f} {sig}", gain)
-
-
-def acceptance_rates(controller: SpeculationController) -> Mapping[str, float]:
-    """The running acceptance estimate per rung (for stats)."""
-    return dict(controller.est.acceptance)

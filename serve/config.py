@@ -41,9 +41,11 @@ averaged 1.2-2.1 s with P95 2.4-4x the mean, theta 1.5 left tier P99 TBT at or o
 targets; not yet measured on this engine's GPU path (`make gpu-check` replays fcfs only)."""
 PREFIX_CACHE_ACROSS_MORPH = ("exact", "preserve")
 DEVICE_MEMORY_AUTO = "auto"
-"""device_memory="auto": a budget sized by rule (serve/memory/budget.py ``auto_budget``): on CPU the weights +
-a KV pool for one request of the full context length; on CUDA ``AUTO_CUDA_FRACTION`` of the device."""
+"""device_memory="auto": a budget sized by rule (serve/engine/memory_budget.py): on CPU the weights + a KV pool for
+one request of the full context length; on CUDA ``AUTO_CUDA_FRACTION`` of the device."""
 AUTO_CUDA_FRACTION = 0.9
+KV_CACHE_MEMORY_DEFAULT = "1GiB"
+"""The KV pool without a budget, when neither ``num_kv_blocks`` nor ``kv_cache_memory`` sizes it."""
 
 
 def check_device_memory(text: str | None) -> None:
@@ -55,7 +57,7 @@ def check_device_memory(text: str | None) -> None:
     except ValueError:
         parse_size(text)
         return
-    if not 0 < fraction <= 1:  # as serve/memory/budget.py resolve_budget reads it
+    if not 0 < fraction <= 1:  # as serve/engine/memory_budget.py budget_bytes reads it
         raise ValueError(f"device_memory must be auto, a fraction in (0, 1] or a size such as 600MiB, got {text!r}")
 
 
@@ -69,7 +71,7 @@ class EngineConfig:
     dtype: str | None = None           # default: float32 on CPU, bfloat16 on CUDA
     block_size: int = 16
     num_kv_blocks: int | None = None   # overrides kv_cache_memory
-    kv_cache_memory: str = "1GiB"
+    kv_cache_memory: str | None = None  # None: KV_CACHE_MEMORY_DEFAULT; set, it keeps device_memory="auto" off the pool
     # KV-cache storage (vLLM's --kv-cache-dtype): auto (the engine's dtype), int8 (int8 codes + per token-head
     # scales: ~3.75x the KV tokens of fp32 in the same bytes) or fp8 (e4m3 codes + scales, CUDA only);
     # serve/model/kv_format.py
@@ -137,6 +139,15 @@ class EngineConfig:
                 high if self.slai_theta_high is None else self.slai_theta_high)
 
     def __post_init__(self) -> None:
+        """Every field checked once, by what it governs: a bad value is a ValueError naming the field."""
+        self._check_requests()
+        self._check_shape()
+        self._check_memory()
+        self._check_morphing()
+        self._check_scheduling()
+
+    def _check_requests(self) -> None:
+        """Admission, the request lifecycle, prefix caching, structured output."""
         if self.max_num_waiting is not None and self.max_num_waiting <= 0:
             raise ValueError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
         if not 0 <= self.queue_timeout_s < float("inf"):
@@ -152,6 +163,9 @@ class EngineConfig:
             raise ValueError(f"guided_backend must be xgrammar or llguidance, got {self.guided_backend!r}")
         if not self.guided_compile_timeout_s > 0:
             raise ValueError(f"guided_compile_timeout_s must be positive, got {self.guided_compile_timeout_s}")
+
+    def _check_shape(self) -> None:
+        """Blocks, batches, context, device and dtype."""
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -164,7 +178,11 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        parse_size(self.kv_cache_memory)
+
+    def _check_memory(self) -> None:
+        """The memory knobs (resolved into one budget by serve/engine/memory_budget.py) and the KV format."""
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
         from policy.precisions import KV_CACHE_DTYPES  # noqa: PLC0415
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -178,6 +196,9 @@ class EngineConfig:
             raise ValueError("memory_reclaim_mark needs memory_floor")
         if self.memory_pressure_source not in ("auto", "nvml", "host", "none"):
             raise ValueError(f"memory_pressure_source must be auto, nvml, host or none, got {self.memory_pressure_source!r}")
+
+    def _check_morphing(self) -> None:
+        """The mode, its policy overrides, what a memory floor needs."""
         from policy import MODES, PolicyConfig  # the policy package is pure and cheap to import
 
         if self.morph_mode not in MODES:
@@ -193,6 +214,9 @@ class EngineConfig:
                              f"{self.morph_mode!r} never changes layers at run time")
         if self.memory_floor is not None:
             PolicyConfig.for_mode(self.morph_mode, **{**self.policy_overrides, **self.memory_policy()})
+
+    def _check_scheduling(self) -> None:
+        """SLO targets, the scheduler and its thetas, speculative decoding."""
         if self.slo_ttft_s <= 0:
             raise ValueError(f"slo_ttft_s must be positive, got {self.slo_ttft_s}")
         if self.scheduler not in SCHEDULERS:
@@ -214,7 +238,6 @@ class EngineConfig:
 
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {list(SPECULATION_MODES)}, got {self.speculation!r}")
-
 
     def context_length(self, max_position_embeddings: int) -> int:
         """The context an engine serves (prompt + output tokens): ``max_model_len`` capped at the model's

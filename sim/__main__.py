@@ -25,11 +25,14 @@ from bench.replay import build_parser as replay_parser
 from bench.replay import engine_config, replay, run_cli
 from bench.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
 from bench.workload import build_workload
-from sim.assemble import Target, build_engine, table_target
+from sim.assemble import build_engine
+from sim.bank import SimLayerBank
 from sim.clock import VirtualClock
+from sim.executor import SimExecutor
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
 from sim.speculation import DRAFT_RUNGS, ModelledSpeculation, SimSpeculation, default_rung
+from sim.target import Target, table_target
 from policy.speculation import SpeculationConfig
 from serve.engine.kv_rung import KVPrecisionRung
 from serve.morph.runtime import MorphRuntime
@@ -143,13 +146,15 @@ class Planner:
                   **replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=False, sleep=clock.sleep)}
         m = engine.resource_manager(MorphRuntime)
         rung = engine.resource_manager(KVPrecisionRung)
+        executor = engine.executor
+        assert isinstance(executor, SimExecutor)
         result["plan"] = {
             "system": self.target.system, "device": self.target.device, "notes": self.target.notes,
             "wall_s": round(time.perf_counter() - wall, 3), "virtual_s": round(clock(), 3),
-            "iterations": engine.executor.steps, "busy_s": round(engine.executor.busy_s, 3),
+            "iterations": executor.steps, "busy_s": round(executor.busy_s, 3),
             "kv_blocks_base": engine.pool.base_blocks, "kv_block_tokens": config.block_size,
             "kv_block_bytes": self.target.slot_bytes, "memory": engine.ledger.as_dict(),
-            "swap_bytes_copied": m.bank.bytes_copied if m else 0,
+            "swap_bytes_copied": m.bank.bytes_copied if m and isinstance(m.bank, SimLayerBank) else 0,
             "kv_rung": dataclasses.asdict(rung.resource_stats()) if rung else None,
         }
         drafting = engine.resource_manager(SimSpeculation)

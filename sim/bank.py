@@ -1,7 +1,7 @@
 """The layer bank without tensors: the real LayerBank's slot arithmetic over byte counts, copies on the virtual clock.
 
-The morph runtime (serve/morph/runtime.py) runs unchanged on it: it asks for slots, tails, host variants and
-copies, installs what a copy returns and maps KV blocks. Here a layer is its precision; a host-to-device copy
+The morph runtime (serve/morph/runtime.py) runs unchanged on it (serve/morph/layer_bank.py ``MorphBank``): it asks
+for slots, tails, host variants and copies, installs what a copy returns and maps KV blocks. Here a layer is its precision; a host-to-device copy
 takes ``bytes / h2d_bandwidth`` of virtual time on one copy engine (copies queue behind each other) and
 overlaps compute, as the CUDA copy stream does; waiting for it (``result()`` before it is done) moves the
 clock to its end, as a host that waits would. A device-local copy (``copy_now``: moving the staged variant to
@@ -19,7 +19,7 @@ from policy import FULL
 from serve.memory.arena import SlotRange
 from serve.model.kv_cache import FULL_BLOCK, Q8_BLOCK
 from serve.model.kv_format import KVLayout
-from serve.morph.layer_bank import LayerBank
+from serve.morph.layer_bank import BankSlots
 from sim.clock import VirtualClock
 
 
@@ -106,12 +106,26 @@ class SimKV:
         return sum(is8[b] for b in block_ids) / len(block_ids)
 
 
-class SimLayerBank(LayerBank):
+class HeldArena:
+    """The planner's arena gives nothing back (memory yield needs a device): ``can_release`` is False, as on an arena
+    the operator did not arm."""
+
+    can_release = False
+
+    def release(self, r: SlotRange) -> int:
+        raise ValueError("the planner's arena gives no memory back")
+
+    def recommit(self, r: SlotRange) -> int:
+        raise ValueError("the planner's arena gives no memory back")
+
+
+class SimLayerBank(BankSlots):
     def __init__(self, nbytes: Sequence[Mapping[str, int]], regions: list[SlotRange], staging: SlotRange,
                  slot_bytes: int, clock: VirtualClock, h2d_bytes_per_s: float, d2d_bytes_per_s: float) -> None:
-        # LayerBank's sizes and installs are reused as they are; its tensors, threads and streams are not made.
+        # the real bank's slot arithmetic and installs (BankSlots); no tensors, threads or streams
         self.model = SimModel([SimLayer(FULL, per_layer[FULL]) for per_layer in nbytes])
         self.device = torch.device("meta")  # not CUDA: the runtime's NVML query answers None, as on CPU
+        self.arena = HeldArena()
         self.regions = regions
         self.staging = staging
         self.slot_bytes = slot_bytes
@@ -126,18 +140,18 @@ class SimLayerBank(LayerBank):
     def nbytes(self, i: int, precision: str) -> int:
         return self._nbytes[i][precision]
 
-    def copy_async(self, src: SimLayer, dest: SlotRange) -> SimCopyJob:  # type: ignore[override]
+    def copy_async(self, src: SimLayer, dest: SlotRange) -> SimCopyJob:
         nbytes = src.nbytes
         start = max(self.clock(), self._copy_engine_free_at)
         self._copy_engine_free_at = start + nbytes / self.h2d
         self.bytes_copied += nbytes
         return SimCopyJob(self.clock, self._copy_engine_free_at, SimLayer(src.precision, nbytes))
 
-    def copy_now(self, src: SimLayer, dest: SlotRange) -> SimLayer:  # type: ignore[override]
+    def copy_now(self, src: SimLayer, dest: SlotRange) -> SimLayer:
         self.clock.advance(src.nbytes / self.d2d)
         return SimLayer(src.precision, src.nbytes)
 
-    def detached(self, i: int, precision: str) -> SimLayer:  # type: ignore[override]
+    def detached(self, i: int, precision: str) -> SimLayer:
         return self.host[i][precision]
 
     def resident_ranges(self, i: int) -> list[tuple[int, int]]:

@@ -10,13 +10,10 @@ from typing import Protocol, Sequence
 import torch
 
 from serve.engine.scheduler import ScheduledChunk
-from sim.bank import SimKV, SimLayerBank
+from serve.morph.layer_bank import MorphBank
+from sim.bank import SimKV
 from sim.clock import VirtualClock
-from sim.step_model import BatchShape
-
-
-class StepModel(Protocol):
-    def step_s(self, batch: BatchShape, precisions: Sequence[str]) -> float: ...
+from sim.step_model import BatchShape, StepModel
 
 
 def batch_shape(chunks: list[ScheduledChunk],
@@ -41,7 +38,9 @@ class SpeculativeStepModel(Protocol):
 
 
 class SimExecutor:
-    def __init__(self, step_model: StepModel, bank: SimLayerBank | None, num_layers: int, clock: VirtualClock,
+    """The Executor protocol (serve/engine/executor.py) on a virtual clock."""
+
+    def __init__(self, step_model: StepModel, bank: MorphBank | None, num_layers: int, clock: VirtualClock,
                  token_id: int, kv: SimKV | None = None, speculation: SpeculativeStepModel | None = None) -> None:
         self.step_model = step_model
         self.speculation = speculation  # sim/speculation.py: the iteration's modelled time with drafting

@@ -221,8 +221,3 @@ class KernelTables:
                             kv_cache_dtype: str = "auto") -> float:
         """One layer's prefill attention for ``batch`` prompts of ``isl`` tokens each."""
         return self._bilinear(self._heads(self._context, "context", heads, kv_cache_dtype), batch, isl)
-
-    def measured_points(self, precision: str, n: int, k: int) -> list[tuple[int, float]]:
-        """(m, seconds) as the table lists them for this GEMM (tests compare lookups with them)."""
-        curve = self._curve(self.gemm_dtype(precision), n, k)
-        return [(int(m), y) for m, y in zip(curve.x, curve.y)]

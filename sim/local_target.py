@@ -25,9 +25,11 @@ import torch
 from policy import FULL
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
+from serve.engine.executor import Executor
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.scheduler import ScheduledChunk
 from serve.model.step_costs import device_name
-from sim.assemble import Target
+from sim.target import Target
 from sim.executor import batch_shape
 from sim.step_model import LocalStepModel, LocalTerms, prefill_work
 from serve.morph.runtime import MorphRuntime
@@ -58,19 +60,24 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+class TimedExecutor:
+    """The engine's executor, each batch's shape and forward time appended to ``samples``."""
+
+    def __init__(self, inner: Executor, samples: list[tuple]) -> None:
+        self.inner, self.samples = inner, samples
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        t0 = time.perf_counter()
+        out = self.inner.execute(chunks)
+        self.samples.append((batch_shape(chunks)[0], time.perf_counter() - t0))
+        return out
+
+
 def calibrate(engine: LLMEngine, costs, seed: int) -> LocalTerms:
     """Run a mixed synthetic workload through the real engine and fit what the linears do not explain."""
     rng = random.Random(seed)
     samples: list[tuple] = []
-    real_execute = engine.executor.execute
-
-    def timed_execute(chunks):
-        t0 = time.perf_counter()
-        out = real_execute(chunks)
-        samples.append((batch_shape(chunks)[0], time.perf_counter() - t0))
-        return out
-
-    engine.executor.execute = timed_execute  # type: ignore[method-assign]
+    engine.executor = TimedExecutor(engine.executor, samples)
     vocab = engine.model_config.vocab_size
     for i in range(CALIBRATION_REQUESTS):
         prompt = [rng.randrange(100, min(vocab, 30000)) for _ in range(rng.choice([24, 64, 160, 320, 480]))]

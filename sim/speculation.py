@@ -34,10 +34,9 @@ from typing import Any, Protocol
 from policy import FULL
 from policy.speculation import (SpeculationConfig, SpeculationController, SpeculationDecision, expected_tokens,
                                 rung_below)
-from serve.engine.resources import ResourceManagerBase
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.spec_manager import draft_telemetry
-from serve.morph.scheduler_view import SchedulerView
+from serve.resource_seam import ResourceManagerBase, SchedulerView
 from sim.kernel_tables import TableError
 from sim.step_model import BatchShape, TableStepModel
 

@@ -21,8 +21,10 @@ real engine (sim/local_calibration.py).
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from policy import FULL, StepCosts
 from serve.model.model_config import ModelConfig
@@ -55,17 +57,36 @@ def precision_counts(precisions: Sequence[str]) -> dict[str, int]:
     return dict(collections.Counter(precisions))
 
 
+class StepModel(Protocol):
+    """An iteration's seconds from its batch and the layers' precisions, and the per-precision StepCosts the
+    cost-aware controller reads (what the engine would measure on that device)."""
+
+    def step_s(self, batch: BatchShape, precisions: Sequence[str]) -> float: ...
+
+    def step_costs(self, precisions: Sequence[str]) -> StepCosts: ...
+
+
 class TableStepModel:
-    def __init__(self, tables: KernelTables, cfg: ModelConfig, overhead_s: float) -> None:
+    def __init__(self, tables: KernelTables, cfg: ModelConfig, overhead_s: float, kv_cache_dtype: str = "auto",
+                 kv_rung: str | None = None) -> None:
+        """``kv_cache_dtype``: the KV the attention rows read (auto: bf16, or fp8); ``kv_rung``: the KV-precision
+        rung's 8-bit format (fp8), whose blocks read its rows."""
         self.tables = tables
         self.cfg = cfg
         self.overhead_s = overhead_s
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache_dtype = "auto"  # the attention rows read: bf16 KV (auto) or fp8 KV (set by sim/assemble.py)
-        self.kv_rung: str | None = None  # the KV-precision rung's 8-bit format (fp8): its blocks read its rows
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_rung = kv_rung
         self.projections = projections(cfg)
         spec = tables.spec
         self._elementwise_bw = spec.mem_bw * 0.8
+
+    def reading(self, kv_cache_dtype: str | None = None, kv_rung: str | None = None) -> TableStepModel:
+        """This model with the attention rows of another KV format (the cache's, or the rung's beside it)."""
+        out = copy.copy(self)
+        out.kv_cache_dtype = kv_cache_dtype or self.kv_cache_dtype
+        out.kv_rung = kv_rung or self.kv_rung
+        return out
 
     def layer_linears_s(self, precision: str, m: int) -> float:
         return sum(self.tables.gemm_s(precision, m, p.n, p.k) for p in self.projections)

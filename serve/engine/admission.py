@@ -1,16 +1,16 @@
 """Admission that never waits for a forward: add_request tokenizes in the caller's thread and hands the
 sequence over through this queue; the engine loop moves it into the scheduler at the next iteration
-boundary. The queue is bounded together with the scheduler's waiting list (``max_num_waiting``): past
-it, add_request raises EngineOverloaded ("retry later") instead of letting the backlog grow.
+boundary. The queue is bounded together with the requests the loop holds waiting (``max_num_waiting``): past
+it, add_request raises EngineOverloaded ("retry later") instead of letting the backlog grow. The engine claims a
+request's id and queues it in one step under its admission lock, which the loop also holds while it drains.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
 
-from serve.engine.errors import EngineOverloaded, InvalidRequest
+from serve.engine.errors import EngineOverloaded
 from serve.engine.sequence import Sequence
 from serve.error_kinds import DEFAULT_RETRY_AFTER_S
 
@@ -31,18 +31,15 @@ class Handoff:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, seq: Sequence, waiting_in_scheduler: Callable[[], int], requests: dict[str, Sequence]) -> None:
-        """Queue ``seq`` and claim its id in ``requests`` (the engine's live requests; under this queue's lock, so
-        ids are claimed one at a time). EngineOverloaded when the queue is full, InvalidRequest for an id in use."""
+    def put(self, seq: Sequence, waiting_elsewhere: int) -> None:
+        """Queue ``seq``; EngineOverloaded when ``waiting_elsewhere`` (admitted requests the loop holds, not running)
+        plus this queue reach ``max_num_waiting``."""
         with self._lock:
-            waiting = waiting_in_scheduler() + len(self._items)
+            waiting = waiting_elsewhere + len(self._items)
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"overloaded: {waiting} requests already waiting (max_num_waiting={self.max_waiting}); retry later",
                     DEFAULT_RETRY_AFTER_S)
-            if seq.request_id in requests:
-                raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
-            requests[seq.request_id] = seq
             self._items.append(seq)
         self.work.set()
 

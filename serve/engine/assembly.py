@@ -1,62 +1,74 @@
-"""Building what the engine loop runs on: the device and dtype, the model, its memory, the resource managers (the
-morph runtime when the mode morphs), the executor (:func:`build_parts`), and the scheduler the config names
-(:func:`make_scheduler`).
+"""The engine's one assembly: what the loop runs on, built from a config and a device (:func:`build_parts`), and the
+scheduler the config names (:func:`make_scheduler`).
 
-The planner (sim/) builds :class:`EngineParts` of its own (a simulated executor, layer bank and virtual clock)
-and hands them to the very engine loop the server runs; both ways in end in ``LLMEngine``'s one assembly.
+A device (:class:`EngineDevice`) answers what differs between the server's engine and the planner's: the server's
+is a model loaded onto a torch device (serve/engine/torch_device.py), the planner's a GPU of NVIDIA's tables as
+byte counts and step times on a virtual clock (sim/device.py). Everything between (the memory arithmetic, the KV
+pool, which resource managers the mode hosts, in which order, and what each needs of the others) is built here, once,
+for both: ``LLMEngine`` calls :func:`build_parts` on a ``TorchDevice``, the planner on its ``SimDevice``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Protocol
 
 import torch
 
-from policy import resolve_kv_rung
+from policy import PolicyConfig, StepCosts
 from serve.config import EngineConfig
-from serve.engine.executor import TorchExecutor
+from serve.engine.executor import Executor
+from serve.engine.kv_rung import build_kv_rung, kv_blocks_per_slot
+from serve.engine.memory_assembly import EngineMemory, MemoryDevice, build_memory
 from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
-from serve.logging_setup import get_logger
-from serve.memory.pressure import pressure_source
-from serve.model.crossover_measure import apply_measured
+from serve.memory.block_pool import BlockPool
+from serve.memory.pressure import PressureSource
 from serve.model.llama import LlamaModel
-from serve.model.quantized_layer import build_model
-from serve.model.loader import LoadedModel
 from serve.model.model_config import ModelConfig
 from serve.model.tokenizer import Tokenizer
-from serve.engine.memory_assembly import EngineMemory, build_memory
-from serve.engine.kv_rung import build_kv_rung
-from serve.engine.resources import ResourceManager
-from serve.engine.spec_assembly import wrap_executor
-from serve.engine.static_model import static_config
-from serve.morph.plan import load_model_and_plan, resolve_plan
+from serve.morph.layer_bank import MorphBank
+from serve.morph.plan import MorphPlan
 from serve.morph.setup import build_runtime
-
-log = get_logger("morphserve.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from serve.resource_seam import ResourceManager
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when a GPU is visible, else CPU; a CUDA device that is not there is a clear error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device "
-                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return device
+class EngineDevice(MemoryDevice, Protocol):
+    """What an engine is assembled on. :func:`build_parts` asks it, in this order: the mode's policy, the variants
+    it morphs with, its memory (serve/engine/memory_assembly.py ``MemoryDevice``: sizes, budget, arena, layer bank,
+    KV cache), the morph runtime's step costs and pressure source, and last its executor (and the resource managers
+    that come with it)."""
+
+    tokenizer: Tokenizer
+    torch_device: torch.device  # where the loop's tensors live (logits, sampling, generators)
+    model: LlamaModel | None    # None: simulated
+
+    def policy(self, config: EngineConfig) -> PolicyConfig:
+        """The mode's policy with what depends on the device (``kv_rung="auto"``) made concrete."""
+        ...
+
+    def morph_plan(self, config: EngineConfig, policy: PolicyConfig) -> MorphPlan | None:
+        """The variants, swap order and their source; None when nothing morphs and no engine directory has any."""
+        ...
+
+    def morph_costs(self, policy: PolicyConfig, plan: MorphPlan, bank: MorphBank) -> StepCosts | None:
+        """The per-precision step costs the cost-aware controller weighs (None: it decides without them)."""
+        ...
+
+    def pressure(self, config: EngineConfig, policy: PolicyConfig) -> PressureSource | None:
+        """Where the morph runtime reads free memory outside the engine (None: nowhere)."""
+        ...
+
+    def executor(self, config: EngineConfig, memory: EngineMemory, plan: MorphPlan | None, max_model_len: int,
+                 clock: Callable[[], float]) -> tuple[Executor, list[ResourceManager]]:
+        """What runs a batch, and the resource managers that come with it (self-speculative decoding)."""
+        ...
 
 
 @dataclass
 class EngineParts:
-    """What the loop runs on. ``executor.execute(chunks) -> (logits, sampled chunks)`` is the executor contract
-    (TorchExecutor's); ``model`` is None when the parts are simulated."""
+    """What the loop runs on; ``model`` is None when the parts are simulated."""
 
     model_config: ModelConfig
     tokenizer: Tokenizer
@@ -65,48 +77,41 @@ class EngineParts:
     dtype: torch.dtype
     memory: EngineMemory
     resources: list[ResourceManager]  # in the order the loop calls them
-    executor: Any
+    executor: Executor
     model: LlamaModel | None = None
 
 
-def build_parts(config: EngineConfig, loaded: LoadedModel | None, clock: Callable[[], float]) -> EngineParts:
-    """The model on its device, its memory (arena, KV pool, layer bank), the resource managers the mode asks for
-    (the morph runtime) and the torch executor. ``loaded``: weights already in memory (else the config's model is
-    opened)."""
-    device = resolve_device(config.device)
-    dtype = DTYPES[config.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
-    plan = None
-    if loaded is None:
-        loaded, plan = load_model_and_plan(config)
-    max_model_len = config.context_length(loaded.config.max_position_embeddings)
-    policy = resolve_kv_rung(config.policy_config(), device.type, dtype == torch.float32, config.kv_cache_dtype)
-    config = static_config(config, policy, loaded)  # a static checkpoint: refused morphing, said before any work
-    model = build_model(loaded, device, dtype, max_model_len)
-    plan = resolve_plan(config, policy, loaded.weights, loaded.config.num_layers, plan)
-    # where our CPU kernels hand over to oneDNN on this machine (measured by make build-engines, else defaults)
-    chosen = apply_measured(model, plan.engine_dir if plan is not None else None)
-    log.info("kernel_crossovers", source=chosen.source, **chosen.values())
-    memory = build_memory(config, model, plan, policy)
-    resources: list[ResourceManager] = []
-    if memory.bank is not None and plan is not None:
-        morph = build_runtime(policy, plan, memory.bank, memory.pool, memory.ledger, memory.kv, config.block_size,
-                              clock=clock, prefix_cache=config.prefix_cache_across_morph,
-                              pressure=pressure_source(config.memory_pressure_source, device)
-                              if policy.strategy == "dynamic" else None)
-        morph.step_token_budget = config.max_num_batched_tokens
-        resources.append(morph)
-        if memory.kv.mixes_formats:  # the KV-precision rung, the cheapest lever, goes before layer swapping
-            resources.insert(0, build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph))
-    # self-speculative decoding (off: the torch executor alone); its manager runs after the morph runtime's
-    executor, speculation = wrap_executor(config, model, TorchExecutor(model, memory.kv), memory.bank, plan,
-                                          loaded.weights, max_model_len, clock)
-    if speculation is not None:
-        resources.append(speculation)
-    return EngineParts(loaded.config, loaded.tokenizer, max_model_len, device, dtype, memory, resources,
-                       executor, model)
+def build_parts(config: EngineConfig, device: EngineDevice, clock: Callable[[], float]) -> EngineParts:
+    """The engine's parts on ``device``: its memory, the resource managers the mode asks for and the executor."""
+    policy = device.policy(config)
+    plan = device.morph_plan(config, policy)
+    max_model_len = config.context_length(device.model_config.max_position_embeddings)
+    memory = build_memory(config, device, policy, plan)
+    resources = resource_managers(config, device, policy, plan, memory, clock)
+    executor, more = device.executor(config, memory, plan, max_model_len, clock)
+    return EngineParts(device.model_config, device.tokenizer, max_model_len, device.torch_device, device.dtype, memory,
+                       [*resources, *more], executor, device.model)
 
 
-def make_scheduler(config: EngineConfig, pool, clock: Callable[[], float],
+def resource_managers(config: EngineConfig, device: EngineDevice, policy: PolicyConfig, plan: MorphPlan | None,
+                      memory: EngineMemory, clock: Callable[[], float]) -> list[ResourceManager]:
+    """The levers the mode hosts, in the order the loop calls them: the KV-precision rung (the cheapest lever) ahead
+    of layer morphing. What one needs of another goes in through its constructor: the runtime the blocks a freed slot
+    becomes, the rung the runtime's next swap (read-only, ``LayerSwaps``)."""
+    if memory.bank is None or plan is None:
+        return []
+    mixed = memory.kv.mixes_formats
+    morph = build_runtime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv,
+                          config.block_size, clock, costs=device.morph_costs(policy, plan, memory.bank),
+                          prefix_cache=config.prefix_cache_across_morph, pressure=device.pressure(config, policy),
+                          step_token_budget=config.max_num_batched_tokens,
+                          kv_blocks_per_freed_slot=kv_blocks_per_slot(memory.kv) if mixed else 1.0)
+    if not mixed:
+        return [morph]
+    return [build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph, clock), morph]
+
+
+def make_scheduler(config: EngineConfig, pool: BlockPool, clock: Callable[[], float],
                    on_shortfall: Callable[[int], object] | None = None, device_type: str = "cpu") -> Scheduler:
     """The scheduler policy the config names (decisions only; the executor interface is the same).
     ``on_shortfall(blocks)``: called before the scheduler preempts for want of KV blocks (quantize before preempt)."""

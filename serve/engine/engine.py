@@ -18,7 +18,7 @@ import torch
 from serve.config import EngineConfig
 from serve.engine.admission import Handoff
 from serve.engine.assembly import EngineParts, build_parts, make_scheduler
-from serve.engine.errors import EngineError, RequestCancelled
+from serve.engine.errors import EngineError, InvalidRequest, RequestCancelled
 from serve.engine.faults import FaultTracker
 from serve.engine.grammar_wait import GrammarWait, guide_error
 from serve.engine.lifecycle import Lifecycle
@@ -27,7 +27,8 @@ from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.engine.validation import RequestValidator
 from serve.engine.stats import EngineStats, resource_fields
-from serve.engine.token_append import TokenAppender
+from serve.engine.token_append import Appended, TokenAppender
+from serve.engine.torch_device import TorchDevice
 from serve.engine.sequence import Sequence
 from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
@@ -35,7 +36,8 @@ from serve.memory.block_pool import CacheEvents
 from serve.model.loader import LoadedModel
 from serve.process.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer
-from serve.engine.resources import ResourceManagers, YieldsMemory
+from serve.engine.resources import ResourceManagers
+from serve.resource_seam import YieldsMemory
 
 Callback = Callable[[RequestOutput], None]
 M = TypeVar("M")
@@ -68,14 +70,16 @@ class LLMEngine:
                 torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
             # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
-            parts = on_short_lived_thread(lambda: build_parts(config, loaded, self.clock), name="morphserve-load")
+            parts = on_short_lived_thread(lambda: build_parts(config, TorchDevice(config, loaded), self.clock),
+                                          name="morphserve-load")
+        self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._assemble(config, parts)
         self._lock = threading.RLock()  # held for a whole iteration; admission does not take it
         self._handoff = Handoff(config.max_num_waiting)
+        self._admission = threading.Lock()  # ids claimed and requests queued one at a time (add_request, the drain)
         self.guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size, config.guided_compile_timeout_s,
                                     backend=config.guided_backend)  # structured output, built or assembled alike
         self.grammars = GrammarWait(self.guides, self._handoff.work.set)  # guided requests wait for their grammar
-        self.faults = FaultTracker(MAX_STEP_FAILURES)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -85,7 +89,6 @@ class LLMEngine:
         self.last_num_scheduled = 0   # sequences in the last iteration's batch
         self.last_num_context = 0     # of which prefill (context) chunks
         self.last_step_error: str | None = None
-        self._resources_ok = True     # no resource-manager failure in this iteration (a boundary's or a shortfall's)
         self._step_listeners: list[Callable[[], None]] = []
         self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)  # deadlines
         self.start_rate = self.lifecycle.start_rate
@@ -98,21 +101,20 @@ class LLMEngine:
         self.memory = parts.memory
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
-        self.resources = ResourceManagers(parts.resources)
+        self.resources = ResourceManagers(parts.resources, self.faults.record)  # a manager's failure: the fault log
         self._wire_resources(config)
         self.executor = parts.executor
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.appender = TokenAppender(self.model_config.eos_token_ids, self.default_generator, self._accept_token,
-                                      self._fail_seqs, self.clock)
+        self.appender = TokenAppender(self.model_config.eos_token_ids, self.default_generator, self.max_model_len,
+                                      self.clock)
 
     def _wire_resources(self, config: EngineConfig) -> None:
-        """The admission bound the resource managers give, and the scheduler, which offers them the shortfalls
-        it meets when one of them can grow the pool."""
-        # Admission is bounded by the most blocks the mode can reach: what no configuration holds is refused at once.
+        """The admission bound the resource managers give (the most blocks the mode can reach: what no configuration
+        holds is refused at once), and the scheduler, which offers them its shortfalls when one can grow the pool."""
         reachable, note = self.resources.reachable_blocks(self.pool.base_blocks, self.pool.num_blocks)
-        self.scheduler = make_scheduler(config, self.pool, self.clock,
-                                        self._cover_shortfall if self.resources.grows_pool else None,
-                                        device_type=self.device.type)
+        # before a preemption the managers that grow the pool cover what they can (quantize before preempt)
+        cover = (lambda n: self.resources.cover_shortfall(self.scheduler, n)) if self.resources.grows_pool else None
+        self.scheduler = make_scheduler(config, self.pool, self.clock, cover, device_type=self.device.type)
         self.validator = RequestValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                           config.block_size, reachable, note, config.morph_mode)
 
@@ -153,7 +155,12 @@ class LLMEngine:
         seq = Sequence(rid, ids, params, arrival, IncrementalDetokenizer(self.tokenizer, params.stop,
                        params.include_stop_str_in_output), callback, gen, slo=targets, bad_words_ids=bad_words,
                        deadline=deadline)
-        self.grammars.hand_over(seq, self._handoff, lambda: len(self.scheduler.waiting), self._requests)  # claims the id
+        waits = self.grammars.start(seq)  # a guided request's compile starts now; the loop never waits for it
+        try:
+            self._hand_over(seq, waits)
+        except Exception:
+            self.grammars.discard(seq)  # refused: its compile is cancelled
+            raise
         if self._lock.acquire(blocking=False):  # engine idle between iterations: admit now, never wait
             try:
                 self._admit_handoff()
@@ -161,9 +168,21 @@ class LLMEngine:
                 self._lock.release()
         return rid
 
+    def _hand_over(self, seq: Sequence, waits_for_grammar: bool) -> None:
+        """Claim ``seq``'s id among the live requests and queue it for the loop, one request at a time under the
+        admission lock (the loop drains between two, never inside one). EngineOverloaded past ``max_num_waiting``
+        (the requests waiting for a grammar count, this one apart), InvalidRequest for an id in use."""
+        with self._admission:
+            if seq.request_id in self._requests:
+                raise InvalidRequest(f"request id {seq.request_id!r} is already in use")
+            self._handoff.put(seq, len(self.scheduler.waiting) + len(self.grammars) - int(waits_for_grammar))
+            self._requests[seq.request_id] = seq  # the loop drains under the same lock: never before this
+
     def _admit_handoff(self) -> None:
         """Move handed-over requests into the scheduler (caller holds the engine lock)."""
-        for seq in self._handoff.drain():
+        with self._admission:
+            handed = self._handoff.drain()
+        for seq in handed:
             if seq.request_id in self._requests and not self.grammars.park(seq):  # not aborted meanwhile
                 self.scheduler.add(seq)
         for seq in self.grammars.ready():
@@ -208,8 +227,8 @@ class LLMEngine:
             self._admit_handoff()
             produced = [(seq, self._finish_with(seq, err)) for seq, err in  # past a deadline (lifecycle.py), bad guide
                         [*self.lifecycle.expired(list(self._requests.values()), self.clock()), *self.grammars.failed()]]
-            self._resources_ok = self.resources.before_schedule(self.scheduler, self.faults.record)
-            sched = self.scheduler.schedule()  # may call _cover_shortfall before it preempts
+            self.resources.before_schedule(self.scheduler)
+            sched = self.scheduler.schedule()  # may offer the managers a shortfall before it preempts
             self.last_num_scheduled = len(sched.chunks)
             self.last_num_context = sum(1 for c in sched.chunks if not c.is_decode)
             self.resources.after_schedule(sum(c.num_tokens for c in sched.chunks))
@@ -227,8 +246,8 @@ class LLMEngine:
                     produced += self._fail_seqs([c.seq for c in sched.chunks], "forward", exc)
                 else:
                     self.scheduler.on_executed(sched)
-                    produced += self.appender.append(sampled, logits)  # drafted chunks: accepted runs
-                    if self._resources_ok:
+                    produced += self._emit(self.appender.append(sampled, logits))  # drafted chunks: accepted runs
+                    if self.resources.iteration_ok:  # no manager failed at the boundary or on a shortfall
                         self.faults.iteration_ok()
                 self.num_steps += 1
         self._deliver(produced)
@@ -240,13 +259,6 @@ class LLMEngine:
         """Call ``listener()`` from the stepping thread after every step, outside the engine lock (so it may
         call ``stats()``); idle morph ticks count, so it also sees every swap/restore and pool resize."""
         self._step_listeners.append(listener)
-
-    def _cover_shortfall(self, blocks: int) -> None:
-        """The scheduler is ``blocks`` KV blocks short and about to preempt (the KV-cache manager's hook): the
-        managers that grow the pool cover what they can (quantize before preempt); the scheduler preempts the
-        rest. A failure is logged and counted as the boundary's."""
-        if not self.resources.cover_shortfall(self.scheduler, blocks, self.faults.record):
-            self._resources_ok = False
 
     def _fail_seqs(self, seqs: list[Sequence], where: str, exc: BaseException,
                    iteration_failed: bool = True) -> list[tuple[Sequence, RequestOutput]]:
@@ -267,10 +279,29 @@ class LLMEngine:
         out.error, out.error_kind, out.retry_after_s = err.message, err.kind, err.retry_after_s
         return out
 
-    def _accept_token(self, seq: Sequence, tok: int, now: float) -> tuple[Sequence, RequestOutput]:
-        if seq.guide is not None:
-            seq.guide.accept(tok)  # GuideViolation: this request fails (postprocess), the batch goes on
-        seq.token_ids.append(tok)
+    def _emit(self, appended: list[Appended]) -> list[tuple[Sequence, RequestOutput]]:
+        """What the batch's tokens did (serve/engine/token_append.py), in order: each token counted and streamed,
+        a request that stopped finished, one that failed ended with its error, then a drafted chunk's KV settled."""
+        produced: list[tuple[Sequence, RequestOutput]] = []
+        for a in appended:
+            seq = a.seq
+            for t in a.tokens:
+                self._count_token(seq, a.now)
+                out = (self._finish(seq, t.finish, last_token=t.token, text=t.text) if t.finish is not None
+                       else self._output(seq, [t.token], final=False, text=t.text))
+                if t.logprob is not None:
+                    out.new_logprobs = [t.logprob]
+                produced.append((seq, out))
+            if a.failed is not None:
+                if a.failed.token_taken:
+                    self._count_token(seq, a.now)
+                produced += self._fail_seqs([seq], a.failed.where, a.failed.error, iteration_failed=False)
+            if a.settle is not None:
+                a.settle()
+        return produced
+
+    def _count_token(self, seq: Sequence, now: float) -> None:
+        """A token generated at ``now``: the engine's count, the request's token times, the managers' latency."""
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -278,41 +309,22 @@ class LLMEngine:
         elif seq.last_token_time is not None:
             self.resources.on_token_gap(now, now - seq.last_token_time)
         seq.last_token_time = now
-        reason = self._stop_reason(seq, tok)
-        if reason is not None:
-            return seq, self._finish(seq, reason, last_token=tok)
-        return seq, self._output(seq, [tok], final=False)
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
-        """Feed the token to the detokenizer (unless it is an end token) and say whether seq is done."""
-        p = seq.params
-        if tok in p.stop_token_ids:
-            seq.stop_reason = tok
-            return FinishReason.STOP
-        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
-            return FinishReason.STOP
-        seq.detokenizer.add(tok)
-        if seq.detokenizer.stopped_by is not None:
-            seq.stop_reason = seq.detokenizer.stopped_by
-            return FinishReason.STOP
-        if seq.guide is not None and seq.guide.terminated:  # the grammar is done (its end token, or nothing can follow)
-            return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, seq: Sequence, reason: FinishReason, last_token: int | None = None) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, last_token: int | None = None,
+                text: str | None = None) -> RequestOutput:
         self.scheduler.finish(seq)
         self.grammars.discard(seq)
         self._requests.pop(seq.request_id, None)
         self.resources.on_request_finished(seq.request_id)
         seq.finish_reason = reason
         new = [last_token] if last_token is not None else []
-        return self._output(seq, new, final=True)
+        return self._output(seq, new, final=True, text=text)
 
-    def _output(self, seq: Sequence, new_tokens: list[int], final: bool) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], final: bool, text: str | None = None) -> RequestOutput:
+        """``text``: what the tokens released, taken as each went in (token_append.py); else the detokenizer's now."""
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_tokens, new_text=seq.detokenizer.delta(final),
+            request_id=seq.request_id, new_token_ids=new_tokens,
+            new_text=text if text is not None else seq.detokenizer.delta(final),
             finished=final, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, first_scheduled_time=seq.first_scheduled_time,

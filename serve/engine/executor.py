@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,16 @@ from serve.model.llama import ForwardBatch, LlamaModel, PrefillChunk
 
 HEAP_RELEASE_INTERVAL_S = 10.0
 """Seconds between two releases of the C heap's free pages (at most one per batch; none while idle)."""
+
+
+class Executor(Protocol):
+    """What the loop runs a batch with: the torch executor (or the speculative one around it), or the planner's
+    simulated one (sim/executor.py), which advances a virtual clock instead of computing."""
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """The batch's logits (a row per sampled position, decodes first) and the chunks that sample, in row
+        order."""
+        ...
 
 
 class TorchExecutor:

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from serve.engine.admission import Handoff
 from serve.engine.errors import EngineError, EngineOverloaded, InvalidRequest
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.guided.compiler import GuideCompiler, GuideError, GuidesBusy, PendingGuide
@@ -33,12 +32,13 @@ class GrammarWait:
         self._parked: set[Sequence] = set()               # of those, the ones the loop has taken from the handoff
         self.changed = threading.Event()                  # a compile finished
 
-    def start(self, seq: Sequence) -> None:
-        """Give ``seq`` its grammar state now (a cached grammar) or start its compile and mark it waiting for it.
-        EngineOverloaded when too many guides are compiling."""
+    def start(self, seq: Sequence) -> bool:
+        """Give ``seq`` its grammar state now (a cached grammar) or start its compile and mark it waiting for it;
+        True when it waits. EngineOverloaded when too many guides are compiling. A request the engine then refuses
+        (overloaded, an id in use) is :meth:`discard`-ed, which cancels its compile."""
         spec = seq.params.guided_decoding
         if spec is None:
-            return
+            return False
         try:
             pending = self.compiler.submit(spec)
         except GuidesBusy as exc:
@@ -46,25 +46,14 @@ class GrammarWait:
         if pending.done():
             try:
                 seq.guide = pending.state()
-                return
+                return False
             except GuideError as exc:
                 raise InvalidRequest(str(exc)) from None
         seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
         with self._lock:
             self._pending[seq] = pending
         pending.add_done_callback(self._done)
-
-    def hand_over(self, seq: Sequence, handoff: Handoff, waiting_in_scheduler: Callable[[], int],
-                  requests: dict[str, Sequence]) -> None:
-        """:meth:`start`, then put ``seq`` in the engine's handoff (which claims its id, or raises: then its compile
-        is cancelled). The admission bound counts the requests waiting for a grammar, this one apart."""
-        self.start(seq)
-        own = int(seq.status is SequenceStatus.WAITING_FOR_GRAMMAR)
-        try:
-            handoff.put(seq, lambda: waiting_in_scheduler() + len(self) - own, requests)
-        except Exception:  # refused (overloaded, an id in use)
-            self.discard(seq)
-            raise
+        return True
 
     def _done(self) -> None:
         self.changed.set()

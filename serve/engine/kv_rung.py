@@ -1,6 +1,7 @@
 """The KV-precision rung: a resource manager ahead of the morph runtime that answers KV pressure by writing new
 blocks in 8 bits, before any layer is quantized (``PolicyConfig.kv_rung``; its rule is policy/kv_rung.py). It lives beside the seam it plugs into
-(serve/engine/resources.py) and is appended ahead of the morph runtime in serve/engine/assembly.py.
+(serve/resource_seam.py) and is appended ahead of the morph runtime in serve/engine/assembly.py; what it reads of
+the morph runtime (the blocks its next layer swap would add) arrives in its constructor as a ``LayerSwaps``.
 
 How: the cache holds full-precision blocks and, over the same arena bytes, a grid of 8-bit blocks
 (serve/model/kv_cache.py). Converting takes free full-precision blocks out of service (``BlockPool.retire``): the
@@ -39,12 +40,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from policy import PolicyConfig
 from policy.kv_rung import KVRungDecision, KVRungRule, KVRungTelemetry
-from serve.engine.resources import ResourceManagerBase
 from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.model.kv_cache import Q8_BLOCK, PagedKVCache
-from serve.morph.runtime import MorphRuntime
-from serve.morph.scheduler_view import SchedulerView
+from serve.resource_seam import ResourceManagerBase, SchedulerView
 
 log = get_logger("morphserve.kv_rung")
 
@@ -56,6 +55,14 @@ class RunningBlocks(Protocol):
     def cold_full_blocks(self) -> list[int]: ...
 
     def replace_blocks(self, moves: dict[int, int]) -> None: ...
+
+
+class LayerSwaps(Protocol):
+    """What the rung reads of layer swapping (the morph runtime's ``next_swap_blocks``) to weigh its price."""
+
+    def next_swap_blocks(self, precision: str) -> int:
+        """The KV blocks the next layer quantized to ``precision`` would add (0: no layer is left to quantize)."""
+        ...
 
 
 @dataclass
@@ -107,14 +114,14 @@ class KVPrecisionRung(ResourceManagerBase):
     grows_pool = True
 
     def __init__(self, rule: KVRungRule, pool: BlockPool, kv: PagedKVCache, prefix_cache: str = "exact",
-                 layer_chunk: Callable[[], tuple[int, str]] | None = None,
+                 layers: LayerSwaps | None = None, layer_precision: str = "int4",
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        """``layer_chunk()``: the blocks the next layer swap would add and its precision (the morph runtime's), for
-        the rule's price comparison; None: no layer swapping."""
+        """``layers``: layer swapping, whose next swap to ``layer_precision`` the rule prices its own conversion
+        against; None: no layer swapping."""
         if not kv.mixes_formats:
             raise ValueError("the KV rung needs a cache holding full-precision and 8-bit blocks")
         self.rule, self.pool, self.kv, self.clock = rule, pool, kv, clock
-        self.layer_chunk = layer_chunk
+        self.layers, self.layer_precision = layers, layer_precision
         self.slot_bytes = kv.full.layout.block_bytes
         self.cell_bytes = kv.q8.layout.block_bytes
         self.conversions: list[Conversion] = []
@@ -146,14 +153,14 @@ class KVPrecisionRung(ResourceManagerBase):
     def _telemetry(self, now: float, scheduler: SchedulerView | None = None) -> KVRungTelemetry:
         top = self.conversions[-1] if self.conversions else None
         top_free = top is not None and self.pool.chunks[-1].owner == top.owner and self.pool.chunk_is_free(top.owner)
-        layer_blocks, precision = self.layer_chunk() if self.layer_chunk is not None else (0, "int4")
+        layer_blocks = self.layers.next_swap_blocks(self.layer_precision) if self.layers is not None else 0
         return KVRungTelemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
             free_full_slots=self.pool.num_free_full,
             blocks_per_slot=self.slot_bytes / self.cell_bytes, kv_blocks_8bit=self.kv_blocks_8bit, top_free=top_free,
             top_blocks=len(top.cells) if top else 0, top_slots=len(top.retired) if top else 0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting() if scheduler is not None else 0,
-            layer_chunk_blocks=layer_blocks, layer_precision=precision)
+            layer_chunk_blocks=layer_blocks, layer_precision=self.layer_precision)
 
     # ---- the seam ------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: SchedulerView) -> KVRungDecision:
@@ -234,18 +241,15 @@ class KVPrecisionRung(ResourceManagerBase):
         return not self.conversions
 
 
+def kv_blocks_per_slot(kv: PagedKVCache) -> float:
+    """The 8-bit blocks one full-precision slot's bytes hold (3.75 on SmolLM2): what a layer chunk's freed slot
+    becomes under pressure once the rung converts it (the morph controller counts a swap so)."""
+    return kv.full.layout.block_bytes / kv.q8.layout.block_bytes
+
+
 def build_kv_rung(policy: PolicyConfig, pool: BlockPool, kv: PagedKVCache, prefix_cache: str,
-                  morph: MorphRuntime) -> KVPrecisionRung:
+                  layers: LayerSwaps | None, clock: Callable[[], float]) -> KVPrecisionRung:
     """The rung (``PolicyConfig.kv_rung``) over the engine's pool and mixed-format cache, weighing its price against
-    the morph runtime's next layer swap (its first rung, while layers are left to quantize)."""
-    rung_precision = policy.ladder[0]
-
-    def layer_chunk() -> tuple[int, str]:
-        left = morph.num_quantized < morph.controller.max_quantized_layers
-        return (morph.blocks_per_layer_chunk[rung_precision] if left else 0), rung_precision
-
+    the next layer swap to the mode's first rung (while layers are left to quantize)."""
     rule = KVRungRule(policy.kv_rung, policy.kv_high, policy.kv_low, policy.restore_persist_s)
-    rung = KVPrecisionRung(rule, pool, kv, prefix_cache, layer_chunk, clock=morph.clock)
-    # under pressure the rung writes a layer chunk's free slots as 8-bit blocks: the controller counts a swap so
-    morph.kv_blocks_per_freed_slot = lambda: rung.slot_bytes / rung.cell_bytes
-    return rung
+    return KVPrecisionRung(rule, pool, kv, prefix_cache, layers, policy.ladder[0], clock=clock)

@@ -67,8 +67,9 @@ class SpeculativeExecutor:
         self.model, self.kv, self.device = inner.model, inner.kv, inner.device
         self.block_size = inner.block_size
 
-    def __getattr__(self, name: str):  # heap releases, prepare: the torch executor's
-        return getattr(self.inner, name)
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[ScheduledChunk]]:
+        """A plain batch's tensors, as the torch executor lays them out (tests and tools look at them)."""
+        return self.inner.prepare(chunks)
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         plan = self.manager.plan(chunks)

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.speculation import SpeculationController, SpeculationDecision, SpeculationTelemetry
-from serve.engine.resources import ResourceManagerBase
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.morph.draft import DraftBank
-from serve.morph.scheduler_view import SchedulerView
+from serve.resource_seam import ResourceManagerBase, SchedulerView
 
 
 def may_draft(chunk: ScheduledChunk) -> bool:

@@ -107,9 +107,6 @@ class Arena:
     def data_ptr(self, slot: int) -> int:
         return self.buf.data_ptr() + slot * self.slot_bytes
 
-    def slot_range_bytes(self, r: SlotRange) -> torch.Tensor:
-        return self.buf[r.start * self.slot_bytes: r.end * self.slot_bytes]
-
     def slots_as(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole arena as ``[num_slots, *shape]`` of ``dtype`` (shape must fill one slot exactly)."""
         per_slot = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

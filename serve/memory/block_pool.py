@@ -224,10 +224,6 @@ class BlockPool:
                 self.events.removed(h)
 
     # ---- the KV-precision rung: free blocks out of service while their bytes hold 8-bit blocks ---------------
-    def free_ids(self, below: int) -> list[int]:
-        """Every free block id under ``below`` (never-cached and cached), ascending."""
-        return sorted(i for i in (*self._free_set, *self._cached) if i < below)
-
     def free_full_ids(self) -> list[int]:
         """Every free full-precision block id (never-cached and cached; the base pool's and the layer chunks', not
         the 8-bit chunks'), ascending."""

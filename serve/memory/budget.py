@@ -1,47 +1,35 @@
 """The device memory budget: resident weights + KV pool + reserve must always fit in it.
 
-On CPU the budget is a configured number enforced by accounting. On CUDA it is a fraction of the device
-as reported by NVML (nvidia-ml-py) or torch; NVML is optional and its absence is not an error.
-``device_memory="auto"`` (the Triton model's default) is made concrete by ``auto_budget`` below.
+``MemoryBudget`` is the engine's memory knobs resolved once, at the engine's edge (serve/engine/memory_budget.py:
+"auto", fractions of the device and sizes made bytes), into what the arena's arithmetic (serve/memory/sizing.py)
+reads; ``MemoryLedger`` accounts for the budget exactly while the engine runs. On CPU the budget is a configured
+number enforced by accounting; on CUDA a fraction of the device as reported by NVML (nvidia-ml-py) or torch
+(``query_device_memory``); NVML is optional and its absence is not an error.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from serve.config import AUTO_CUDA_FRACTION, DEVICE_MEMORY_AUTO, EngineConfig, parse_size
 
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the engine may hold. ``budget_bytes``: weights + KV + reserve fit in it (None: no budget; the KV pool is
+    ``kv_blocks`` or ``kv_bytes`` and the budget is what that needs); ``kv_blocks``: a fixed KV pool, or under a
+    budget a cap on it; ``kv_bytes``: the pool's bytes when neither fixes it; ``reserve_bytes``: kept free inside
+    the budget; ``releasable``: the operator armed memory yield, so the arena is built to give memory back;
+    ``device_memory``: the budget as it was asked for (messages)."""
 
-def auto_budget(config: EngineConfig, device_type: str, max_position_embeddings: int) -> EngineConfig:
-    """``config`` with ``device_memory="auto"`` replaced by what it means on ``device_type``; any other
-    config is returned as is.
-
-    The rule: a ``num_kv_blocks``, or a ``kv_cache_memory`` other than the default, fixes the KV pool as
-    without a budget. Otherwise, on CUDA the budget is ``AUTO_CUDA_FRACTION`` (0.9) of the device; on CPU
-    it is the resident full-precision weights (+ the staging slot when the mode morphs) + ``memory_reserve``
-    + a KV pool for ONE request of the full context length (``ceil(max_model_len / block_size)`` blocks;
-    max_model_len: the config's, else the model's). Every request the model accepts then fits at full
-    precision, and two or more long ones at once put the pool under pressure, which is where the dynamic
-    modes quantize layers to grow it: SmolLM2-135M (8192 tokens, fp32, 45 KiB of KV a token) gets
-    512 blocks = 360 MiB of KV, about 940 MiB in all (weights 564 MiB in arena slots, reserve 16 MiB).
-    """
-    if config.device_memory != DEVICE_MEMORY_AUTO:
-        return config
-    fixed_pool = config.num_kv_blocks is not None or \
-        config.kv_cache_memory != EngineConfig.__dataclass_fields__["kv_cache_memory"].default
-    if fixed_pool:
-        return dataclasses.replace(config, device_memory=None)
-    if device_type == "cuda":
-        return dataclasses.replace(config, device_memory=str(AUTO_CUDA_FRACTION))
-    max_len = config.context_length(max_position_embeddings)
-    return dataclasses.replace(config, device_memory=None, num_kv_blocks=math.ceil(max_len / config.block_size))
+    budget_bytes: int | None
+    kv_blocks: int | None
+    kv_bytes: int
+    reserve_bytes: int
+    releasable: bool = False
+    device_memory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,35 +109,6 @@ def query_device_memory(device: torch.device) -> DeviceMemoryInfo | None:
         return DeviceMemoryInfo(nvml[0], nvml[1], "nvml")
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemoryInfo(int(total), int(total - free), "torch")
-
-
-def resolve_budget(device: torch.device, device_memory: str | None, default_bytes: int) -> int:
-    """Budget in bytes: an explicit size ('600MiB'), a fraction of the device ('0.9'), or default_bytes."""
-    if device_memory is None:
-        return default_bytes
-
-    def total() -> int | None:
-        info = query_device_memory(device)
-        return info.total_bytes if info is not None else None
-
-    return budget_bytes(device_memory, total,
-                        "a fractional --device-memory needs a CUDA device; on CPU give a size such as 600MiB")
-
-
-def budget_bytes(device_memory: str, device_total_bytes: Callable[[], int | None], no_device: str) -> int:
-    """A size ('600MiB') or a fraction in (0, 1] of ``device_total_bytes()`` (None: ValueError ``no_device``).
-    The planner (sim/) passes its GPU system's memory, so a plan reads --device-memory as the engine does."""
-    text = str(device_memory).strip()
-    try:
-        fraction = float(text)
-    except ValueError:
-        return parse_size(text)
-    if not 0 < fraction <= 1:
-        raise ValueError(f"device memory fraction must be in (0, 1], got {text}")
-    total = device_total_bytes()
-    if total is None:
-        raise ValueError(no_device)
-    return int(total * fraction)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The arena's arithmetic, apart from any tensor: how a memory budget splits into layer regions, staging and KV.
 
-``serve/engine/memory_assembly.py`` feeds it the byte sizes of a loaded model's layers and variants and then allocates;
-the planner (``sim/``) feeds it sizes computed from a model's config and allocates nothing. Both get the same
+``serve/engine/memory_assembly.py`` feeds it a ``MemoryBudget`` and the byte sizes of a model's layers and variants
+(a loaded model's on the server's device, then allocated; sizes from a model's config on the planner's, allocated
+nowhere). Both get the same
 region, staging and base-pool sizes and the same ``MemoryLedger`` from the same lines, so a plan's KV
 capacity is the engine's.
 
@@ -13,12 +14,11 @@ ever add to the pool: every layer at its smallest variant.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from serve.config import EngineConfig, parse_size
 from serve.memory.arena import SlotRange
-from serve.memory.budget import MemoryLedger
+from serve.memory.budget import MemoryBudget, MemoryLedger
 
 
 def slots_for(nbytes: int, slot_bytes: int) -> int:
@@ -71,12 +71,10 @@ class ArenaPlan:
         return ledger
 
 
-def plan_arena(config: EngineConfig, slot_bytes: int, layer_nbytes: Sequence[int],
-               variant_nbytes: Sequence[Mapping[str, int]] | None, non_arena_bytes: int,
-               resolve_budget: Callable[[str], int]) -> ArenaPlan:
+def plan_arena(budget: MemoryBudget, slot_bytes: int, layer_nbytes: Sequence[int],
+               variant_nbytes: Sequence[Mapping[str, int]] | None, non_arena_bytes: int) -> ArenaPlan:
     """Size the arena. ``layer_nbytes[i]``: layer i's full weights as placed in the arena; ``variant_nbytes[i]``:
-    its quantized variants by precision (None when the mode does not morph); ``resolve_budget`` turns
-    ``--device-memory`` (a size, or a fraction of the device) into bytes."""
+    its quantized variants by precision (None when the mode does not morph)."""
     num_layers = len(layer_nbytes)
     region = max(slots_for(n, slot_bytes) for n in layer_nbytes)
     staging = 0
@@ -84,27 +82,26 @@ def plan_arena(config: EngineConfig, slot_bytes: int, layer_nbytes: Sequence[int
     if variant_nbytes is not None:
         staging = max(slots_for(n, slot_bytes) for per_layer in variant_nbytes for n in per_layer.values())
         extra = sum(region - min(slots_for(n, slot_bytes) for n in per_layer.values()) for per_layer in variant_nbytes)
-    reserve = parse_size(config.memory_reserve)
     fixed = num_layers * region + staging
-    budget, base = budget_slots(config, fixed, non_arena_bytes, reserve, slot_bytes, resolve_budget)
+    total, base = budget_slots(budget, fixed, non_arena_bytes, slot_bytes)
     return ArenaPlan(slot_bytes=slot_bytes, num_layers=num_layers, region_slots=region, staging_slots=staging,
-                     base_blocks=base, extra_blocks=extra, budget=budget, reserve=reserve,
+                     base_blocks=base, extra_blocks=extra, budget=total, reserve=budget.reserve_bytes,
                      non_arena_bytes=non_arena_bytes)
 
 
-def budget_slots(config: EngineConfig, fixed: int, non_arena: int, reserve: int, slot: int,
-                 resolve_budget: Callable[[str], int]) -> tuple[int, int]:
-    """(budget bytes, base KV blocks) from --device-memory, else from num_kv_blocks / kv_cache_memory."""
-    if config.device_memory is not None:
-        budget = resolve_budget(config.device_memory)
-        base = (budget - reserve - non_arena) // slot - fixed
+def budget_slots(budget: MemoryBudget, fixed: int, non_arena: int, slot: int) -> tuple[int, int]:
+    """(budget bytes, base KV blocks): under a budget, what is left of it after the weights, staging and reserve
+    (capped at ``kv_blocks``); without one, ``kv_blocks`` or ``kv_bytes`` of KV and the budget that needs."""
+    reserve = budget.reserve_bytes
+    if budget.budget_bytes is not None:
+        base = (budget.budget_bytes - reserve - non_arena) // slot - fixed
         if base < 1:
             raise ValueError(
-                f"device memory {config.device_memory} leaves no room for the KV cache: weights and staging "
+                f"device memory {budget.device_memory} leaves no room for the KV cache: weights and staging "
                 f"{(fixed * slot + non_arena) / 2**20:.1f} MiB + reserve {reserve / 2**20:.1f} MiB need at least "
                 f"{((fixed + 1) * slot + non_arena + reserve) / 2**20:.1f} MiB")
-        if config.num_kv_blocks is not None:
-            base = min(base, config.num_kv_blocks)
-        return budget, base
-    base = config.num_kv_blocks or max(1, parse_size(config.kv_cache_memory) // slot)
+        if budget.kv_blocks is not None:
+            base = min(base, budget.kv_blocks)
+        return budget.budget_bytes, base
+    base = budget.kv_blocks or max(1, budget.kv_bytes // slot)
     return non_arena + reserve + (fixed + base) * slot, base

@@ -25,7 +25,7 @@ quantizes the rows first and copies their scales the same way into the fp32 scal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +34,32 @@ from serve.model.model_config import ModelConfig
 
 FULL_BLOCK, Q8_BLOCK = 0, 1
 """``block_format`` values: a full-precision block, an 8-bit block."""
+
+
+class HasLayout(Protocol):
+    layout: KVLayout
+
+
+class KVBlocks(Protocol):
+    """What the pool's resource managers change in a KV cache: which physical block backs each logical one, in which
+    format. :class:`PagedKVCache` here; the planner's ``SimKV`` (sim/bank.py), which stores no KV, keeps the same
+    table. ``full`` / ``q8``: each format's blocks (their layout), None where the cache holds no such format."""
+
+    full: HasLayout | None
+    q8: HasLayout | None
+
+    @property
+    def mixes_formats(self) -> bool: ...
+
+    def map_blocks(self, logical_start: int, physical_slots: list[int], block_format: int = FULL_BLOCK) -> None: ...
+
+    def unmap_blocks(self, logical_start: int, count: int) -> None: ...
+
+    def physical_slot(self, logical_block: int) -> int: ...
+
+    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
+        """Re-write the full-precision blocks in slots ``sources`` as 8-bit blocks ``cells`` (the KV rung)."""
+        ...
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:

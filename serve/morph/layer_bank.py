@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -71,7 +72,96 @@ class CopyJob:
         return self.layer
 
 
-class LayerBank:
+class ServedLayer(Protocol):
+    precision: str
+
+
+class ServedModel(Protocol):
+    layers: list[Any]  # each a ServedLayer: what the next forward runs, at its precision
+
+
+class CopyInFlight(Protocol):
+    def done(self) -> bool: ...
+
+    def result(self) -> Any: ...
+
+
+class ReleasableSlots(Protocol):
+    """The arena's give-back (memory yield): serve/memory/arena.py."""
+
+    @property
+    def can_release(self) -> bool: ...
+
+    def release(self, r: SlotRange) -> int: ...
+
+    def recommit(self, r: SlotRange) -> int: ...
+
+
+class MorphBank(Protocol):
+    """What the morph runtime moves layers with: the real :class:`LayerBank`, or the planner's byte-counting one
+    (sim/bank.py), whose layers are their precision and whose copies take time on a virtual clock."""
+
+    model: ServedModel
+    device: torch.device
+    arena: ReleasableSlots
+    regions: list[SlotRange]
+    staging: SlotRange
+    host: Mapping[int, Mapping[str, Any]]  # host[i][precision]: layer i's source at that precision
+
+    @property
+    def precisions(self) -> set[str]: ...
+
+    def precision_of(self, i: int) -> str: ...
+
+    def slots(self, i: int, precision: str) -> int: ...
+
+    def tail(self, i: int, precision: str) -> SlotRange: ...
+
+    def copy_async(self, src: Any, dest: SlotRange) -> CopyInFlight: ...
+
+    def copy_now(self, src: Any, dest: SlotRange) -> Any: ...
+
+    def install(self, i: int, layer: Any) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class BankSlots:
+    """The slot arithmetic of a layer bank, shared by :class:`LayerBank` and the planner's: layer i at precision p
+    sits at the tail of its region (all of it at full precision). Subclasses give ``nbytes``."""
+
+    model: Any
+    regions: list[SlotRange]
+    host: Mapping[int, Mapping[str, Any]]
+    slot_bytes: int
+
+    @property
+    def precisions(self) -> set[str]:
+        return set.intersection(*(set(v) for v in self.host.values())) - {FULL}
+
+    def precision_of(self, i: int) -> str:
+        return self.model.layers[i].precision
+
+    def nbytes(self, i: int, precision: str) -> int:
+        raise NotImplementedError
+
+    def slots(self, i: int, precision: str) -> int:
+        """Slots layer i occupies at ``precision``: all of its region at full precision."""
+        if precision == FULL:
+            return self.regions[i].num_slots
+        return -(-self.nbytes(i, precision) // self.slot_bytes)
+
+    def tail(self, i: int, precision: str) -> SlotRange:
+        r = self.regions[i]
+        n = self.slots(i, precision)
+        return SlotRange(r.end - n, n)
+
+    def install(self, i: int, layer: Any) -> None:
+        """Make ``layer`` the one the next forward uses (call only between iterations)."""
+        self.model.layers[i] = layer
+
+
+class LayerBank(BankSlots):
     def __init__(self, model: LlamaModel, arena: Arena, regions: list[SlotRange], staging: SlotRange,
                  host: dict[int, dict[str, DecoderLayer]]) -> None:
         self.model = model
@@ -89,28 +179,9 @@ class LayerBank:
                                            initializer=serial_torch_here)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    # ---- sizes ------------------------------------------------------------------------------------
-    @property
-    def precisions(self) -> set[str]:
-        return set.intersection(*(set(v) for v in self.host.values())) - {FULL}
-
-    def precision_of(self, i: int) -> str:
-        return self.model.layers[i].precision
-
     def nbytes(self, i: int, precision: str) -> int:
         """Arena bytes of layer i at ``precision`` (tensors ALIGN-aligned)."""
         return arena_nbytes(self.host[i][precision])
-
-    def slots(self, i: int, precision: str) -> int:
-        """Slots layer i occupies at ``precision``: all of its region at full precision."""
-        if precision == FULL:
-            return self.regions[i].num_slots
-        return -(-self.nbytes(i, precision) // self.slot_bytes)
-
-    def tail(self, i: int, precision: str) -> SlotRange:
-        r = self.regions[i]
-        n = self.slots(i, precision)
-        return SlotRange(r.end - n, n)
 
     # ---- copies -----------------------------------------------------------------------------------
     def copy_async(self, src: DecoderLayer, dest: SlotRange) -> CopyJob:
@@ -130,10 +201,6 @@ class LayerBank:
         """Copy ``src`` into ``dest`` on the compute stream (device-local, at an iteration boundary)."""
         alloc = self.arena.allocator(dest)
         return remap(src, alloc.place)
-
-    def install(self, i: int, layer: DecoderLayer) -> None:
-        """Make ``layer`` the one the next forward uses (call only between iterations)."""
-        self.model.layers[i] = layer
 
     def detached(self, i: int, precision: str) -> DecoderLayer:
         """Layer i at ``precision`` in fresh device tensors outside the arena (evaluation tools only)."""

@@ -11,7 +11,6 @@ from typing import Callable, Mapping
 import torch
 
 from policy import FULL, PolicyConfig
-from serve.config import EngineConfig
 from serve.model.engine_dir import open_model
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import LinearOp
@@ -72,34 +71,35 @@ def host_bank(model: LlamaModel, plan: MorphPlan) -> dict[int, dict[str, object]
     return host
 
 
-def morph_precisions(config: EngineConfig, policy: PolicyConfig) -> list[str]:
-    """The variants the layer bank holds: the mode's ladder plus any extra asked for. Holding only what the
-    mode can use keeps host memory down and the staging headroom (sized for the largest variant) small."""
-    names = [p.strip() for p in config.morph_precisions.split(",") if p.strip()]
+def morph_precisions(policy: PolicyConfig, extra: str) -> list[str]:
+    """The variants the layer bank holds: the mode's ladder plus any extra asked for (``extra``: comma-separated,
+    the engine's ``morph_precisions``). Holding only what the mode can use keeps host memory down and the staging
+    headroom (sized for the largest variant) small."""
+    names = [p.strip() for p in extra.split(",") if p.strip()]
     return sorted(set(names) | set(policy.ladder))
 
 
-def resolve_plan(config: EngineConfig, policy: PolicyConfig, weights: Mapping[str, torch.Tensor], num_layers: int,
-                 plan: MorphPlan | None) -> MorphPlan | None:
-    """The plan this mode runs on: an engine directory's, reduced to the variants the mode uses (ValueError when
-    one it needs was not built), or round-to-nearest variants made on the fly for a dynamic or static mode
-    without one; None when nothing morphs."""
+def resolve_plan(plan: MorphPlan | None, policy: PolicyConfig, precisions: list[str],
+                 weights: Mapping[str, torch.Tensor], num_layers: int, int4_group_size: int | None,
+                 source: str) -> MorphPlan | None:
+    """The plan this mode runs on: an engine directory's (``plan``), reduced to ``precisions`` (ValueError when a
+    variant the mode needs was not built; ``source`` names the engine), or round-to-nearest variants made on the
+    fly for a dynamic or static mode without one; None when nothing morphs."""
     if policy.strategy != "off" and plan is None:
-        return rtn_plan(weights, num_layers, morph_precisions(config, policy), config.int4_group_size)
+        return rtn_plan(weights, num_layers, precisions, int4_group_size)
     if plan is not None:  # an engine dir may hold more variants (fp8) than this mode uses
-        wanted = morph_precisions(config, policy)
         missing = [p for p in policy.ladder if p not in plan.precisions]
         if missing:
-            raise ValueError(f"engine {config.model} lacks the {missing} variants that morph mode "
-                             f"{config.morph_mode!r} needs (built: {plan.precisions})")
-        plan.precisions = [p for p in plan.precisions if p in wanted]
+            raise ValueError(f"engine {source} lacks the {missing} variants that morph mode "
+                             f"{policy.mode!r} needs (built: {plan.precisions})")
+        plan.precisions = [p for p in plan.precisions if p in precisions]
     return plan
 
 
-def load_model_and_plan(config: EngineConfig) -> tuple[LoadedModel, MorphPlan | None]:
-    """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain."""
-    loaded, ed = open_model(config.model, level=config.level)
+def load_model_and_plan(model: str, level: str | None = None) -> tuple[LoadedModel, MorphPlan | None]:
+    """An engine directory (manifest.json) brings its LIS order and prebuilt variants; anything else loads plain
+    (``level``: one of the engine directory's morph-level checkpoints, served as it is)."""
+    loaded, ed = open_model(model, level=level)
     if ed is None:
         return loaded, None
     return loaded, MorphPlan(list(ed.precisions), list(ed.swap_order), ed.layer_variant, engine_dir=ed.root)
-

@@ -25,27 +25,31 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
 from serve.memory.arena import SlotRange
 from serve.memory.pressure import PressureSource
-from serve.model.kv_cache import PagedKVCache
-from serve.model.llama import DecoderLayer
+from serve.model.kv_cache import KVBlocks
 from serve.morph.latency_window import LatencyWindow
-from serve.morph.layer_bank import LayerBank
+from serve.morph.layer_bank import MorphBank
 from serve.morph.swap_records import MorphResourceStats, MorphStats, PendingSwap, Transition
-from serve.morph.scheduler_view import SchedulerView
+from serve.resource_seam import ResourceManagerBase, SchedulerView
 
 log = get_logger("morphserve.morph")
 
 
-class MorphRuntime:
-    def __init__(self, config: PolicyConfig, swap_order: list[int], bank: LayerBank, pool: BlockPool,
-                 ledger: MemoryLedger, kv: PagedKVCache, block_size: int, window_s: float = 10.0,
+class MorphRuntime(ResourceManagerBase):
+    def __init__(self, config: PolicyConfig, swap_order: list[int], bank: MorphBank, pool: BlockPool,
+                 ledger: MemoryLedger, kv: KVBlocks, block_size: int, window_s: float = 10.0,
                  clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None,
-                 prefix_cache: str = "exact", pressure: PressureSource | None = None) -> None:
+                 prefix_cache: str = "exact", pressure: PressureSource | None = None, step_token_budget: int = 0,
+                 kv_blocks_per_freed_slot: float = 1.0) -> None:
+        """``step_token_budget``: the scheduler's token budget per batch (the cost rule reads it);
+        ``kv_blocks_per_freed_slot``: the KV blocks each freed slot becomes under pressure (more than 1 when the
+        KV-precision rung writes a layer chunk's free slots as 8-bit blocks: serve/engine/kv_rung.py)."""
         self.config = config
         self.prefix_cache = prefix_cache  # EngineConfig.prefix_cache_across_morph
         self.costs = costs
         self.controller = MorphController(config, swap_order, costs)
-        self.last_step_tokens = 0  # tokens in the last batch, set by the engine; the cost rule reads it
-        self.step_token_budget = 0  # the scheduler's token budget per batch, set by the engine
+        self.last_step_tokens = 0  # tokens in the last batch (after_schedule); the cost rule reads it
+        self.step_token_budget = step_token_budget
+        self.kv_blocks_per_freed_slot = kv_blocks_per_freed_slot
         self.bank = bank
         self.pool = pool
         self.ledger = ledger
@@ -71,8 +75,6 @@ class MorphRuntime:
                              f"(have {sorted(bank.precisions)}); rebuild the engine with them")
         region = bank.regions[0].num_slots
         self.blocks_per_layer_chunk = {p: region - bank.slots(0, p) for p in bank.precisions}
-        # the KV blocks each freed slot becomes under pressure (the KV rung sets it: serve/engine/kv_rung.py)
-        self.kv_blocks_per_freed_slot: Callable[[], float] = lambda: 1.0
         self._configuration_changed()  # the cache's tag names the starting configuration (all full precision)
 
     def quantized_layers(self) -> tuple[tuple[int, str], ...]:
@@ -108,7 +110,7 @@ class MorphRuntime:
             ttft_p95_s=self._ttfts.percentile(now, 95), tbt_p99_s=self._gaps.percentile(now, 99),
             device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
             quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
-            blocks_per_layer_chunk=self.blocks_per_layer_chunk, kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot(),
+            blocks_per_layer_chunk=self.blocks_per_layer_chunk, kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot,
             memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
             yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
             top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
@@ -116,8 +118,7 @@ class MorphRuntime:
             block_bytes=self.ledger.slot_bytes,
         )
 
-    # ---- the iteration boundary ----------------------------------------------------------------------
-    # ---- the engine loop's resource-manager seam (serve/engine/resources.py) --------------------------------
+    # ---- the iteration boundary: the engine loop's resource-manager seam (serve/resource_seam.py) ------------
     name = "morph"
     grows_pool = True
 
@@ -270,7 +271,7 @@ class MorphRuntime:
             self.ledger.check()
             self._start_next()
 
-    def _recover_failed_copy(self, p: PendingSwap, exc: Exception) -> DecoderLayer | None:
+    def _recover_failed_copy(self, p: PendingSwap, exc: Exception) -> object | None:
         """A copy that failed mid-way. A quantize is dropped: nothing was installed and the pool is unchanged,
         so the layer stays at its precision (only staging holds partial bytes). A restore cannot be dropped:
         its KV chunk is gone and the layer serves from staging, which the next quantize overwrites; it is
@@ -344,6 +345,12 @@ class MorphRuntime:
         for layer in decision.layers:
             self.start(MorphDecision(decision.action, (layer,), decision.precision, decision.reason))
             self.complete_ready(wait=True)
+
+    def next_swap_blocks(self, precision: str) -> int:
+        """The KV blocks the next layer quantized to ``precision`` would add: its chunk, or 0 once the mode may
+        quantize no more layers (what the KV-precision rung weighs its own price against)."""
+        left = self.num_quantized < self.controller.max_quantized_layers
+        return self.blocks_per_layer_chunk[precision] if left else 0
 
     @property
     def num_quantized(self) -> int:

@@ -1,5 +1,6 @@
 """Wiring the morph runtime: this machine's per-precision step costs for the cost-aware controller (read or measured
-on the layers the engine serves) and the runtime itself, which a static mode applies at once."""
+on the layers the engine serves: ``step_costs``) and the runtime itself, which a static mode applies at once
+(``build_runtime``, called by the engine's one assembly, serve/engine/assembly.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger
 from serve.memory.pressure import PressureSource
-from serve.model.kv_cache import PagedKVCache
+from serve.model.kv_cache import KVBlocks
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.step_costs import load_or_measure
-from serve.morph.layer_bank import LayerBank
+from serve.morph.layer_bank import LayerBank, MorphBank
 from serve.morph.placement import remap
-from serve.morph.plan import MorphPlan
 from serve.morph.runtime import MorphRuntime
-from serve.morph.scheduler_view import IdleSchedulerView
+from serve.resource_seam import IdleSchedulerView
 
 log = get_logger("morphserve.morph")
 
@@ -54,18 +54,16 @@ def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> S
     return costs
 
 
-def build_runtime(policy: PolicyConfig, plan: MorphPlan, bank: LayerBank, pool: BlockPool, ledger: MemoryLedger,
-                  kv: PagedKVCache, block_size: int, clock=None, costs: StepCosts | None = None,
-                  prefix_cache: str = "exact", pressure: PressureSource | None = None) -> MorphRuntime:
-    """The morph runtime over the engine's memory; a cost-aware dynamic mode gets this machine's step costs
-    (``costs`` or looked up)."""
-    kwargs = {"clock": clock} if clock is not None else {}
-    if costs is None and policy.cost_aware and policy.strategy == "dynamic":
-        costs = step_costs(bank.model, bank, plan.engine_dir)
-    runtime = MorphRuntime(policy, plan.swap_order, bank, pool, ledger, kv, block_size,
-                           costs=costs, prefix_cache=prefix_cache, pressure=pressure, **kwargs)
+def build_runtime(policy: PolicyConfig, swap_order: list[int], bank: MorphBank, pool: BlockPool,
+                  ledger: MemoryLedger, kv: KVBlocks, block_size: int, clock: Callable[[], float],
+                  costs: StepCosts | None = None, prefix_cache: str = "exact", pressure: PressureSource | None = None,
+                  step_token_budget: int = 0, kv_blocks_per_freed_slot: float = 1.0) -> MorphRuntime:
+    """The morph runtime over the engine's memory (``costs``: the cost-aware controller's step costs, None without
+    them); a static mode applies its layers at once."""
+    runtime = MorphRuntime(policy, swap_order, bank, pool, ledger, kv, block_size, clock=clock, costs=costs,
+                           prefix_cache=prefix_cache, pressure=pressure, step_token_budget=step_token_budget,
+                           kv_blocks_per_freed_slot=kv_blocks_per_freed_slot)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)
     return runtime
-

@@ -8,7 +8,8 @@ import pytest
 
 from serve.config import EngineConfig
 from serve.model.kv_cache import kv_bytes_per_block
-from sim.assemble import build_engine, table_target
+from sim.assemble import build_engine
+from sim.target import table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import KernelTables, TableError, package_root
 from sim.model_specs import load_model_config

@@ -10,8 +10,10 @@ import pytest
 
 from serve.config import EngineConfig
 from serve.engine.assembly import build_parts
+from serve.engine.torch_device import TorchDevice
 from serve.engine.engine import LLMEngine
-from serve.engine.resources import ResourceManagerBase, ResourceManagers, YieldsMemory
+from serve.engine.resources import ResourceManagers
+from serve.resource_seam import ResourceManagerBase, YieldsMemory
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.stats import resource_fields
 from serve.morph.runtime import MorphRuntime
@@ -29,8 +31,10 @@ class RecorderStats:
 class Recorder(ResourceManagerBase):
     """A lever that changes nothing: it logs every call the loop makes, in one log shared by all recorders."""
 
-    def __init__(self, name: str, log: list, fail_boundary: bool = False, grows_pool: bool = False) -> None:
+    def __init__(self, name: str, log: list, fail_boundary: bool = False, grows_pool: bool = False,
+                 fail_shortfall: bool = False) -> None:
         self.name, self.log, self.fail_boundary, self.grows_pool = name, log, fail_boundary, grows_pool
+        self.fail_shortfall = fail_shortfall
         self.offered: list[int] = []
 
     def before_schedule(self, scheduler) -> None:
@@ -40,6 +44,8 @@ class Recorder(ResourceManagerBase):
 
     def cover_shortfall(self, scheduler, blocks: int) -> int:
         self.offered.append(blocks)
+        if self.fail_shortfall:
+            raise RuntimeError(f"{self.name} planted shortfall failure")
         return 0
 
     def after_schedule(self, num_tokens: int) -> None:
@@ -63,7 +69,7 @@ def engine_with(tiny, mode: str, extra_before: list, extra_after: list, blocks: 
                           morph_mode=mode, max_model_len=256,
                           policy_overrides={"persist_iters": 1, "cost_aware": False, **policy} if mode != "off" else {})
     clock = FakeClock()
-    parts = build_parts(config, tiny, clock)
+    parts = build_parts(config, TorchDevice(config, tiny), clock)
     parts.resources = [*extra_before, *parts.resources, *extra_after]
     return LLMEngine(config, clock=clock, parts=parts)
 
@@ -113,6 +119,28 @@ def test_a_shortfall_goes_to_each_pool_growing_manager_in_order_with_what_is_lef
     assert runtime.stats.swaps >= 1 and e.scheduler.num_preemptions == 0  # the runtime covered them all
     assert last.offered == []                                             # so nothing was left to offer
     assert_memory_exact(e)
+
+
+def test_a_failed_shortfall_is_recorded_and_its_iteration_not_counted_healthy(tiny):
+    """A manager failing inside the scheduler's shortfall hook (mid-schedule) is recorded under its name, the
+    scheduler preempts what is left, and that iteration does not count as healthy, as a boundary failure."""
+    log: list = []
+    bad = Recorder("bad", log, grows_pool=True, fail_shortfall=True)
+    e = engine_with(tiny, "off", [bad], [], blocks=12)
+    for i in range(4):
+        e.add_request([(7 * i + j) % 4000 + 10 for j in range(8)], SamplingParams(max_tokens=24, ignore_eos=True))
+    failed_steps = 0
+    while e.has_unfinished_requests():
+        offered = len(bad.offered)
+        e.step()
+        if len(bad.offered) > offered:  # this iteration's shortfall failed: not reset to healthy after the batch
+            failed_steps += 1
+            assert not e.resources.iteration_ok and e.faults.consecutive >= 1
+        else:
+            assert e.resources.iteration_ok and e.faults.consecutive == 0
+    assert failed_steps and e.scheduler.num_preemptions > 0  # the scheduler preempted what was left
+    assert e.faults.last_error.startswith("bad: RuntimeError: bad planted shortfall failure")
+    assert e.faults.failed_iterations == failed_steps
 
 
 def test_managers_are_reached_by_type_and_their_stats_are_typed(tiny):

@@ -210,7 +210,7 @@ def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int
         computed.append(sched.num_tokens)
         logits, sampled = e.executor.execute(sched.chunks)
         e.scheduler.on_executed(sched)
-        e._deliver(e.appender.append(sampled, logits))
+        e._deliver(e._emit(e.appender.append(sampled, logits)))
         step += 1
     return tokens, computed, e
 

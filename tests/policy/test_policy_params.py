@@ -1,7 +1,7 @@
 """Morph policy overrides and the memory budget as a Triton operator sets them: ``python -m serve.triton
 --policy KEY=VALUE`` and config.pbtxt's ``policy`` JSON reach the engine's controller, a bad key or value is
 refused before anything starts, and ``device_memory="auto"`` (config.pbtxt's default) sizes the budget by
-its rule (serve/memory/budget.py auto_budget)."""
+its rule (serve/engine/memory_budget.py: the memory knobs resolved once into a MemoryBudget)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from serve.config import AUTO_CUDA_FRACTION, EngineConfig, check_device_memory
+from serve.config import AUTO_CUDA_FRACTION, EngineConfig, check_device_memory, parse_size
 from serve.engine.engine import LLMEngine
-from serve.memory.budget import auto_budget
+from serve.engine.memory_budget import memory_budget
+from serve.memory.budget import MemoryBudget
 from serve.triton.__main__ import build_parser, check_params, main, params_from_args
 from serve.triton.model_params import engine_config_kwargs
 from serve.triton.repository import DEFAULT_MODEL_REPOSITORY, fill_config_parameters, read_config_parameters
@@ -118,7 +119,7 @@ def test_auto_budget_on_cpu_holds_one_full_context_request(tiny) -> None:
 
 def test_one_context_length_rule_for_the_engine_and_the_budget(tiny) -> None:
     """``EngineConfig.context_length``: max_model_len capped at the model's context, the model's when unset; the
-    engine's assembly serves it (the planner's: tests/sim) and auto_budget sizes its one request by it."""
+    engine's assembly serves it (the planner's: tests/sim) and the auto budget sizes its one request by it."""
     assert EngineConfig(max_model_len=1000).context_length(8192) == 1000
     assert EngineConfig(max_model_len=1000).context_length(512) == 512
     assert EngineConfig().context_length(512) == 512
@@ -128,24 +129,44 @@ def test_one_context_length_rule_for_the_engine_and_the_budget(tiny) -> None:
             assert engine.max_model_len == EngineConfig(max_model_len=configured).context_length(512) == min(configured or 512, 512)
         finally:
             engine.shutdown()
-    assert auto_budget(EngineConfig(device_memory="auto", max_model_len=100000), "cpu", 512).num_kv_blocks == 512 // 16
+    assert budget(EngineConfig(device_memory="auto", max_model_len=100000), "cpu", 512).kv_blocks == 512 // 16
+
+
+def budget(config: EngineConfig, kind: str, max_positions: int) -> MemoryBudget:
+    """The config's budget on a ``kind`` device of 80 GiB."""
+    return memory_budget(config, kind, max_positions, lambda text: int(float(text) * 80 * 2**30) if "." in text
+                         else parse_size(text))
 
 
 def test_auto_budget_rule() -> None:
     auto = EngineConfig(device_memory="auto", max_model_len=1000, block_size=16)
-    assert auto_budget(auto, "cpu", 8192).num_kv_blocks == 63 and auto_budget(auto, "cpu", 8192).device_memory is None
-    assert auto_budget(auto, "cpu", 512).num_kv_blocks == 32, "capped by the model's context"
-    assert auto_budget(auto, "cuda", 8192).device_memory == str(AUTO_CUDA_FRACTION)
-    assert auto_budget(auto, "cuda", 8192).num_kv_blocks is None
+    assert budget(auto, "cpu", 8192).kv_blocks == 63 and budget(auto, "cpu", 8192).budget_bytes is None
+    assert budget(auto, "cpu", 512).kv_blocks == 32, "capped by the model's context"
+    assert budget(auto, "cuda", 8192).budget_bytes == int(AUTO_CUDA_FRACTION * 80 * 2**30)
+    assert budget(auto, "cuda", 8192).kv_blocks is None
     fixed = EngineConfig(device_memory="auto", num_kv_blocks=7)
-    assert auto_budget(fixed, "cpu", 8192) == EngineConfig(num_kv_blocks=7)
-    assert auto_budget(fixed, "cuda", 8192) == EngineConfig(num_kv_blocks=7)
+    assert budget(fixed, "cpu", 8192) == budget(fixed, "cuda", 8192) == budget(EngineConfig(num_kv_blocks=7), "cpu", 8192)
+    assert budget(fixed, "cpu", 8192).kv_blocks == 7 and budget(fixed, "cpu", 8192).budget_bytes is None
     sized = EngineConfig(device_memory="auto", kv_cache_memory="64MiB")
-    assert auto_budget(sized, "cpu", 8192) == EngineConfig(kv_cache_memory="64MiB")
-    explicit = EngineConfig(device_memory="600MiB")
-    assert auto_budget(explicit, "cpu", 8192) is explicit
+    assert budget(sized, "cpu", 8192) == budget(EngineConfig(kv_cache_memory="64MiB"), "cpu", 8192)
+    assert budget(sized, "cpu", 8192).kv_bytes == 64 * 2**20
+    explicit = EngineConfig(device_memory="600MiB", memory_reserve="32MiB")
+    assert budget(explicit, "cpu", 8192) == MemoryBudget(budget_bytes=600 * 2**20, kv_blocks=None, kv_bytes=2**30,
+                                                         reserve_bytes=32 * 2**20, device_memory="600MiB")
     for good in (None, "auto", "600MiB", "0.9", "1"):
         check_device_memory(good)
     for bad in ("1.5", "0", "lots"):
         with pytest.raises(ValueError):
             EngineConfig(device_memory=bad)
+
+
+def test_a_kv_pool_the_user_sized_is_kept_even_at_the_default_size() -> None:
+    """"Set by the user" is kept explicitly (kv_cache_memory None = unset), not guessed by comparing with the
+    default: kv_cache_memory="1GiB" given with device_memory="auto" keeps a 1 GiB pool, as any other size would."""
+    given = budget(EngineConfig(device_memory="auto", kv_cache_memory="1GiB"), "cuda", 8192)
+    assert given.budget_bytes is None and given.kv_bytes == 2**30
+    unset = budget(EngineConfig(device_memory="auto"), "cuda", 8192)
+    assert unset.budget_bytes == int(AUTO_CUDA_FRACTION * 80 * 2**30)
+    assert EngineConfig().kv_cache_memory is None and budget(EngineConfig(), "cpu", 8192).kv_bytes == 2**30
+    assert budget(EngineConfig(memory_floor="0", morph_mode="default"), "cpu", 8192).releasable
+    assert not budget(EngineConfig(morph_mode="default"), "cpu", 8192).releasable

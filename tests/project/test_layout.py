@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve.error_kinds": set(),  # why a request was refused or ended early: the engine's and every front end's words
     "serve.request_values": set(),  # client text and numbers checked once, for every front end (stdlib only)
     "serve.operator_auth": set(),  # the operator key: HMAC-signed operator controls, for every operator surface
+    "serve.resource_seam": set(),  # what a resource manager implements and reads of the scheduler (stdlib only)
     # per-request TTFT / ITL / finish accounting for every front end; reads RequestOutput by duck type (no engine)
     "serve.request_tracker": {"serve.metrics_catalogue", "serve.error_kinds"},
     "serve.config": {"serve.model", "policy"},  # serve.model.embedded: the embedded model's name (stdlib only)
@@ -33,11 +34,13 @@ ALLOWED: dict[str, set[str]] = {
     "serve.model": {"serve.process", "policy"},  # serve.process.host_load: what else ran while it measured
     # process tuning: the C heap's free pages back to the OS, one OpenMP team per process (stdlib + torch)
     "serve.process": set(),
-    "serve.memory": {"serve.config", "serve.logging_setup", "policy"},
-    "serve.morph": {"serve.memory", "serve.model", "serve.process", "serve.config", "serve.logging_setup", "policy"},
+    # the memory and the morph lever read numbers, never the EngineConfig (serve/engine/memory_budget.py resolves it)
+    "serve.memory": {"serve.logging_setup", "policy"},
+    "serve.morph": {"serve.memory", "serve.model", "serve.process", "serve.logging_setup", "serve.resource_seam",
+                    "policy"},
     "serve.guided": {"serve.model", "serve.logging_setup"},
     "serve.engine": {"serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.process", "serve.config",
-                     "serve.logging_setup", "serve.error_kinds", "policy"},
+                     "serve.logging_setup", "serve.error_kinds", "serve.resource_seam", "policy"},
     "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
                      "serve.error_kinds", "serve.request_values", "serve.operator_auth", "policy"},
     "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
@@ -50,7 +53,7 @@ ALLOWED: dict[str, set[str]] = {
                 "serve.config_flags"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
     "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
-            "serve.logging_setup", "policy"},
+            "serve.logging_setup", "serve.resource_seam", "policy"},
     "bench": {"serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
               "serve.config_flags", "serve.logging_setup", "serve.generate", "policy", "builder"},
 }

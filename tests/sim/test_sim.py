@@ -16,7 +16,8 @@ from policy import FULL, MorphController, PolicyConfig, Telemetry, resolve_kv_ru
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from sim.__main__ import main as plan_main
-from sim.assemble import build_engine, table_target
+from sim.assemble import build_engine
+from sim.target import table_target
 from sim.clock import VirtualClock
 from serve.model.quantized_linear import REGISTRY
 from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError, package_root
@@ -124,7 +125,7 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
     real = LLMEngine(EngineConfig(morph_mode="default", device_memory="600MiB", num_threads=1,
                                   policy_overrides={"cost_aware": False, "kv_rung": None}))
     try:
-        from sim.assemble import Target
+        from sim.target import Target
 
         bank = morph(real).bank
         sizes = [{p: (bank.nbytes(i, p) if p != FULL else bank.regions[i].num_slots * bank.slot_bytes) for p in bank.host[i]}

@@ -10,7 +10,8 @@ from serve.config import EngineConfig
 from serve.engine.kv_rung import KVPrecisionRung
 from serve.engine.sampling_params import SamplingParams
 from serve.model.kv_cache import kv_bytes_per_block
-from sim.assemble import build_engine, table_target
+from sim.assemble import build_engine
+from sim.target import table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import TableError
 from sim.model_specs import load_model_config
