@@ -80,6 +80,12 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
                  "spec_decode_draft_acceptance_rate"),
     EngineMetric("morphserve_spec_decode_num_steps_total", "counter", "Engine iterations that drafted.",
                  "spec_decode_num_steps"),
+    # the step-cost table checked while serving (serve/morph/cost_check.py, policy/cost_drift.py)
+    EngineMetric("morphserve_step_cost_probes_total", "counter",
+                 "Probes of the step-cost table timed while serving.", "step_cost_probes"),
+    EngineMetric("morphserve_step_cost_corrections_total", "counter",
+                 "Step-cost tables measured again while serving because quiet probes said the table was off.",
+                 "step_cost_corrections"),
 )
 LAYERS_QUANTIZED = EngineMetric("morphserve_layers_quantized", "gauge",
                                 "Decoder layers currently held in each quantized precision.", "layers_quantized")

@@ -131,6 +131,9 @@ class SimDevice:
     def pressure(self, config: EngineConfig, policy: PolicyConfig) -> PressureSource | None:
         return None  # no outside memory on a virtual device
 
+    def cost_check(self, managers: list[ResourceManager], memory: EngineMemory) -> ResourceManager | None:
+        return None  # the target's step model is the table: nothing to time on a virtual device
+
     def executor(self, config: EngineConfig, memory: EngineMemory, plan: MorphPlan | None, max_model_len: int,
                  clock: Callable[[], float]) -> tuple[Executor, list[ResourceManager]]:
         step_model = self.target.step_model

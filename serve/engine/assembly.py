@@ -65,6 +65,12 @@ class EngineDevice(MemoryDevice, Protocol):
         """What runs a batch, and the resource managers that come with it (self-speculative decoding)."""
         ...
 
+    def cost_check(self, managers: list[ResourceManager], memory: EngineMemory) -> ResourceManager | None:
+        """The check of the step-cost table the ``managers`` weigh against this machine while serving, handing them
+        a corrected one (serve/morph/cost_check.py); None where there is nothing to time (a simulated device, no
+        table)."""
+        ...
+
 
 @dataclass
 class EngineParts:
@@ -89,8 +95,9 @@ def build_parts(config: EngineConfig, device: EngineDevice, clock: Callable[[], 
     memory = build_memory(config, device, policy, plan)
     resources = resource_managers(config, device, policy, plan, memory, clock)
     executor, more = device.executor(config, memory, plan, max_model_len, clock)
+    check = device.cost_check([*resources, *more], memory)  # last: it corrects the table the others read
     return EngineParts(device.model_config, device.tokenizer, max_model_len, device.torch_device, device.dtype, memory,
-                       [*resources, *more], executor, device.model)
+                       [*resources, *more, *([check] if check is not None else [])], executor, device.model)
 
 
 def resource_managers(config: EngineConfig, device: EngineDevice, policy: PolicyConfig, plan: MorphPlan | None,

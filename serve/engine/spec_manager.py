@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from policy.costs import StepCosts
 from policy.speculation import SpeculationController, SpeculationDecision, SpeculationTelemetry
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.sequence import Sequence, SequenceStatus
@@ -161,6 +162,10 @@ class SpeculationManager(ResourceManagerBase):
     def _remember(self, decision: SpeculationDecision) -> None:
         self.last_decision = decision
         self.decisions = (self.decisions + [decision])[-256:]
+
+    def use_costs(self, costs: StepCosts) -> None:
+        """A corrected step-cost table (serve/morph/cost_check.py): the controller's cost model reads it from now on."""
+        self.controller.use_costs(costs)
 
     def resource_stats(self) -> SpeculationStats:
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

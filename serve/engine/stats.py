@@ -66,6 +66,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0     # draft tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of which the target agreed with
     spec_decode_draft_acceptance_rate: float = 0.0
+    # the step-cost table checked while serving (serve/morph/cost_check.py): probes timed, tables measured again
+    step_cost_probes: int = 0
+    step_cost_corrections: int = 0
     # every manager's own typed snapshot, by its name (e.g. resources["morph"]: MorphResourceStats)
     resources: dict[str, Any] = field(default_factory=dict)
 

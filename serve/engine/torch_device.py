@@ -32,7 +32,9 @@ from serve.morph.layer_bank import LayerBank, MorphBank
 from serve.morph.placement import arena_nbytes, remap
 from serve.morph.plan import MorphPlan, check_device_supports, host_bank, load_model_and_plan, morph_precisions, \
     resolve_plan
-from serve.morph.setup import step_costs
+from serve.morph.cost_check import CostCheck
+from serve.morph.runtime import MorphRuntime
+from serve.morph.setup import cost_inputs, step_costs
 from serve.resource_seam import ResourceManager
 
 log = get_logger("morphserve.engine")
@@ -147,3 +149,14 @@ class TorchDevice:
                                               memory.bank if isinstance(memory.bank, LayerBank) else None, plan,
                                               self.loaded.weights, max_model_len, clock)
         return executor, [speculation] if speculation is not None else []
+
+    def cost_check(self, managers: list[ResourceManager], memory: EngineMemory) -> ResourceManager | None:
+        """The morph runtime's cost-aware table checked while serving; a correction goes to every manager that weighs
+        step costs (the runtime's controller, speculation's)."""
+        runtime = next((m for m in managers if isinstance(m, MorphRuntime)), None)
+        if runtime is None or runtime.costs is None or not isinstance(memory.bank, LayerBank):
+            return None
+        users = [m for m in managers if callable(getattr(m, "use_costs", None))]
+        layers, shape, head = cost_inputs(self.model, memory.bank)
+        return CostCheck(self.model, layers, shape, head, runtime.costs, str(runtime.costs.meta.get("measured", "")),
+                         on_correct=lambda costs: [m.use_costs(costs) for m in users])

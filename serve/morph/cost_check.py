@@ -1,13 +1,15 @@
 """A serving engine's check of its step-cost table against its own machine, and the correction (policy/cost_drift.py).
 
-Now and then (after ``first`` steps, then every ``every`` steps) the check times a probe: the full-precision layer's
+A resource manager of the engine (serve/resource_seam.py), after the levers that read the table: it counts the
+iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the full-precision layer's
 linears at 1 and 8 tokens, three repeats, a few milliseconds, under the conditions check of
 policy/measurement.py. The rule compares it with the table; when quiet probes say the table is off, the whole
 table is measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
 speculation controller take it), written back to the per-machine cache, and the kernel crossovers are measured
 again and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
 
-``remeasure()`` does the correction at once (the operator's ``remeasure_costs`` control).
+``remeasure()`` does the correction at once (the operator's ``remeasure_costs`` control). Its stats fill
+``EngineStats.step_cost_probes`` / ``step_cost_corrections`` (metrics ``morphserve_step_cost_*_total``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from serve.logging_setup import get_logger
 from serve.model import crossover_measure, crossovers
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.step_costs import cache_path, machine_key, measure_checked, store
+from serve.resource_seam import ResourceManagerBase, SchedulerView
 
 log = get_logger("morphserve.cost_check")
 
@@ -42,8 +45,13 @@ class CostCheckStats:
         return {"probes": self.probes, "corrections": self.corrections, "last_reason": self.last_reason,
                 "table_source": self.table_source}
 
+    def engine_fields(self) -> dict[str, Any]:
+        return {"step_cost_probes": self.probes, "step_cost_corrections": self.corrections}
 
-class CostCheck:
+
+class CostCheck(ResourceManagerBase):
+    name = "cost_check"
+
     def __init__(self, model: LlamaModel, layers: Mapping[str, DecoderLayer], shape: tuple[int, int, int],
                  head: Callable[[torch.Tensor], torch.Tensor], costs: StepCosts, source: str,
                  on_correct: Callable[[StepCosts], None], first: int = 16, every: int = 256,
@@ -56,8 +64,16 @@ class CostCheck:
         self.stats = CostCheckStats(table_source=source)
         self._steps = 0
 
+    def before_schedule(self, scheduler: SchedulerView) -> None:
+        """Each iteration that serves something counts; a probe when one is due."""
+        if scheduler.num_running() or scheduler.num_waiting():
+            self.on_step()
+
+    def resource_stats(self) -> CostCheckStats:
+        return self.stats
+
     def on_step(self) -> None:
-        """After a serving step: probe when one is due (the first after ``first`` steps, then every ``every``)."""
+        """A serving step: probe when one is due (the first after ``first`` steps, then every ``every``)."""
         self._steps += 1
         due = self._steps == self.first or (self._steps > self.first and (self._steps - self.first) % self.every == 0)
         if due:

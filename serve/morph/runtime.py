@@ -122,6 +122,11 @@ class MorphRuntime(ResourceManagerBase):
     name = "morph"
     grows_pool = True
 
+    def use_costs(self, costs: StepCosts) -> None:
+        """A corrected step-cost table (serve/morph/cost_check.py): the controller weighs it from the next decision."""
+        self.costs = costs
+        self.controller.use_costs(costs)
+
     def before_schedule(self, scheduler: SchedulerView) -> MorphDecision | None:
         """The iteration boundary: land finished copies, ask the controller, start what it decides."""
         now = self.clock()
