@@ -14,6 +14,7 @@ control                   body                                         effect
 ``release_memory``        ``{"tags": ["model_weights", "kv_cache"]}``  trtllm-serve's sleep: park
 ``resume_memory``         ``{"tags": [...]}`` (none: every parked one)   trtllm-serve's wake-up
 ``memory_status``         ``{}``                                       ``{"state", "parked_tags"}``
+``remeasure_costs``       ``{}``                                       step costs + crossovers measured now
 ========================  ===========================================  ==================================
 
 Each answers ``{"status": "ok", ...}``; a bad body or a control this engine cannot carry out raises
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from serve.engine.engine import LLMEngine
 
 MEMORY_CONTROLS = ("release_memory", "resume_memory", "memory_status")
-CONTROLS = ("memory_yield", "memory_reclaim", "drain", "resume", "state", *MEMORY_CONTROLS)
+CONTROLS = ("memory_yield", "memory_reclaim", "drain", "resume", "state", "remeasure_costs", *MEMORY_CONTROLS)
 SLEEP_TAGS = ("model_weights", "kv_cache")
 UPSTREAM_TAGS = ("model_weights", "model", "draft_model_weights", "draft_model", "kv_cache", "sampler", "drafter",
                  "guided_decoder", "spec_resource_manager", "model_extra", "executor_extra")
@@ -167,6 +168,19 @@ def resume_memory(engine: LLMEngine, body: Any) -> dict[str, Any]:
     return {"status": "success"}
 
 
+def remeasure_costs(engine: LLMEngine) -> dict[str, Any]:
+    """The step-cost table and kernel crossovers measured now, between iterations (serve/morph/cost_check.py); used
+    and cached when quiet."""
+    from serve.morph.cost_check import CostCheck  # noqa: PLC0415 - the manager's type, to find it
+
+    check = engine.resource_manager(CostCheck)
+    if check is None:
+        raise ControlError(f"this engine weighs no step-cost table (morph mode {engine.config.morph_mode!r}; the "
+                           "cost-aware modes default and performance do); python -m builder.step_costs --force "
+                           "re-measures the engine directory's")
+    return engine.between_steps(lambda: check.remeasure("asked by the operator"))
+
+
 def memory_status(engine: LLMEngine) -> dict[str, Any]:
     parked = sorted(engine.lifecycle.parked_tags)
     return {"state": "parked" if parked else "running", "parked_tags": parked}
@@ -193,6 +207,8 @@ def run_control(engine: LLMEngine, name: str, body: Any) -> dict[str, Any]:
             return {"status": "ok", "memory_yield": engine.request_memory_yield(nbytes)}
         except ValueError as exc:  # this engine cannot yield (a static mode, an arena that cannot release)
             raise ControlError(str(exc)) from None
+    if name == "remeasure_costs":
+        return {"status": "ok", "remeasured": remeasure_costs(engine)}
     if name in ("drain", "resume"):
         engine.drain(name == "drain")
     stats = engine.stats()

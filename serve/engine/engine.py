@@ -83,11 +83,9 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.last_num_scheduled = 0   # sequences in the last iteration's batch
-        self.last_num_context = 0     # of which prefill (context) chunks
+        self._stopping = False  # stop() asked the loop thread to end
+        self.num_steps = self.num_generated_tokens = 0
+        self.last_num_scheduled = self.last_num_context = 0  # the last iteration's batch: sequences, prefill chunks
         self.last_step_error: str | None = None
         self._step_listeners: list[Callable[[], None]] = []
         self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)  # deadlines
@@ -322,19 +320,17 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_tokens: list[int], final: bool, text: str | None = None) -> RequestOutput:
         """``text``: what the tokens released, taken as each went in (token_append.py); else the detokenizer's now."""
-        return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_tokens,
-            new_text=text if text is not None else seq.detokenizer.delta(final),
-            finished=final, finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, first_scheduled_time=seq.first_scheduled_time,
-            stop_reason=seq.stop_reason,
-        )
+        return RequestOutput(request_id=seq.request_id, new_token_ids=new_tokens,
+                             new_text=text if text is not None else seq.detokenizer.delta(final), finished=final,
+                             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
+                             first_token_time=seq.first_token_time, first_scheduled_time=seq.first_scheduled_time,
+                             stop_reason=seq.stop_reason)
 
     def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
         for seq, out in produced:
-            if out.finished or seq.params.perf_metrics:  # counted when the step is done (a draft settles after
-                out.metrics = seq.metrics()              # the token that finished its request was accepted)
+            if out.finished or seq.params.perf_metrics:  # counted once the step is done (drafts settle last)
+                out.metrics = seq.metrics()
             if seq.callback is not None:
                 try:
                     seq.callback(out)
@@ -408,8 +404,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``); running requests keep their KV."""
-        with self._lock:
-            self.pool.clear_cache()
+        self.between_steps(self.pool.clear_cache)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -431,6 +426,11 @@ class LLMEngine:
                 prefix_cache_hits=kv.prefix_hit_tokens, memory=ledger, memory_held_bytes=ledger["held"],
                 healthy=self.healthy, failed_iterations=self.faults.failed_iterations,
                 last_step_error=self.last_step_error, resources=resources, **resource_fields(resources))
+
+    def between_steps(self, work: Callable[[], M]) -> M:
+        """``work()`` run between two iterations (the loop waits for it), e.g. an operator's measurement."""
+        with self._lock:
+            return work()
 
     def request_memory_yield(self, nbytes: int | None) -> dict:
         """The operator's yield control: keep ``nbytes`` given back to the device (or host) until cleared

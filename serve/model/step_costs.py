@@ -272,15 +272,15 @@ def find_measured(shape: Sequence[int], device: torch.device, dtype: torch.dtype
 def load_or_measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
                     head: Callable[[torch.Tensor], torch.Tensor] | None = None, engine_dir: Path | None = None,
                     repeats: int = 3) -> tuple[StepCosts, str]:
-    """This machine's costs and where they came from: the engine directory's file, the per-user cache, or a
-    fresh (short) measurement, then stored in the cache."""
+    """This machine's costs and where they came from: the latest of the engine directory's file and the per-user
+    cache (where an engine writes a table it corrected while serving), or a fresh (short) measurement, then stored
+    in the cache when it was quiet."""
     key = machine_key(device, dtype, shape)
     precisions = list(layers)
     places = ([engine_dir / COSTS_FILE] if engine_dir is not None else []) + [cache_path()]
-    for path in places:
-        found = lookup(path, key, precisions)
-        if found is not None:
-            return found, str(path)
+    found = [(costs, str(path)) for path in places if (costs := lookup(path, key, precisions)) is not None]
+    if found:  # the latest measurement: a table corrected while serving (cache) wins over the build's
+        return max(found, key=lambda f: str(f[0].meta.get("measured", "")))
     costs, _, verdict = measure_checked(layers, shape, device, dtype, head=head, repeats=repeats)
     if not verdict.trusted:  # used by this engine, never stored as this machine's
         return costs, f"measured at start on a busy host, not cached ({verdict.why()})"

@@ -125,3 +125,32 @@ def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkey
     finally:
         engine.shutdown()
         crossovers.use(crossovers.DEFAULTS)
+
+
+def test_the_latest_table_wins_and_the_operator_control_needs_one(tiny, tmp_path, monkeypatch) -> None:
+    """A table corrected while serving (the per-user cache) is newer than the build's (the engine directory): the next
+    engine and the planner read it. An engine that weighs no table refuses the operator's re-measure by name."""
+    from serve.config import EngineConfig
+    from serve.engine.controls import ControlError, run_control
+    from serve.engine.engine import LLMEngine
+    from serve.model.llama import LlamaModel
+
+    monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = LlamaModel(tiny.config, tiny.weights, device=torch.device("cpu"), dtype=torch.float32, max_positions=64)
+    layers = {FULL: model.layers[0]}
+    shape = (tiny.config.hidden_size, tiny.config.q_size, tiny.config.intermediate_size)
+    key = sc.machine_key(model.device, model.dtype, shape)
+    old = StepCosts("cpu", (1, 8), {FULL: (3e-3, 6e-3)}, meta={"measured": "2026-12-06T10:00:00Z"})
+    new = StepCosts("cpu", (1, 8), {FULL: (1e-3, 2e-3)}, meta={"measured": "2026-12-07T10:00:00Z"})
+    eng = tmp_path / "eng"
+    eng.mkdir()
+    sc.store(eng / sc.COSTS_FILE, key, old)
+    sc.store(sc.cache_path(), key, new)
+    got, source = sc.load_or_measure(layers, shape, model.device, model.dtype, engine_dir=eng)
+    assert got.layer_s == new.layer_s and source == str(sc.cache_path())
+    engine = LLMEngine(EngineConfig(num_kv_blocks=8, block_size=4, max_model_len=64), loaded=tiny)
+    try:
+        with pytest.raises(ControlError, match="weighs no step-cost table"):
+            run_control(engine, "remeasure_costs", {})
+    finally:
+        engine.shutdown()
