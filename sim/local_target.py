@@ -3,7 +3,9 @@ bench.replay on the same trace).
 
 * Sizes: a real engine is built for the model (mode default, every quantized precision held), and the plan takes
   its layers' arena bytes per precision, the bytes outside the arena and the KV block size from it.
-* Linears: the engine's measured per-precision StepCosts (serve/model/step_costs.py, cached per machine).
+* Linears: the engine's measured per-precision StepCosts (serve/model/step_costs.py, cached per machine): the latest
+  table, a correction made while serving included; the plan's notes say which (``step_costs_table``: when, whether
+  quiet, the conditions).
 * The rest of a forward (attention, norms, RoPE, SwiGLU) per layer, and the engine's own per-iteration host time,
   fitted by least squares on a short calibration run of the real engine (mode off) on a synthetic workload of
   mixed prompt and output lengths (not the trace being planned), with a 2 GiB budget so that batches as large as
@@ -46,6 +48,14 @@ def _engine(args: argparse.Namespace, mode: str, device_memory: str | None = Non
     return LLMEngine(EngineConfig(model=args.model, morph_mode=mode, device_memory=device_memory or args.device_memory,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   num_threads=args.num_threads, morph_precisions="int8,int4", seed=args.seed))
+
+
+def table_used(costs) -> dict:
+    """Which step-cost table the plan stands on: when it was measured, whether quietly, and the conditions (the
+    latest of the engine directory's and the per-user cache's; serve/model/step_costs.py)."""
+    meta = dict(costs.meta)
+    return {"measured": meta.get("measured"), "trusted": meta.get("trusted"), "verdict": meta.get("verdict"),
+            "conditions": meta.get("conditions"), "band": meta.get("band")}
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -147,5 +157,6 @@ def local_target(args: argparse.Namespace) -> Target:
     return Target(system="local", device=name, model_name=args.model, model_config=cfg, layer_nbytes=sizes,
                   non_arena_bytes=non_arena, slot_bytes=slot, device_bytes=None, h2d_bytes_per_s=bw, d2d_bytes_per_s=bw,
                   step_model=LocalStepModel(costs, terms), swap_order=order,
-                  notes={"terms": terms.as_dict(), "copy_GBps": round(bw / 1e9, 2), "step_costs": costs.to_dict()})
+                  notes={"terms": terms.as_dict(), "copy_GBps": round(bw / 1e9, 2), "step_costs": costs.to_dict(),
+                         "step_costs_table": table_used(costs)})
 
