@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 from serve.dynamo.cluster import Cluster, ClusterConfig, Proc, free_port
 from serve.dynamo.http import get_text, metric_values

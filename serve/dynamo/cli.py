@@ -9,7 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from serve.config import EngineConfig, parse_policy_overrides, parse_size
+from serve.config import EngineConfig, parse_policy_overrides
 from serve.model.embedded import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags, engine_kwargs
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch

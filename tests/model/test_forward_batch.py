@@ -6,7 +6,6 @@ the tensors handed over, and the dense (SDPA, masked) paths against the kernels 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from serve.model.random_model import make_tiny_model
 from serve.config import EngineConfig

@@ -7,7 +7,6 @@ before it (docs/hardening.md, "Reliability III", says how each was shown to fail
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import threading
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
 from tests.triton_support import skip_module_without_triton  # noqa: E402
-from bench.reliability_common import alive, cmdline, descendants  # noqa: E402
+from bench.reliability_common import cmdline, descendants  # noqa: E402
 
 from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.triton.client import GenerationError, GrpcStream, metric_value, request_inputs, scrape_metrics  # noqa: E402
