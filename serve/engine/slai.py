@@ -7,7 +7,12 @@ Each iteration, within the token budget (``max_num_batched_tokens``) and the run
    ``LST = time of its last token (the end of the batch that produced it) + its TBT target - theta * mean
    batch duration`` (running mean over the last ``window`` batches). theta is fixed, or dynamic:
    ``theta_low`` while KV usage < ``kv_threshold``, ``theta_high`` above.
-2. Critical decodes (now >= LST) first, in (LST, arrival) order, within the budget and ``max_decodes``.
+   The iteration's token budget (``tbt_budget``, policy/slai_budget.py): no more tokens than a batch can take and
+   still end before the earliest running decode's deadline (last token + TBT target), by a step-time model fitted
+   on this scheduler's own measured batches, but never fewer than the decodes plus ``min_prompt_tokens``; so a
+   prefill chunk never stretches an iteration past the tightest tier's TBT.
+2. Critical decodes (now >= LST, or a deadline this iteration and the next would pass at the predicted length)
+   first, in (LST, arrival) order, within the budget and ``max_decodes``.
    When no KV block is free for one, the most recently admitted partially-done prefill is preempted;
    failing that, the decode itself. Before any preemption the KV-cache manager offers the shortfall met to
    its hook (the morph runtime quantizes before preempt), as under FCFS.
@@ -27,6 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from policy.slai_budget import fit_step_time, must_run_now, token_budget
+
 from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.memory.block_pool import BlockPool
@@ -39,7 +46,9 @@ class SlaiConfig:
     theta_high: float = 6.0
     kv_threshold: float = 0.96     # KV usage at or above which dynamic theta is theta_high
     max_decodes: int | None = None  # decodes per batch; None = the running-sequence cap
-    window: int = 32               # batches in the running mean of the batch duration
+    window: int = 32               # batches in the running mean of the batch duration (and the step-time fit)
+    tbt_budget: bool = True        # cap each iteration's tokens by the tightest running decode's TBT deadline
+    min_prompt_tokens: int = 16    # prompt tokens an iteration may always take beside its decodes (admission moves)
 
     def __post_init__(self) -> None:
         for name in ("theta", "theta_low", "theta_high"):
@@ -52,6 +61,8 @@ class SlaiConfig:
             raise ValueError(f"slai max_decodes must be >= 1, got {self.max_decodes!r}")
         if self.window < 1:
             raise ValueError(f"slai window must be >= 1, got {self.window!r}")
+        if self.min_prompt_tokens < 0:
+            raise ValueError(f"slai min_prompt_tokens must be >= 0, got {self.min_prompt_tokens!r}")
 
 
 class SlaiScheduler(Scheduler):
@@ -63,7 +74,10 @@ class SlaiScheduler(Scheduler):
         self.config = config or SlaiConfig()
         self.max_decodes = self.config.max_decodes or max_num_seqs
         self._durations: collections.deque[float] = collections.deque(maxlen=self.config.window)
+        self._sizes: collections.deque[tuple[int, float]] = collections.deque(maxlen=self.config.window)
         self._batch_start: float | None = None
+        self.last_budget = max_num_batched_tokens  # the last iteration's token budget, and why
+        self.last_budget_reason = ""
         self._last_token: dict[Sequence, float] = {}
         self.last_critical_unscheduled = 0   # critical decodes the last batch could not fit
         self.num_critical_unscheduled = 0    # the same, summed over all batches
@@ -78,11 +92,15 @@ class SlaiScheduler(Scheduler):
             return c.theta
         return c.theta_high if self.kv_cache_manager.usage >= c.kv_threshold else c.theta_low
 
-    def lst(self, seq: Sequence) -> float:
-        """Last schedulable time of a running decode, on the engine clock."""
+    def deadline(self, seq: Sequence) -> float:
+        """When a running decode's next token is due: its last token + its TBT target, on the engine clock."""
         last = self._last_token.get(seq, seq.last_token_time if seq.last_token_time is not None else seq.arrival_time)
         assert seq.slo.tbt_s is not None, "the engine resolves every request's targets"
-        return last + seq.slo.tbt_s - self.theta() * self.mean_batch_s()
+        return last + seq.slo.tbt_s
+
+    def lst(self, seq: Sequence) -> float:
+        """Last schedulable time of a running decode, on the engine clock."""
+        return self.deadline(seq) - self.theta() * self.mean_batch_s()
 
     # ---- the decision ----------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
@@ -91,9 +109,17 @@ class SlaiScheduler(Scheduler):
         out = SchedulerOutput()
         scheduled: set[Sequence] = set()
         decodes = sorted((s for s in self.running if s.is_decoding), key=lambda s: (self.lst(s), s.arrival_time))
-        critical = [s for s in decodes if now >= self.lst(s)]
-        relaxed = [s for s in decodes if now < self.lst(s)]
         budget = self.max_num_batched_tokens
+        fit = fit_step_time(list(self._sizes)) if self.config.tbt_budget else None
+        if fit is not None and decodes:
+            budget, self.last_budget_reason = token_budget(now, [self.deadline(s) for s in decodes], fit, budget,
+                                                           min(len(decodes), self.max_decodes),
+                                                           self.config.min_prompt_tokens)
+        urgent = (lambda s: now >= self.lst(s) or (fit is not None and must_run_now(now, self.deadline(s),
+                                                                                   fit.predict(budget))))
+        critical = [s for s in decodes if urgent(s)]
+        relaxed = [s for s in decodes if not urgent(s)]
+        self.last_budget = budget
         missed = 0
         for seq in critical:                                               # rule 2
             if budget < 1 or self._num_decodes(out) >= self.max_decodes or seq.status is not SequenceStatus.RUNNING:
@@ -167,6 +193,7 @@ class SlaiScheduler(Scheduler):
         now = self.clock()
         if self._batch_start is not None and out.chunks:
             self._durations.append(now - self._batch_start)
+            self._sizes.append((out.num_tokens, now - self._batch_start))
         for chunk in out.chunks:
             if chunk.samples:
                 self._last_token[chunk.seq] = now

@@ -273,3 +273,36 @@ def test_partial_prefill_short_of_blocks_preempts_only_newer_prefills() -> None:
     out = s.schedule()                                   # P1 needs 2 more blocks, 1 is free: P2 gives its one
     assert [(c.seq.request_id, c.num_tokens) for c in out.chunks] == [("P1", 8)] and out.preempted == [p2]
     assert len(p1.block_ids) == 3 and p2.block_ids == []
+
+
+@pytest.mark.parametrize("tbt_budget", [True, False])
+def test_a_prompt_never_stretches_an_iteration_past_the_tight_decodes_deadline(tbt_budget: bool) -> None:
+    """Batches cost 10 ms + 1 ms per token (the clock advances so). A tight decode (TBT 0.15 s) runs; a 400-token
+    prompt arrives. With the TBT budget every batch ends before the decode's deadline and the decode is in every
+    batch, first; the prompt still makes progress. Without it (the rule this replaces) the prompt's 400-token chunk
+    makes one batch 410 ms long: the decode misses its target."""
+    s, clock = make(num_blocks=200, budget=512, theta=1.0, tbt_budget=tbt_budget)
+    cost = lambda tokens: 0.01 + 0.001 * tokens  # noqa: E731
+    tight = req("tight", 3, tbt=0.15)
+    s.add(tight)
+    gaps, last, batches = [], None, []
+    for i in range(40):
+        if i == 8:
+            s.add(req("long", 400, tbt=5.0, arrival=clock.t))
+        out = s.schedule()
+        clock.t += cost(out.num_tokens)
+        s.on_executed(out)
+        batches.append([(c.seq.request_id, c.num_tokens) for c in out.chunks])
+        for c in out.chunks:
+            if c.samples:
+                c.seq.token_ids.append(7)
+                if c.seq is tight:
+                    if last is not None:
+                        gaps.append(clock.t - last)
+                    last = clock.t
+    if tbt_budget:
+        assert max(gaps) <= 0.15 + 1e-9, (max(gaps), s.last_budget_reason)
+        assert all(b and b[0][0] == "tight" for b in batches[1:]), batches  # the decode first, every batch
+        assert any(name == "long" for b in batches for name, _ in b)        # the prompt made progress
+    else:
+        assert max(gaps) > 0.4, max(gaps)
