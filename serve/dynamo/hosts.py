@@ -31,6 +31,7 @@ import argparse
 import atexit
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -49,6 +50,7 @@ from serve.dynamo.launch import ROUTER_MODES
 from serve.dynamo.http import get_json, get_text, metric_values, post_json
 from serve.dynamo.linkem import LinkEmulator
 from serve.model.embedded import EMBEDDED_MODEL
+from serve.operator_auth import ENV_KEY
 from serve.dynamo.netns import HostLink, Network, kill_namespace_processes, leftovers
 
 @dataclass
@@ -82,6 +84,9 @@ class HostCluster:
         self.log_dir = Path(config.log_dir) if config.log_dir else self.root / "logs"
         self.private = self.root / "private"   # each host mounts its own tmpfs here (the card lives in it)
         self.hosts: dict[str, Host] = {}
+        # the workers' system ports listen on their hosts' addresses, beyond loopback: like any multi-host
+        # deployment the cluster sets an operator key (the caller's, or one of its own) so their controls are signed
+        self.operator_key = os.environ.get(ENV_KEY) or secrets.token_hex(32)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -169,6 +174,7 @@ class HostCluster:
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "ETCD_"))}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        env[ENV_KEY] = self.operator_key
         return env
 
     def _exit_on_sigterm(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -93,8 +92,11 @@ def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkey
     source = Path("engines/smollm2-135m")
     if not (source / "manifest.json").is_file():
         pytest.fail("needs make build-engines (engines/smollm2-135m)")
-    eng = tmp_path / "eng"
-    shutil.copytree(source, eng, ignore=shutil.ignore_patterns("hf", "trtllm"))
+    eng = tmp_path / "eng"  # the engine directory, its files linked, its own step_costs.json
+    eng.mkdir()
+    for entry in source.iterdir():
+        if entry.name not in (sc.COSTS_FILE, crossover_measure.CROSSOVERS_FILE):
+            (eng / entry.name).symlink_to(entry.resolve())
     monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(sc, "judge", lambda c: QUIET)
     monkeypatch.setattr(crossover_measure, "judge", lambda c: QUIET)  # the crossovers are really measured again
@@ -107,6 +109,7 @@ def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkey
     layers, shape, _ = cost_inputs(probe.model, runtime.bank)
     key = sc.machine_key(probe.model.device, probe.model.dtype, shape)
     probe.shutdown()
+    sc.cache_path().unlink()  # the probe's quiet table: the engine must start on the planted one
     fixed_measurements(monkeypatch, quiet)
     entry = {**inflated(quiet, 3.0).to_dict(), "meta": {"key": key}}
     (eng / sc.COSTS_FILE).write_text(json.dumps({sc.key_id(key): entry}))
@@ -115,6 +118,7 @@ def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkey
         runtime = engine.resource_manager(MorphRuntime)
         spec = engine.resource_manager(SpeculationManager)
         check = engine.resource_manager(CostCheck)
+        check.first, check.every = 4, 4  # probes sooner than a serving engine's schedule: two within this run
         assert runtime.costs.layer_cost_s(FULL, 1) == pytest.approx(3 * quiet.layer_cost_s(FULL, 1))
         engine.generate(["Tell me about rivers."] * 4, SamplingParams(max_tokens=40, ignore_eos=True))
         assert check.stats.corrections == 1, check.stats.as_dict()
