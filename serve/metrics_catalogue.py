@@ -100,10 +100,12 @@ def stat_value(stats: Any, key: str) -> float | None:
 
 @dataclass(frozen=True)
 class RequestHistogram:
-    """A per-request latency histogram (seconds), observed by the request tracker."""
+    """A per-request latency histogram (seconds), observed by the request tracker; ``label`` names its one label,
+    if any (one series per value)."""
     name: str
     help: str
     buckets: tuple[float, ...]
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,14 +124,18 @@ TIME_TO_FIRST_TOKEN = RequestHistogram(
 INTER_TOKEN_LATENCY = RequestHistogram(
     "morphserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
     (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0))
+TIER_INTER_TOKEN_LATENCY = RequestHistogram(
+    "morphserve_tier_inter_token_latency_seconds",
+    "Gap between consecutive tokens of a request, by the request's SLO tier (0 = strict): the TBT promise per tier.",
+    INTER_TOKEN_LATENCY.buckets, label="tier")
 E2E_REQUEST_LATENCY = RequestHistogram(
     "morphserve_e2e_request_latency_seconds", "Time from request arrival at the front end to its final response.",
     (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0))
 REQUEST_QUEUE_TIME = RequestHistogram(
     "morphserve_request_queue_time_seconds", "Time from arrival at the engine to first scheduling.",
     (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0))
-REQUEST_HISTOGRAMS: tuple[RequestHistogram, ...] = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY,
-                                                    REQUEST_QUEUE_TIME)
+REQUEST_HISTOGRAMS: tuple[RequestHistogram, ...] = (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIER_INTER_TOKEN_LATENCY,
+                                                    E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME)
 REQUESTS_FINISHED = RequestCounter("morphserve_requests_finished_total",
                                    "Finished requests by finish reason (cancelled, timeout, overloaded included).",
                                    label="finish_reason")

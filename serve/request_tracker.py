@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from serve.error_kinds import ErrorKind
 from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
-                                     TIME_TO_FIRST_TOKEN, RequestHistogram)
+                                     TIER_INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN, RequestHistogram)
 
 # Finish reasons besides the engine's own stop, length and error: a request ended before its answer.
 CANCELLED = "cancelled"
@@ -41,7 +41,8 @@ _UNANSWERED = frozenset(KIND_REASONS.values())  # ended before their answer: no 
 class RequestMetricsSink(Protocol):
     """Where the tracker's numbers go (one per front end)."""
 
-    def observe(self, metric: RequestHistogram, value: float) -> None: ...
+    def observe(self, metric: RequestHistogram, value: float, label: str | None = None) -> None:
+        """``label``: the value of the histogram's one label (``metric.label``), None for an unlabelled one."""
 
     def count_finished(self, reason: str, prompt_tokens: int) -> None: ...
 
@@ -59,6 +60,7 @@ class EngineOutput(Protocol):
     error_kind: ErrorKind | None
     arrival_time: float
     first_scheduled_time: float | None
+    priority: int | None
 
 
 @dataclass
@@ -130,8 +132,11 @@ class RequestTracker:
                     self._sink.observe(TIME_TO_FIRST_TOKEN, t - record.arrival)
                 else:
                     gap = (t - record.last_token_time) / n_new
+                    tier = getattr(out, "priority", None)
                     for _ in range(n_new):
                         self._sink.observe(INTER_TOKEN_LATENCY, gap)
+                        if tier is not None:
+                            self._sink.observe(TIER_INTER_TOKEN_LATENCY, gap, str(tier))
                 record.last_token_time = t
             record.num_prompt_tokens = out.num_prompt_tokens
             record.num_output_tokens = out.num_output_tokens

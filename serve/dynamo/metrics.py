@@ -111,17 +111,20 @@ class RequestMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # per histogram: observations per bucket (the last one: above every bound), sum
-        self._counts = {h.name: [0] * (len(h.buckets) + 1) for h in REQUEST_HISTOGRAMS}
-        self._sums = {h.name: 0.0 for h in REQUEST_HISTOGRAMS}
+        # per histogram and label value (None: unlabelled): observations per bucket (the last: above every bound), sum
+        self._counts: dict[tuple[str, str | None], list[int]] = {
+            (h.name, None): [0] * (len(h.buckets) + 1) for h in REQUEST_HISTOGRAMS if h.label is None}
+        self._sums: dict[tuple[str, str | None], float] = {key: 0.0 for key in self._counts}
         self._finished: dict[str, int] = {}
         self._prompt_tokens = 0
 
-    def observe(self, metric: RequestHistogram, value: float) -> None:
+    def observe(self, metric: RequestHistogram, value: float, label: str | None = None) -> None:
         index = next((i for i, bound in enumerate(metric.buckets) if value <= bound), len(metric.buckets))
+        key = (metric.name, label if metric.label else None)
         with self._lock:
-            self._counts[metric.name][index] += 1
-            self._sums[metric.name] += value
+            counts = self._counts.setdefault(key, [0] * (len(metric.buckets) + 1))
+            counts[index] += 1
+            self._sums[key] = self._sums.get(key, 0.0) + value
 
     def count_finished(self, reason: str, prompt_tokens: int) -> None:
         with self._lock:
@@ -135,12 +138,15 @@ class RequestMetrics:
         with self._lock:
             for h in REQUEST_HISTOGRAMS:
                 lines += [f"# HELP {h.name} {h.help}", f"# TYPE {h.name} histogram"]
-                cumulative = 0
-                for bound, count in zip([*map(str, h.buckets), "+Inf"], self._counts[h.name]):
-                    cumulative += count
-                    lines.append(f"{h.name}_bucket{_labels(labels, {'le': bound})} {cumulative}")
-                lines += [f"{h.name}_sum{_labels(labels)} {self._sums[h.name]!r}",
-                          f"{h.name}_count{_labels(labels)} {cumulative}"]
+                values = sorted(v for name, v in self._counts if name == h.name and v is not None)
+                for value in values if h.label else [None]:
+                    series = {**labels, h.label: value} if h.label else labels
+                    cumulative = 0
+                    for bound, count in zip([*map(str, h.buckets), "+Inf"], self._counts[(h.name, value)]):
+                        cumulative += count
+                        lines.append(f"{h.name}_bucket{_labels(series, {'le': bound})} {cumulative}")
+                    lines += [f"{h.name}_sum{_labels(series)} {self._sums[(h.name, value)]!r}",
+                              f"{h.name}_count{_labels(series)} {cumulative}"]
             lines += [f"# HELP {REQUESTS_FINISHED.name} {REQUESTS_FINISHED.help}",
                       f"# TYPE {REQUESTS_FINISHED.name} counter"]
             lines += [f"{REQUESTS_FINISHED.name}{_labels(labels, {REQUESTS_FINISHED.label or 'reason': reason})} {n}"

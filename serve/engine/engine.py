@@ -325,7 +325,7 @@ class LLMEngine:
                              finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
                              num_output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time,
                              first_token_time=seq.first_token_time, first_scheduled_time=seq.first_scheduled_time,
-                             stop_reason=seq.stop_reason)
+                             stop_reason=seq.stop_reason, priority=seq.slo.priority)
 
     def _deliver(self, produced: Iterable[tuple[Sequence, RequestOutput]]) -> None:
         for seq, out in produced:

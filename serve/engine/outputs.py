@@ -92,6 +92,8 @@ class RequestOutput:
     # Its numbers as of the end of the step that produced this output: on every final output, and on every output
     # when SamplingParams.perf_metrics asked.
     metrics: RequestMetrics | None = None
+    # The request's SLO tier as the engine resolved it (0 = strict): the front ends' per-tier latency metrics.
+    priority: int | None = None
 
 
 class OutputCollector:

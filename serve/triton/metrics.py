@@ -63,7 +63,10 @@ class Metrics:
         self._engine["healthy"][1].set(1.0)
         self.prompt_tokens = g(PROMPT_TOKENS.name, PROMPT_TOKENS.help, "COUNTER")
         self._histograms = {h.name: _Histogram(self._pb, self._families, h.name, h.help, self._labels, list(h.buckets))
-                            for h in REQUEST_HISTOGRAMS}
+                            for h in REQUEST_HISTOGRAMS if h.label is None}
+        self._labelled_histograms = {h.name: self._new_family(h.name, h.help, "HISTOGRAM")
+                                     for h in REQUEST_HISTOGRAMS if h.label is not None}
+        self._labelled_series: dict[tuple[str, str], Any] = {}
         self._layers_family = self._new_family(LAYERS_QUANTIZED.name, LAYERS_QUANTIZED.help, "GAUGE")
         self._layers: dict[str, Any] = {}
         for precision in QUANTIZED_PRECISIONS:  # present (at 0) from the start, for dashboards
@@ -125,9 +128,19 @@ class Metrics:
         for key, value in requests.items():
             self._trtllm_requests[key].set(float(value))
 
-    def observe(self, metric: RequestHistogram, value: float) -> None:
-        """The request tracker's latency observations."""
-        self._histograms[metric.name].observe(value)
+    def observe(self, metric: RequestHistogram, value: float, label: str | None = None) -> None:
+        """The request tracker's latency observations; a labelled histogram's series made at its value's first use."""
+        if metric.label is None:
+            self._histograms[metric.name].observe(value)
+            return
+        if label is None:  # a labelled histogram observed without its label: no series to put it in
+            return
+        with self._lock:
+            series = self._labelled_series.get((metric.name, label))
+            if series is None:
+                series = self._labelled_series[(metric.name, label)] = self._labelled_histograms[metric.name].Metric(
+                    labels={**self._labels, metric.label: label}, buckets=list(metric.buckets))
+        series.observe(value)
 
     def count_finished(self, reason: str, prompt_tokens: int) -> None:
         """The request tracker's finished requests: one per request, by finish reason."""

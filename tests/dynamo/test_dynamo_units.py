@@ -205,6 +205,30 @@ def test_request_metrics_exposition_has_cumulative_buckets_and_finish_reasons() 
     assert f"# TYPE {ttft} histogram" in text
 
 
+def test_request_metrics_exposition_has_a_series_per_tier() -> None:
+    """The per-tier ITL histogram on the Dynamo worker: one labelled series per tier seen, none before."""
+    from serve.engine.outputs import FinishReason, RequestOutput
+    from serve.metrics_catalogue import TIER_INTER_TOKEN_LATENCY
+    from serve.request_tracker import RequestTracker
+
+    metrics = RequestMetrics()
+    name = TIER_INTER_TOKEN_LATENCY.name
+    assert f"{name}_count" not in metrics.exposition()
+    tracker = RequestTracker(metrics)
+    for rid, tier in (("a", 0), ("b", 4)):
+        tracker.start(rid, arrival=0.0)
+        tracker.on_output(RequestOutput(rid, [1], "x", priority=tier), t=1.0)
+    tracker.on_output(RequestOutput("a", [2, 3], "yz", True, FinishReason.LENGTH, priority=0), t=1.5)  # 2 x 0.25 s
+    tracker.on_output(RequestOutput("b", [2], "y", True, FinishReason.LENGTH, priority=4), t=3.0)  # 1 x 2 s
+    text = metrics.exposition({"worker_id": "ab"})
+    assert f'{name}_bucket{{worker_id="ab",tier="0",le="0.2"}} 0' in text
+    assert f'{name}_bucket{{worker_id="ab",tier="0",le="0.3"}} 2' in text
+    assert f'{name}_bucket{{worker_id="ab",tier="4",le="1.0"}} 0' in text
+    assert f'{name}_bucket{{worker_id="ab",tier="4",le="2.5"}} 1' in text
+    assert metric_values(text, f"{name}_count") == [2.0, 1.0] and metric_values(text, f"{name}_sum") == [0.5, 2.0]
+    assert text.count(f"# TYPE {name} histogram") == 1
+
+
 def test_capacity_publisher_publishes_changes_only() -> None:
     stats = [STATS]
     sent: list[KvSnapshot] = []

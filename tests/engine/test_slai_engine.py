@@ -47,6 +47,19 @@ def test_request_targets_are_resolved_from_the_config(tiny):
     assert e.stats().scheduler == "slai"
 
 
+def test_outputs_carry_the_resolved_tier(tiny):
+    """Front ends count each gap in its request's tier (serve/request_tracker.py): the engine's outputs carry it."""
+    e = engine(tiny, default_priority=2)
+    seen: dict[str, set] = {"plain": set(), "strict": set()}
+    e.add_request([1, 2, 3], SamplingParams(max_tokens=3), request_id="plain",
+                  callback=lambda out: seen[out.request_id].add(out.priority))
+    e.add_request([1, 2, 3], SamplingParams(max_tokens=3), request_id="strict", slo=RequestSLO(priority=0),
+                  callback=lambda out: seen[out.request_id].add(out.priority))
+    while e.has_unfinished_requests():
+        e.step()
+    assert seen == {"plain": {2}, "strict": {0}}
+
+
 def test_strict_tier_is_admitted_first(tiny):
     clock = FakeClock()
     e = engine(tiny, clock=clock, max_num_batched_tokens=8)

@@ -23,7 +23,7 @@ import pytest
 from serve.engine.outputs import FinishReason, RequestOutput
 from serve.error_kinds import ErrorKind
 from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
-                                     TIME_TO_FIRST_TOKEN, RequestHistogram)
+                                     TIER_INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN, RequestHistogram)
 from serve.request_tracker import CANCELLED, OVERLOADED, TIMEOUT, RequestTracker
 
 MODEL_FILE = Path(__file__).resolve().parents[2] / "triton_models" / "morphserve" / "1" / "model.py"
@@ -36,21 +36,22 @@ class RecordingSink:
         self.observed: dict[str, list[float]] = {}
         self.finished: list[tuple[str, int]] = []
 
-    def observe(self, metric: RequestHistogram, value: float) -> None:
-        self.observed.setdefault(metric.name, []).append(value)
+    def observe(self, metric: RequestHistogram, value: float, label: str | None = None) -> None:
+        self.observed.setdefault(metric.name if label is None else f"{metric.name}/{label}", []).append(value)
 
     def count_finished(self, reason: str, prompt_tokens: int) -> None:
         self.finished.append((reason, prompt_tokens))
 
 
 def out(rid: str, tokens: int, reason: FinishReason | None = None, *, prompt: int = 7, error: str | None = None,
-        queued: tuple[float, float] | None = None, kind: ErrorKind | None = None, retry: int | None = None) -> RequestOutput:
+        queued: tuple[float, float] | None = None, kind: ErrorKind | None = None, retry: int | None = None,
+        tier: int | None = None) -> RequestOutput:
     """An engine output with ``tokens`` new tokens; ``reason`` makes it the final one; ``queued`` = (the engine's
     arrival, first scheduling) in the engine's clock; ``kind``: the error kind the engine ended it with."""
     arrival, first = queued or (0.0, None)
     return RequestOutput(rid, list(range(tokens)), "t" * tokens, reason is not None, reason, num_prompt_tokens=prompt,
                          num_output_tokens=tokens, error=error, arrival_time=arrival, first_scheduled_time=first,
-                         error_kind=kind, retry_after_s=retry)
+                         error_kind=kind, retry_after_s=retry, priority=tier)
 
 
 # ---- the tracker -----------------------------------------------------------------------------------------
@@ -68,6 +69,21 @@ def test_ttft_itl_e2e_and_queue_time_from_given_timestamps() -> None:
     assert sink.finished == [("stop", 7)] and len(tracker) == 0
     assert tracker.on_output(out("r", 1), t=102.0) is None  # finished: later outputs count nothing
     assert sink.finished == [("stop", 7)] and len(sink.observed[INTER_TOKEN_LATENCY.name]) == 5
+
+
+def test_itl_per_tier_from_the_engines_resolved_tier() -> None:
+    """Each gap counts in the all-requests ITL and in its request's tier's series (the tier the engine resolved)."""
+    sink = RecordingSink()
+    tracker = RequestTracker(sink)
+    tracker.start("tight", arrival=0.0)
+    tracker.start("loose", arrival=0.0)
+    tracker.on_output(out("tight", 1, tier=0), t=0.5)
+    tracker.on_output(out("loose", 1, tier=3), t=0.5)
+    tracker.on_output(out("tight", 2, tier=0), t=1.0)          # two gaps of 0.25 s
+    tracker.on_output(out("loose", 1, FinishReason.STOP, tier=3), t=2.5)  # one gap of 2 s
+    name = TIER_INTER_TOKEN_LATENCY.name
+    assert sink.observed[f"{name}/0"] == [0.25, 0.25] and sink.observed[f"{name}/3"] == [2.0]
+    assert sorted(sink.observed[INTER_TOKEN_LATENCY.name]) == [0.25, 0.25, 2.0]
 
 
 def test_cancellation_and_timeout_are_counted_once() -> None:
@@ -231,6 +247,20 @@ def test_triton_histograms_from_a_scripted_output_sequence(triton_model) -> None
     assert FakeMetricFamily.families["morphserve_prompt_tokens_total"].metrics[0].value == 7 + 4
     assert [flags for _, flags in a.sent] == [0, 0, 1] and [flags for _, flags in b.sent] == [0, 1]
     assert triton_model._inflight == {} and len(triton_model.tracker) == 0
+
+
+def test_triton_itl_per_tier_series(triton_model) -> None:
+    """The per-tier ITL histogram: one series per tier seen, labelled with it beside the model's labels."""
+    triton_model.admit("a", arrival=0.0)
+    triton_model.admit("b", arrival=0.0)
+    triton_model._handle(out("a", 1, tier=0), 0.25)
+    triton_model._handle(out("b", 1, tier=2), 0.25)
+    triton_model._handle(out("a", 1, FinishReason.LENGTH, tier=0), 0.375)  # a gap of 0.125 s
+    triton_model._handle(out("b", 1, FinishReason.LENGTH, tier=2), 1.25)   # a gap of 1 s
+    series = {m.labels["tier"]: m for m in FakeMetricFamily.families[TIER_INTER_TOKEN_LATENCY.name].metrics}
+    assert set(series) == {"0", "2"} and all(m.labels["model"] for m in series.values())
+    assert series["0"].observed == [0.125] and series["2"].observed == [1.0]
+    assert series["2"].bucket_counts()[0.75] == 0 and series["2"].bucket_counts()[1.0] == 1
 
 
 def test_triton_cancellation_and_timeout_are_counted_once(triton_model) -> None:

@@ -301,6 +301,9 @@ def test_metrics_scraped_and_parsed(triton_server: TritonServer) -> None:
         buckets = sorted(((float(lbl["le"]), v) for lbl, v in m[f"{hist}_bucket"] if lbl.get("model") == MODEL))
         assert buckets[-1] == (float("inf"), count)
         assert [v for _, v in buckets] == sorted(v for _, v in buckets), "bucket counts must be cumulative"
+    tiers = {lbl.get("tier"): v for lbl, v in m.get("morphserve_tier_inter_token_latency_seconds_count", [])
+             if lbl.get("model") == MODEL}  # the same gaps by the request's SLO tier (the config's default here)
+    assert tiers and all(t is not None and t.isdigit() for t in tiers) and sum(tiers.values()) >= 1, tiers
     assert (metric_value(m, "nv_inference_request_success", model=MODEL) or 0) >= 1
 
 
