@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,14 @@ import numpy as np
 from serve.request_values import BadValue, text
 from serve.triton.input_error import InputError
 from serve.triton.trtllm import InputGetter, check_unsupported, with_parameters  # name -> array or None
+
+
+def answered_outputs(declared: Iterable[str], requested: Iterable[str]) -> frozenset[str]:
+    """The outputs a response carries: those the request named among the model's declared ones, or every declared
+    one when it named none. A response is built with these only: Python 3.12's backend stub dies (SIGSEGV in
+    libpython, the model's process gone) when it prunes an output the request did not name."""
+    declared, requested = frozenset(declared), frozenset(requested)
+    return declared & requested if requested else declared
 
 
 @dataclasses.dataclass(frozen=True)

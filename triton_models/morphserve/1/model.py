@@ -56,7 +56,7 @@ from serve.triton.llmapi_config import ModelYamlError, parse_model_yaml  # noqa:
 from serve.triton.metrics import Metrics  # noqa: E402
 from serve.triton.model_params import ServerParams, engine_config_kwargs  # noqa: E402
 from serve.triton.operator_port import OperatorPort  # noqa: E402
-from serve.triton.request_inputs import InputError, InputLimits, parse_request, parse_slo_inputs  # noqa: E402
+from serve.triton.request_inputs import InputError, InputLimits, answered_outputs, parse_request, parse_slo_inputs  # noqa: E402
 from serve.triton.stale import exit_with_parent  # noqa: E402
 from serve.triton.trtllm import with_parameters  # noqa: E402
 
@@ -85,6 +85,7 @@ class _InFlight:
     abort_sent: bool = False    # the engine was asked to abort it (its final output is on its way)
     perf_metrics: bool = False  # return_perf_metrics: every response carries its perf metrics
     stop_reason: bool = False   # return_stop_reason: the final response carries stop_reason
+    outputs: frozenset[str] = frozenset()  # what its responses carry (request_inputs.answered_outputs)
 
 
 def _input_array(request: Any, name: str) -> np.ndarray | None:
@@ -111,6 +112,8 @@ def _response(text: str, num_input: int, num_output: int, finish_reason: str,
             tensors.append(pb_utils.Tensor("stop_reason", np.array([reason.encode("utf-8")], dtype=np.object_)))
         if inflight.perf_metrics and out.metrics is not None:
             tensors += [pb_utils.Tensor(n, a) for n, a in perf_metric_arrays(out.metrics, out.finished).items()]
+    if inflight is not None:
+        tensors = [t for t in tensors if t.name() in inflight.outputs]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -136,6 +139,7 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", self.model_config.get("name", "morphserve"))
         self.model_version = str(args.get("model_version", "1"))
+        self.outputs = frozenset(o["name"] for o in self.model_config.get("output", []))
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
         from serve.engine import RequestSLO, SamplingParams  # noqa: PLC0415 - cheap (no torch)
 
@@ -258,6 +262,7 @@ class TritonPythonModel:
         if parsed.return_log_probs:
             inflight.logprobs = []
         inflight.perf_metrics, inflight.stop_reason = parsed.perf_metrics, parsed.stop_reason
+        inflight.outputs = answered_outputs(self.outputs, request.requested_output_names())
         with self._lock:
             self._inflight[request_id] = inflight
         try:  # the engine decides admission (draining, shedding, its queue bound) and the deadlines

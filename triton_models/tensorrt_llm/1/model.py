@@ -52,6 +52,7 @@ from serve.triton.llmapi import (  # noqa: E402
     llmapi_to_engine,
 )
 from serve.triton.llmapi_config import ModelYamlError, parse_model_yaml  # noqa: E402
+from serve.triton.request_inputs import answered_outputs  # noqa: E402
 from serve.triton.stale import exit_with_parent  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -163,6 +164,7 @@ class TritonPythonModel:
         with self._lock:
             self._inflight[flight.inner_id] = flight
         text = ""
+        outputs = answered_outputs(self.outputs, request.requested_output_names())
         try:
             for response in inner.exec(decoupled=True):  # drained to the engine model's own final response
                 if flight.answered:
@@ -176,7 +178,7 @@ class TritonPythonModel:
                     continue
                 text = text + _text(outs) if options.stream else _text(outs)
                 final = bool(_text(outs, "finish_reason"))
-                tensors = [pb_utils.Tensor(n, a) for n, a in engine_to_llmapi(outs, text, options, self.outputs).items()]
+                tensors = [pb_utils.Tensor(n, a) for n, a in engine_to_llmapi(outs, text, options, outputs).items()]
                 flight.send(pb_utils.InferenceResponse(output_tensors=tensors), final=final)
             if not flight.answered:
                 flight.send(pb_utils.InferenceResponse(), final=True)

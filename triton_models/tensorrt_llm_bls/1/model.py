@@ -28,7 +28,7 @@ if (REPO_ROOT / "serve").is_dir() and str(REPO_ROOT) not in sys.path:  # checkou
 from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.triton.controls import CANCEL_PARAMETER, new_inner_request_id  # noqa: E402
 from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
-from serve.triton.request_inputs import InputError  # noqa: E402
+from serve.triton.request_inputs import InputError, answered_outputs  # noqa: E402
 from serve.triton.stale import exit_with_parent  # noqa: E402
 from serve.triton.trtllm import batched, trtllm_to_morphserve  # noqa: E402
 
@@ -79,13 +79,14 @@ class TritonPythonModel:
         # inner request ("aborted"). After that the iterator is drained to the engine's own final response,
         # so no response is left behind and the thread ends with the inner request.
         state = "streaming"
+        outputs = answered_outputs(self.outputs, request.requested_output_names())
         try:
             for response in inner.exec(decoupled=True):
                 if state != "streaming":
                     continue
                 if request.is_cancelled():
                     state = self._abort(sender, inner_id)
-                elif self._forward(sender, response):
+                elif self._forward(sender, response, outputs):
                     state = "done"
             if state == "streaming":
                 sender.send(flags=FINAL)
@@ -109,8 +110,8 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001 - the client's stream may be gone already
             pass
 
-    def _forward(self, sender: Any, response: Any) -> bool:
-        """Send one engine response on with the batch dimension; True when it was the last one."""
+    def _forward(self, sender: Any, response: Any, outputs: frozenset[str]) -> bool:
+        """Send one engine response on with the batch dimension, carrying ``outputs``; True when it was the last."""
         if response.has_error():
             sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
             return True
@@ -120,7 +121,7 @@ class TritonPythonModel:
             return False
         reason = outs.get("finish_reason")
         final = reason is not None and bool(reason.reshape(-1)[0])
-        tensors = [pb_utils.Tensor(n, a) for n, a in batched(outs).items() if n in self.outputs]
+        tensors = [pb_utils.Tensor(n, a) for n, a in batched(outs).items() if n in outputs]
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
         return final
 
