@@ -122,7 +122,7 @@ PLAN_ARGS ?= --system a100_sxm --model codellama-34b --trace tests/fixtures/trac
 plan: install
 	$(PY) -m sim $(PLAN_ARGS)
 
-QUALITY_TEXT ?= bench/data/botchan_excerpt.txt
+QUALITY_TEXT ?= workload/data/botchan_excerpt.txt
 quality: build-engines
 	$(PY) -m builder.evaluate --engine-dir $(ENGINE_DIR) --text $(QUALITY_TEXT)
 

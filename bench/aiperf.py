@@ -29,9 +29,9 @@ from bench.triton.__main__ import build_parser as triton_parser
 from bench.triton.__main__ import default_engine_dir, load_tokenizer
 from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, assemble_result, run_mode, server_params
-from bench.repeats import cell
+from workload.repeats import cell
 from bench.vllm_server import peer_env
-from bench.workload import build_workload
+from workload.items import build_workload
 from serve.config_flags import add_engine_flags
 
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, "ignore_eos": true, '

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.repeats import cell, median_call_us
+from workload.repeats import cell, median_call_us
 from serve.model import kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

@@ -21,10 +21,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import defaults
-from bench.repeats import span
-from bench.replay import replay
-from bench.workload import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
+from workload import defaults
+from workload.repeats import span
+from workload.replay import replay
+from workload.items import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from serve.config import SCHEDULERS, EngineConfig
 from serve.config_flags import add_engine_flags, engine_kwargs
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "runs": {n: {str(r): v for r, v in p.items()} for n, p in points.items()}},
                                         indent=2))
     if args.plot:
-        from bench.plots import capacity_plot  # noqa: PLC0415
+        from workload.plots import capacity_plot  # noqa: PLC0415
 
         capacity_plot(summary, args.ttft_target, args.plot)
     return 0

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.aiperf import replay_args
-from bench.repeats import cell
-from bench.workload import PromptBuilder, add_trace_arguments, default_text_path, trace_requests
+from workload.repeats import cell
+from workload.items import PromptBuilder, add_trace_arguments, default_text_path, trace_requests
 from serve.dynamo.cluster import REPO_ROOT, Cluster, ClusterConfig, free_port
 from serve.config_flags import add_engine_flags, engine_kwargs, flag_name
 from serve.dynamo.http import get_text, metric_values, post_json

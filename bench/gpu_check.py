@@ -115,7 +115,7 @@ def _precisions() -> str:
 
 def layer_costs(model) -> dict:
     """The per-precision layer costs the cost-aware controller would read on this device: measured by
-    serve/model/step_costs.py on the layers a default-mode engine serves (as bench.step_costs does)."""
+    serve/model/step_costs.py on the layers a default-mode engine serves (as builder.step_costs does)."""
     from serve.model.step_costs import measure  # noqa: PLC0415
     from serve.morph.setup import cost_inputs  # noqa: PLC0415
 
@@ -228,8 +228,8 @@ def replay_modes(model, seconds: float) -> dict:
     """A bursty arrival pattern at a budget where full precision runs out of KV, off vs default."""
     import random  # noqa: PLC0415
 
-    from bench.replay import replay  # noqa: PLC0415
-    from bench.workload import WorkItem  # noqa: PLC0415
+    from workload.replay import replay  # noqa: PLC0415
+    from workload.items import WorkItem  # noqa: PLC0415
 
     rng = random.Random(0)
     items, t = [], 0.0

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.guided_schemas import SCHEMAS, schema_prompt
-from bench.repeats import cell, spread
+from workload.repeats import cell, spread
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine

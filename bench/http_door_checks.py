@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.latency import percentiles
+from workload.latency import percentiles
 from serve.triton.client import metric_value, scrape_metrics
 
 MODEL = "morphserve"

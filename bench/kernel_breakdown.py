@@ -36,7 +36,7 @@ from typing import Any
 import torch.nn.functional as F
 
 from bench.peer import make_engine, workloads
-from bench.repeats import cell
+from workload.repeats import cell
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine

@@ -6,7 +6,7 @@ Per batch size B and KV format (``auto``, then ``int8``; ``--kv-cache-dtypes``):
 prompt tokens are prefilled (not timed), then ``--tokens`` decode steps are timed; each (B, format) runs
 ``--repeats`` times, the formats alternating, and the report gives the median [min-max] tok/s and int8 / auto.
 At 2k context decode attention reads the whole KV cache each step: int8 blocks are ~1/3.75 of fp32's bytes, read
-in place by attention_q8_avx2.cpp. Timing numbers: run on a quiet machine (bench/repeats.py's medians).
+in place by attention_q8_avx2.cpp. Timing numbers: run on a quiet machine (workload/repeats.py's medians).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.provenance import provenance
-from bench.repeats import cell
+from workload.repeats import cell
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine

@@ -3,9 +3,9 @@ greedy agreement of held-out probe prompts with full-precision KV, and the KV to
 
 ``python -m bench.kv_precision [--model smollm2-135m] [--device-memory 1200MiB] [--json OUT]``
 
-Perplexity: ``bench.quality.QualityEvaluator`` (held-out Botchan text, 512-token windows) with its KV stored as
+Perplexity: ``workload.quality.QualityEvaluator`` (held-out Botchan text, 512-token windows) with its KV stored as
 ``auto`` and as ``int8``, for the all-full configuration and for the signatures given with ``--signature`` (e.g.
-half the layers at int4). Agreement: ``bench.quality.PROBE_PROMPTS`` greedy, one at a time, int8 KV against fp32 KV
+half the layers at int4). Agreement: ``workload.quality.PROBE_PROMPTS`` greedy, one at a time, int8 KV against fp32 KV
 (prefix and position-wise token match). Capacity: the base KV pool's blocks x block_size of two engines at the same
 budget. Nothing here is timed (decode speed at long context: ``bench.engine_throughput`` /
 ``bench.attention_kernels``; docs/morphing.md "KV-cache precision" gives the commands).
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.quality import PROBE_PROMPTS, QualityEvaluator, aggregate_match, match_rates, quality_loss_pct
+from workload.quality import PROBE_PROMPTS, QualityEvaluator, aggregate_match, match_rates, quality_loss_pct
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
 

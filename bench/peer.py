@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
-from bench.repeats import cell
+from workload.repeats import cell
 from bench.vllm_server import peer_env, vllm_env
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags

@@ -4,7 +4,7 @@ both driven by the same independent client, AIPerf, with the same fixed-rate tra
   .venv/bin/python -m bench.peer_servers --vllm-python PEERS/vllm-venv/bin/python \\
       --aiperf .venv-aiperf/bin/aiperf --num-requests 32 --request-rate 1.0 --runs 3
 
-Workload: --num-requests prompts of natural text (windows of bench/data/botchan_excerpt.txt or --text, of
+Workload: --num-requests prompts of natural text (windows of workload/data/botchan_excerpt.txt or --text, of
 --min-input..--max-input tokens, seeded), request i sent at i / --request-rate seconds, every output forced
 to --output-len tokens (ignore_eos; vLLM also gets min_tokens), greedy. It is exported once as Mooncake
 JSONL and replayed by AIPerf with ``--fixed-schedule`` against each server:
@@ -34,12 +34,12 @@ from pathlib import Path
 
 from bench.aiperf import build_parser as aiperf_parser
 from bench.aiperf import aiperf_env, export_mooncake, export_tokenizer, parse_aiperf, replay_args, run_aiperf
-from bench.repeats import cell
+from workload.repeats import cell
 from bench.triton.__main__ import default_engine_dir
 from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT
 from bench.vllm_server import VllmServer
-from bench.workload import PromptBuilder, WorkItem, default_text_path
+from workload.items import PromptBuilder, WorkItem, default_text_path
 from serve.config_flags import add_engine_flags
 
 # (label, our summary key, stat)

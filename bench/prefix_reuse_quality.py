@@ -7,11 +7,11 @@ engine's own swap order, int4), in both directions, and prompts of real text thi
 
 - token agreement: the greedy continuation of ``prefix + suffix`` from a preserve engine that reuses the
   full-precision prefix, against the same engine after ``reset_prefix_cache`` (recomputed under the int4
-  configuration): prefix match and position-wise match rates (``bench.quality.match_rates``); both also
+  configuration): prefix match and position-wise match rates (``workload.quality.match_rates``); both also
   against every layer at full precision (the quality both approximate);
 - perplexity of the continuation text: its tokens are scored in the int4 configuration with the prefix's KV
   computed at full precision (preserve) or in the int4 configuration (exact), with
-  ``bench.quality.QualityEvaluator``: the prefix's KV is written in one configuration, then the continuation
+  ``workload.quality.QualityEvaluator``: the prefix's KV is written in one configuration, then the continuation
   runs in the other as a chunk that attends to it (``QualityEvaluator.forward``).
 
 Example: ``python -m bench.prefix_reuse_quality --layers 4,8,16 --prompts 8 --json out.json``.
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from bench.quality import QualityEvaluator, aggregate_match, match_rates
-from bench.workload import PromptBuilder, default_text_path
+from workload.quality import QualityEvaluator, aggregate_match, match_rates
+from workload.items import PromptBuilder, default_text_path
 from policy import FULL, MorphDecision, signature
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags

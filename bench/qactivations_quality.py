@@ -8,7 +8,7 @@ serve.model.quantized_linear.SMALL_BATCH rows: decode steps and small prefill ch
 rounded on its own (blocks of 32 along K), so a 32-token window's rows are rounded exactly as decode rows
 are; the window only shortens the context, which raises perplexity equally on both sides of the A/B.
 
-One engine (bench.quality.QualityEvaluator: the layer bank holds the int8 and int4 variants of every
+One engine (workload.quality.QualityEvaluator: the layer bank holds the int8 and int4 variants of every
 layer) evaluates the same held-out text in full precision, all layers int8 and all layers int4, once per
 activation setting, and prints perplexity and the relative change int8 vs fp32 activations.
 """
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-from bench.quality import QualityEvaluator
+from workload.quality import QualityEvaluator
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
 from serve.model import kernels
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
                      defaults={"model": EMBEDDED_MODEL, "num_threads": 2})
-    p.add_argument("--text", type=Path, default=None, help="held-out text (default: Botchan, as bench.quality)")
+    p.add_argument("--text", type=Path, default=None, help="held-out text (default: Botchan, as workload.quality)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the text evaluated")
     p.add_argument("--window", type=int, default=SMALL_BATCH,
                    help=f"tokens per window (<= {SMALL_BATCH}, so the int8-activation GEMVs run)")

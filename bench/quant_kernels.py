@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.repeats import median_call_us, span
+from workload.repeats import median_call_us, span
 from serve.model import kernels
 from serve.model.embedded import EMBEDDED_MODEL
 from serve.model.linear import DenseLinear, onednn_available, onednn_linear

@@ -3,7 +3,7 @@
   .venv/bin/python -m bench.speculation [--batches 1,4,8] [--new 48] [--repeats 3] [--cells int8:1,int8:2,...]
                                         [--json PATH]
 
-Prompts are held-out text (bench/data/botchan_excerpt.txt, slices of 24 words) and chat prompts (the model's chat
+Prompts are held-out text (workload/data/botchan_excerpt.txt, slices of 24 words) and chat prompts (the model's chat
 template). Per batch size B and configuration, decode tok/s = B * (N - 1) / (time(N new tokens) - time(1 new token))
 as bench.quant_decode measures it (prefill excluded), greedy, ``--repeats`` times with the configurations
 interleaved; reported as ``median [min-max]`` and as a ratio to off within the same repeat. Every speculative run's
@@ -25,14 +25,15 @@ from pathlib import Path
 
 import torch
 
-from bench.repeats import span
+from workload.items import default_text_path
+from workload.repeats import span
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.spec_manager import SpeculationManager
 
-DATA = Path(__file__).resolve().parent / "data" / "botchan_excerpt.txt"
+DATA = default_text_path()
 CHATS = ["Name three colors.", "What is the capital of France?", "Explain what a prime number is.",
          "Write a short poem about the sea.", "Give me two tips for learning to cook.", "Who wrote Hamlet?",
          "What is 12 times 7?", "Describe a cat in one sentence."]

@@ -8,7 +8,7 @@ decode batch sizes 1 / 8 / 32 and prefill chunks of 128 / 512 tokens (serve/mode
 the table, and stores it in ``<engine dir>/step_costs.json`` and the per-machine cache under this machine's
 key, where the cost-aware morph modes find it at start. An entry already there for this machine is reused
 (printed) unless ``--force``. The layers are timed as an engine serves them (its layer bank: fused and packed as
-the engine fuses and packs them), so this step starts one; ``python -m bench.step_costs`` is the older spelling.
+the engine fuses and packs them), so this step starts one.
 
 First, on an fp32 CPU engine, the row counts at which our CPU kernels hand over to oneDNN on this machine (the plain
 and blocked fp32 linears, the int8 LM head: serve/model/crossovers.py), timed on the same engine's weights

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.replay import build_parser as replay_parser
-from bench.replay import engine_config, replay, run_cli
-from bench.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
-from bench.workload import build_workload
+from workload.replay import build_parser as replay_parser
+from workload.replay import engine_config, replay, run_cli
+from workload.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
+from workload.items import build_workload
 from sim.assemble import build_engine
 from sim.bank import SimLayerBank
 from sim.clock import VirtualClock
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     elif status == 0 and not args.quiet:
         print(f"note: {not_modelled(args)}", file=sys.stderr)
     if args.plots is not None and planner.results:
-        from bench.plots import make_plots  # noqa: PLC0415 - matplotlib only when asked
+        from workload.plots import make_plots  # noqa: PLC0415 - matplotlib only when asked
 
         for path in make_plots(planner.results, args.plots, args.slo_ttft_s):
             print(f"plot: {path}", file=sys.stderr)

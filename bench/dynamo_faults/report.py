@@ -16,12 +16,12 @@ from typing import Any
 
 from bench.dynamo_faults.faults import Window
 from bench.dynamo_faults.load import Record
-from bench.latency import percentiles
+from workload.latency import percentiles
 from serve.dynamo.frontend_log import Attempt, response_id
 
 
 def p95(values: list[float]) -> float | None:
-    """The 95th percentile by the method every report here uses (bench.latency.percentiles)."""
+    """The 95th percentile by the method every report here uses (workload.latency.percentiles)."""
     got = percentiles(values, (95,))
     return None if got is None else got[0]
 

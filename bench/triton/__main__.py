@@ -12,11 +12,11 @@ fixed set of probe prompts is sent at fixed times during the run. Every request 
 metrics are sampled for the timeline; its log (server-<mode>.log in the output directory) gives the
 swap/restore events, hence the layer configurations it ran and the tokens it generated in each.
 
-Metrics follow vLLM's `vllm bench serve` (bench/latency.py): TTFT is measured from the request's
+Metrics follow vLLM's `vllm bench serve` (workload/latency.py): TTFT is measured from the request's
 scheduled send time (the client's lag behind the schedule is reported as send_lag_s), TPOT = (E2EL - TTFT)
 / (output tokens - 1), ITL = every gap between streamed chunks, goodput = requests/s meeting every SLO.
 
-Afterwards (unless --no-quality) the quality of each mode is measured offline (bench/quality.py):
+Afterwards (unless --no-quality) the quality of each mode is measured offline (workload/quality.py):
 perplexity of the configurations the server ran on held-out text, weighted by the tokens generated in
 each, and the agreement of the served probe outputs with a full-precision engine's greedy outputs.
 
@@ -32,12 +32,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import defaults
-from bench.repeats import repeated_table
+from workload import defaults
+from workload.repeats import repeated_table
 from bench.triton.report import _num, _pct, check_targets, results_markdown, write_json
 from bench.triton.requests import make_probes, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, add_quality, assemble_result, parse_params, run_mode
-from bench.workload import add_slo_arguments, add_trace_arguments, build_workload
+from workload.items import add_slo_arguments, add_trace_arguments, build_workload
 from serve.config_flags import add_engine_flags
 from serve.model.embedded import DEFAULT_ENGINE_DIR
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--probe-output-len", type=int, default=32, help="tokens generated per probe")
     q.add_argument("--ppl-tokens", type=int, default=2048, help="held-out tokens for perplexity")
     q.add_argument("--ppl-window", type=int, default=512, help="perplexity window in tokens")
-    q.add_argument("--ppl-text", type=Path, default=None, help="held-out text (default: bench/data/botchan_excerpt.txt, "
+    q.add_argument("--ppl-text", type=Path, default=None, help="held-out text (default: workload/data/botchan_excerpt.txt, "
                    "whose first tokens are the whole book's)")
     q.add_argument("--quality-threads", type=int, default=None, help="torch threads for the offline quality engines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plots: list[str] = []
     if not args.no_plots:
         try:
-            from bench.plots import make_plots  # noqa: PLC0415
+            from workload.plots import make_plots  # noqa: PLC0415
 
             plots = make_plots(results, out_dir, slo_ttft_s=args.slo_ttft_s)
         except Exception as exc:  # noqa: BLE001

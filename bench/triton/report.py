@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.latency import markdown_table
+from workload.latency import markdown_table
 
 
 def write_json(path: Path, obj: object) -> None:

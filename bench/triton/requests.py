@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.latency import RequestTiming
-from bench.workload import WorkItem
+from workload.latency import RequestTiming
+from workload.items import WorkItem
 
 
 @dataclass
@@ -68,7 +68,7 @@ def probe_schedule(num_probes: int, span_s: float) -> list[float]:
 
 
 def make_probes(num_probes: int, span_s: float, output_len: int, tokenizer, start_index: int) -> list[PreparedRequest]:
-    from bench.quality import PROBE_PROMPTS  # noqa: PLC0415
+    from workload.quality import PROBE_PROMPTS  # noqa: PLC0415
 
     prompts = PROBE_PROMPTS[:num_probes]
     return [PreparedRequest(start_index + i, "probe", t, text, output_len, len(tokenizer.encode(text)),

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import defaults
-from bench.latency import by_tier, distribution, summarize
-from bench.summary import config_changes, morph_summary, parse_morph_events, tokens_by_config
+from workload import defaults
+from workload.latency import by_tier, distribution, summarize
+from workload.summary import config_changes, morph_summary, parse_morph_events, tokens_by_config
 from bench.triton.requests import PreparedRequest, RequestRecord, run_request
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -295,7 +295,7 @@ def assemble_result(mode: str, desc: str, records: Sequence[RequestRecord], info
 def add_quality(results: Mapping[str, dict], args: argparse.Namespace, tokenizer, num_layers: int,
                 log: Callable[[str], None]) -> None:
     """Fill each result's "quality": token-weighted perplexity of the configurations it ran, probe agreement."""
-    from bench.quality import (  # noqa: PLC0415
+    from workload.quality import (  # noqa: PLC0415
         QualityEvaluator,
         aggregate_match,
         match_rates,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from bench import qactivations_quality as qaq
-from bench.latency import summarize
-from bench.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
-from bench.summary import (
+from workload.latency import summarize
+from workload.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
+from workload.summary import (
     config_changes,
     morph_summary,
     parse_morph_events,
@@ -187,7 +187,7 @@ def test_morph_summary_from_events_and_timeline():
 def test_prompt_text_matches_requested_length(smollm):
     import random
 
-    from bench.workload import PromptBuilder, default_text_path
+    from workload.items import PromptBuilder, default_text_path
 
     b = PromptBuilder(smollm.tokenizer, default_text_path().read_text(encoding="utf-8"))
     rng = random.Random(0)
@@ -224,7 +224,7 @@ def test_run_request_against_nothing_fails_fast_without_raising():
 
 
 def test_plots_from_synthetic_results(tmp_path):
-    from bench.plots import make_plots
+    from workload.plots import make_plots
 
     tl = [{"t": t, "waiting": t % 3, "running": 2, "quantized_layers": t, "kv_capacity_tokens": 100 + 10 * t,
            "kv_used_tokens": 50} for t in range(5)]
@@ -394,4 +394,4 @@ def test_bench_peer_cold_runs_reset_the_prefix_cache_and_warm_runs_reuse_it(tiny
          "ours_startup_s": 1.0,
          "bound": {"gemv_read_gbs": 10.0, "weight_bytes_per_token": 1e6, "bound_tok_s": 1e4}}
     table = peer.to_markdown(r)
-    assert "| w | cold |" in table and "| w | warm |" in table and "| 10.0 |" in table  # one run: the value (bench.repeats.cell)
+    assert "| w | cold |" in table and "| w | warm |" in table and "| 10.0 |" in table  # one run: the value (workload.repeats.cell)

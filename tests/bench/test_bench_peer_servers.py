@@ -12,7 +12,7 @@ from bench.aiperf import export_mooncake
 from bench.peer_servers import completions_command, fixed_rate_items, run_order, table, token_counts
 from bench.triton.requests import prepare_requests
 from bench.vllm_server import serve_command, vllm_env
-from bench.workload import PromptBuilder, default_text_path
+from workload.items import PromptBuilder, default_text_path
 
 
 def test_fixed_rate_schedule_exports_to_mooncake(smollm, tmp_path: Path) -> None:

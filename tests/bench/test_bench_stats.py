@@ -1,4 +1,4 @@
-"""One percentile and one median-and-spread format for every bench tool (bench/latency.py, bench/repeats.py)."""
+"""One percentile and one median-and-spread format for every bench tool (workload/latency.py, workload/repeats.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.latency import distribution, percentiles
-from bench.repeats import cell, span
+from workload.latency import distribution, percentiles
+from workload.repeats import cell, span
 from serve.morph.latency_window import percentile as runtime_percentile
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
 
 
 def test_percentiles_are_numpys_linear_ones_not_statistics_quantiles() -> None:
@@ -51,6 +52,6 @@ def _calls(path: Path) -> set[str]:
 
 def test_no_bench_tool_computes_percentiles_its_own_way() -> None:
     """statistics.quantiles (exclusive method) and a second np.percentile would give reports other p95s."""
-    own = {p.relative_to(BENCH).as_posix(): _calls(p) & {"statistics.quantiles", "np.percentile", "numpy.percentile"}
-           for p in BENCH.rglob("*.py") if "__pycache__" not in p.parts}
-    assert {name: calls for name, calls in own.items() if calls} == {"latency.py": {"np.percentile"}}
+    own = {p.relative_to(REPO).as_posix(): _calls(p) & {"statistics.quantiles", "np.percentile", "numpy.percentile"}
+           for room in (BENCH, REPO / "workload") for p in room.rglob("*.py") if "__pycache__" not in p.parts}
+    assert {name: calls for name, calls in own.items() if calls} == {"workload/latency.py": {"np.percentile"}}

@@ -57,7 +57,7 @@ def test_quant_decode_runs_each_mode_on_its_own_engine(tiny_dir: Path, tmp_path:
     result = json.loads(out.read_text())
     assert [r["metric"] for r in result["rows"]] == ["decode tok/s, batch 1", "prefill tok/s, 16-token prompt"]
     assert all(set(r["median"]) == {"off", "static-int4"} and r["vs_off"]["off"] == 1.0 for r in result["rows"])
-    span = r"[0-9.]+ \[[0-9.]+-[0-9.]+\]"  # median [min-max] (bench.repeats.span), one run here
+    span = r"[0-9.]+ \[[0-9.]+-[0-9.]+\]"  # median [min-max] (workload.repeats.span), one run here
     assert re.search(rf"\| decode tok/s, batch 1 \| {span} \| {span}, [0-9.]+x \|", text)
 
 

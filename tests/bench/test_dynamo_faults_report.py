@@ -64,7 +64,7 @@ def test_a_faults_summary_counts_outcomes_and_phases() -> None:
     assert out["lost_examples"][0]["expected"] == "the text" and out["lost_examples"][0]["at_s"] == 4.0
     assert out["failed_errors"] == ["APIConnectionError: refused"]
     assert out["requests_by_phase"] == {"before": 1, "during": 4, "after": 1}
-    # during: TTFTs 0.3 and 2.5; numpy's linear p95 (bench.latency.percentiles) = 0.3 + 0.95 * 2.2 = 2.39
+    # during: TTFTs 0.3 and 2.5; numpy's linear p95 (workload.latency.percentiles) = 0.3 + 0.95 * 2.2 = 2.39
     assert out["ttft_p95_s"] == {"before": 0.2, "during": 2.39, "after": 0.1}
     assert (out["fault_s"], out["outage_s"], out["recover_after_removal_s"]) == (2.0, 10.0, 8.0)
     assert out["longest_gap_s"] == 5.0  # answers ended at 11 and 15 inside [10, 20]: 15 -> 20 is the longest

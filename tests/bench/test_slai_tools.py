@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from bench.capacity import at_rate, parse_configs, parse_rates, summarize_config
-from bench.latency import RequestTiming, by_tier
-from bench.workload import WorkItem, assign_targets
+from workload.latency import RequestTiming, by_tier
+from workload.items import WorkItem, assign_targets
 from serve.triton.request_inputs import InputError, SloInputs, parse_slo_inputs
 
 
@@ -93,7 +93,7 @@ def test_triton_slo_inputs_parse_and_check_shapes() -> None:
 
 
 def test_capacity_plot_draws_every_config(tmp_path) -> None:
-    from bench.plots import capacity_plot
+    from workload.plots import capacity_plot
 
     s = {name: summarize_config({1.0: [point(0.3)], 2.0: [point(t)]}, 2.0) for name, t in (("fcfs:off", 2.5), ("slai:off", 0.8))}
     assert s["fcfs:off"]["capacity_rps"] == 1.0 and s["slai:off"]["capacity_rps"] == 2.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.traces import (
+from workload.traces import (
     TraceRequest,
     detect_format,
     find_burst_window,
@@ -72,7 +72,7 @@ def test_mooncake_reader_ms_sorted_and_keeps_hash_ids(tmp_path: Path) -> None:
 
 
 def test_shared_block_prompts_share_exactly_the_shared_ids(smollm) -> None:
-    from bench.workload import PromptBuilder, default_text_path
+    from workload.items import PromptBuilder, default_text_path
 
     builder = PromptBuilder(smollm.tokenizer, default_text_path().read_text(encoding="utf-8"))
     a = builder.shared_blocks_prompt((0, 1, 2), 16, None)

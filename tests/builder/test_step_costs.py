@@ -47,13 +47,6 @@ def test_build_step_costs_into_the_engine_dir_and_the_engine_reads_them(built, t
         crossovers.use(crossovers.DEFAULTS)
 
 
-def test_the_older_spelling_runs_the_same_command() -> None:
-    """``python -m bench.step_costs`` (named by dated reports) is the builder's command, not a copy of it."""
-    from bench import step_costs as old
-
-    assert old.main is cli.main
-
-
 def test_step_costs_are_timed_under_the_measured_crossovers_with_the_head_a_step_runs(built, tmp_path, monkeypatch,
                                                                                       capsys) -> None:
     """The crossovers are measured first and the step costs timed under them (a step of 8 tokens runs the kernel

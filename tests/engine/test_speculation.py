@@ -21,7 +21,7 @@ from tests.conftest import REPO_ROOT
 from tests.morph_support import direct_variant, morph
 from tests.policy.test_speculation import COSTS
 
-WORDS = (REPO_ROOT / "bench" / "data" / "botchan_excerpt.txt").read_text(encoding="utf-8").split()
+WORDS = (REPO_ROOT / "workload" / "data" / "botchan_excerpt.txt").read_text(encoding="utf-8").split()
 PROMPTS = [" ".join(WORDS[i * 41: i * 41 + 24]) for i in range(6)] + ["The capital of France is", "def add(a, b):"]
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from bench.repeats import cell, spread, summarize_runs
-from bench.replay import parse_mode
+from workload.repeats import cell, spread, summarize_runs
+from workload.replay import parse_mode
 from policy import MorphController, PolicyConfig, StepCosts
 from policy.cost_rule import cost_ladder, requests_admitted
 from serve.model import step_costs as sc

@@ -49,7 +49,7 @@ def test_every_entry_point_names_its_engine_flags_after_the_fields(module: str) 
 
 
 def test_older_spellings_still_work_for_the_replay() -> None:
-    from bench.replay import build_parser, engine_config
+    from workload.replay import build_parser, engine_config
 
     args = build_parser().parse_args(["--threads", "1", "--slo-ttft", "3", "--max-num-seqs", "5"])
     cfg = engine_config(args, "off")

@@ -2,8 +2,9 @@
 
 Rooms and arrows (README "Layout"): policy is pure (stdlib only) and everyone may use it; serve.model is the
 bottom of the runtime; serve.memory and serve.morph sit above it; serve.engine above those; serve.triton
-starts a process and never imports the engine; builder works offline on serve.model; bench uses anything;
-nothing in the runtime imports bench or builder.
+starts a process and never imports the engine; builder works offline on serve.model; workload is what the planner
+and the bench tools share (a workload from a trace, the replay, latency summaries); bench's tools use anything;
+nothing in the runtime imports bench, workload or builder, and sim (the planner) imports no tool.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-OURS = ("serve", "policy", "builder", "bench", "sim")
+OURS = ("serve", "policy", "builder", "bench", "workload", "sim")
 
 # room -> rooms it may import (its own room is always allowed).
 ALLOWED: dict[str, set[str]] = {
@@ -52,18 +53,20 @@ ALLOWED: dict[str, set[str]] = {
     "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config",
                 "serve.config_flags"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
-    "sim": {"bench", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
+    "sim": {"workload", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
             "serve.logging_setup", "serve.resource_seam", "policy"},
-    "bench": {"serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
+    # what the planner and the tools share: workloads, the replay loop, latency summaries, repeats, plots, quality
+    "workload": {"serve", "serve.engine", "serve.morph", "serve.model", "serve.config", "serve.config_flags", "policy"},
+    "bench": {"workload", "serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
               "serve.config_flags", "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
 # Third-party packages a room may not import (policy: anything outside the standard library).
-FORBIDDEN_THIRD_PARTY = {"matplotlib": set(ALLOWED) - {"bench"}, "pyarrow": set(ALLOWED) - {"sim"}}
+FORBIDDEN_THIRD_PARTY = {"matplotlib": set(ALLOWED) - {"bench", "workload"}, "pyarrow": set(ALLOWED) - {"sim"}}
 
 
 def room_of(module: str) -> str:
     parts = module.split(".")
-    if parts[0] in ("policy", "builder", "bench", "sim", "triton_models"):
+    if parts[0] in ("policy", "builder", "bench", "workload", "sim", "triton_models"):
         return parts[0]
     return ".".join(parts[:2])
 

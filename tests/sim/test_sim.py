@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench.replay import build_parser as replay_parser
-from bench.replay import engine_config
+from workload.replay import build_parser as replay_parser
+from workload.replay import engine_config
 from policy import FULL, MorphController, PolicyConfig, Telemetry, resolve_kv_rung
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine

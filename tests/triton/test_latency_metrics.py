@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.latency import RequestTiming, distribution, markdown_table, meets_slo, summarize
+from workload.latency import RequestTiming, distribution, markdown_table, meets_slo, summarize
 
 
 def three_requests() -> list[RequestTiming]:

@@ -41,7 +41,7 @@ def _installed_env(root: Path) -> Path:
     site = env_dir / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     src = root / "src"
     src.mkdir()
-    for item in ("pyproject.toml", "README.md", "serve", "policy", "builder", "bench"):
+    for item in ("pyproject.toml", "README.md", "serve", "policy", "builder", "workload", "sim"):
         copy = shutil.copytree if (CHECKOUT / item).is_dir() else shutil.copy2
         copy(CHECKOUT / item, src / item)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",

@@ -4,7 +4,7 @@ Input: ``{mode: result}`` as bench.triton.run writes them (<mode>.json): "reques
 arrival_s), "timeline" (t, waiting, running, quantized_layers, kv_capacity_tokens, kv_used_tokens),
 "ttft_s" {p95}, "quality" {ppl_loss_pct, probe_agreement}.
 
-  .venv/bin/python -m bench.plots bench-results     # re-draw from the JSON files in a directory
+  .venv/bin/python -m workload.plots bench-results     # re-draw from the JSON files in a directory
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def load_results(out_dir: Path) -> dict[str, dict]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m bench.plots OUTPUT_DIR   (re-draws the plots from <mode>.json files)")
+        print("usage: python -m workload.plots OUTPUT_DIR   (re-draws the plots from <mode>.json files)")
         return 0 if args and args[0] in ("-h", "--help") else 2
     results = load_results(Path(args[0]))
     slo = next((r.get("slo", {}).get("ttft_s") for r in results.values()), None)

@@ -13,14 +13,14 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.traces import TraceRequest, find_burst_window, load_trace, synthetic_gamma, transform
+from workload.traces import TraceRequest, find_burst_window, load_trace, synthetic_gamma, transform
 from serve.model.tokenizer import Tokenizer
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "botchan_excerpt.txt"
 
 
 def default_text_path() -> Path:
-    """The committed Botchan excerpt (bench/data/README.md): the same prompt text on every machine, whatever lies
+    """The committed Botchan excerpt (workload/data/README.md): the same prompt text on every machine, whatever lies
     beside the clone (a default that switched to ../shared's whole book when present made two checkouts replay
     different prompts). ``--text`` picks another, e.g. ../shared/data/text/botchan.txt, the whole book."""
     return DEFAULT_TEXT
@@ -79,7 +79,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-lengths", action="store_true",
                    help="with --trace: arrivals from the trace, every request --input-len prompt and --output-len "
                         "output tokens (the MorphServe paper's setup: 512/256 for MHA models)")
-    g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: bench/data/{DEFAULT_TEXT.name}, "
+    g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: workload/data/{DEFAULT_TEXT.name}, "
                    "the first two chapters of Botchan, public domain; the whole book is ../shared/data/text/botchan.txt)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-requests", type=int, default=64, help="synthetic workload: number of requests")

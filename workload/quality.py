@@ -6,7 +6,7 @@ its layer bank holds the int8 and int4 variants of every layer) evaluates held-o
 ``MorphRuntime.config_signature()`` writes it: f = full, 8 = int8, 4 = int4, e = fp8). The requested
 variant of each layer is installed for the evaluation (``bank.detached(i, p)`` +
 ``bank.install``) and full precision is put back afterwards; the KV pool is not touched. Text: the
-first ``num_tokens`` tokens (default 2048) of bench/data/botchan_excerpt.txt (the first chapters of
+first ``num_tokens`` tokens (default 2048) of workload/data/botchan_excerpt.txt (the first chapters of
 ../shared/data/text/botchan.txt, so the same tokens) or the text given, cut into non-overlapping ``window``-token windows (default 512); neither is used for
 calibration (builder/calibration_corpus.py). Results are memoized per signature.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.workload import default_text_path
+from workload.items import default_text_path
 from policy import FULL
 from policy.precisions import CODE_PRECISION, PRECISION_CODE
 from serve.morph.runtime import MorphRuntime
