@@ -64,7 +64,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps aiconfigurator-core==0.12.0  # NVIDIA's kernel tables for make plan (its numpy>=2 pin is only its SDK's; sim/ reads the tables with pyarrow)
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1  # structured output (serve/guided; llguidance for bench.guided_engines); --no-deps: xgrammar's triton is only its CUDA mask kernel
 	$(PIP) install --quiet -e ".[dev,bench]"
-	$(PY) -m serve.model.kernels  # compile the AVX2 int8/int4 CPU kernels once (~1 min; falls back to torch's)
+	$(PY) -m serve.model.kernels  # compile the CPU kernels once: the AVX2 baseline (~1 min; falls back to torch's) and the AVX-512 variant (3 files; probed in a child, skipped where the CPU lacks it)
 	touch $@
 
 # Dynamo's venv sees $(VENV)'s packages through a .pth file (listed after its own), so the workers run the
