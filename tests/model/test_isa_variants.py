@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.model.test_kv_mixed_decode import BS, _f64_attention, _mixed_cache, _tables
 from tests.model.test_qkernels import _check_close, _gen, _q8_round_trip
 
 from serve.model import kernels
@@ -63,7 +64,7 @@ def test_blocked_linear_of_every_variant_matches_float64_and_equals_the_others(n
     assert [name for name, y in outs.items() if not torch.equal(y, first)] == []
 
 
-@pytest.mark.parametrize("n,k,group", [(40, 64, 32), (200, 576, 64)])
+@pytest.mark.parametrize("n,k,group", [(40, 64, 32), (200, 576, 64), (64, 256, 128), (96, 1536, 128), (16, 512, 256)])
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_int8_activation_kernels_of_every_variant_match_float64_and_equal_the_others(n: int, k: int, group: int,
                                                                                     m: int) -> None:
@@ -88,6 +89,32 @@ def test_int8_activation_kernels_of_every_variant_match_float64_and_equal_the_ot
     for outs in (outs8, outs4):
         first = next(iter(outs.values()))
         assert [name for name, y in outs.items() if not torch.equal(y, first)] == []
+
+
+@pytest.mark.parametrize(("group", "kvh", "hd"), [(3, 3, 64), (4, 2, 72), (2, 2, 32), (1, 1, 48)])
+@pytest.mark.parametrize("formats", ["full", "q8", "mixed"])
+def test_decode_attention_of_every_variant_matches_float64_and_equals_the_others(group: int, kvh: int, hd: int,
+                                                                                formats: str) -> None:
+    """fp32, 8-bit and mixed KV tables: each output lane of P.V is one FMA chain over the tokens whatever the vector
+    width (16 lanes on AVX-512 where the head dimension allows, 8 otherwise: 72), so the variants agree bit for bit;
+    each is within the kernels' bound of float64 attention over the blocks as the dense path reads them."""
+    lens = [1, 17, 40, 64, 5]
+    g = _gen(group * 100 + kvh * 10 + hd + len(formats))
+    nb = max(-(-n // BS) for n in lens)
+    kv, full, q8 = _mixed_cache(kvh, hd, 4 * len(lens) * nb + 4, g)
+    tables = _tables(lens, full, q8, g, formats)
+    blocks, fmts = kv.block_map[tables], kv.block_format[tables]
+    index = kv.decode_index(blocks, fmts)
+    assert index[0] == {"full": "full", "q8": "q8", "mixed": "mixed"}[formats]
+    q, lens_t = torch.randn(len(lens), kvh * group * hd, generator=g), torch.tensor(lens)
+    outs = {name: kv.paged_decode(kernels.variant_ops(name), q, index, 1, lens_t, 0.125) for name in USABLE}
+    kd, vd = kv.read_blocks(1, blocks, fmts)
+    for name, y in outs.items():
+        for b, n in enumerate(lens):
+            ref = _f64_attention(q[b], kd[b, :n], vd[b, :n], group, 0.125)
+            assert torch.allclose(y[b].double(), ref, atol=1e-5, rtol=1e-5), (name, b)
+    first = next(iter(outs.values()))
+    assert [name for name, y in outs.items() if not torch.equal(y, first)] == []
 
 
 @pytest.mark.parametrize("name", USABLE)

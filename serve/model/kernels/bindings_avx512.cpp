@@ -6,6 +6,19 @@
 
 #include <cstdint>
 
+// The decode attention kernels, their sources compiled again with this module's flags (attention_common.h's P.V
+// on 16-lane vectors); hidden visibility keeps them apart from the baseline module's functions of the same names.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& blocks, const torch::Tensor& k_index,
+                                     int64_t layer, int64_t v_offset, const torch::Tensor& lens, double scale);
+torch::Tensor paged_decode_attention_q8(const torch::Tensor& q, const torch::Tensor& codes, const torch::Tensor& scales,
+                                        const torch::Tensor& k_index, const torch::Tensor& s_index, int64_t layer,
+                                        int64_t v_offset, const torch::Tensor& lens, double scale);
+torch::Tensor paged_decode_attention_mixed(const torch::Tensor& q, const torch::Tensor& blocks,
+                                           const torch::Tensor& codes, const torch::Tensor& scales,
+                                           const torch::Tensor& k_index, const torch::Tensor& s_index,
+                                           const torch::Tensor& is8, int64_t layer, int64_t v_offset,
+                                           const torch::Tensor& lens, double scale);
+
 namespace avx512 {
 torch::Tensor int8_linear_q8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor int4_linear_q8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
@@ -44,5 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_blocked_linear", &avx512::fp32_blocked_linear,
         "fp32_blocked_linear with 16-wide vectors (blocked_linear_avx512.cpp)", pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("n_out"), pybind11::arg("block"), pybind11::arg("bias") = pybind11::none());
+  m.def("paged_decode_attention", &paged_decode_attention, "paged_decode_attention, P.V on 16-lane vectors");
+  m.def("paged_decode_attention_q8", &paged_decode_attention_q8, "paged_decode_attention_q8, P.V on 16-lane vectors");
+  m.def("paged_decode_attention_mixed", &paged_decode_attention_mixed,
+        "paged_decode_attention_mixed, P.V on 16-lane vectors");
   m.def("probe", &avx512::probe, "execute one instruction of each ISA extension this module uses; returns a checksum");
 }

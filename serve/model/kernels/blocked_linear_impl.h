@@ -11,7 +11,7 @@ namespace {
 constexpr int64_t KC = 64;  // k per chunk: a 64-row block's chunk is 16 KB, L1-resident while every row reads it
 constexpr int64_t MG = 48;  // activation rows per sweep of the weights (the accumulator buffer's rows)
 
-// One activation row against the NV * 8 weight rows at wb for k in [k0, k1), its accumulators in acc.
+// One activation row against the NV * S::kLanes weight rows at wb for k in [k0, k1), its accumulators in acc.
 template <class S, int NV>
 inline void chunk_row(const float* x, const float* wb, int64_t B, int64_t k0, int64_t k1, float* acc, bool first) {
   typename S::V a[NV];

@@ -71,7 +71,9 @@ AVX2 = Variant(
     requires=("avx2", "fma"))
 AVX512 = Variant(
     name="avx512", module="morphserve_cpu_kernels_avx512",
-    sources=("blocked_linear_avx512.cpp", "q8act_avx512.cpp", "bindings_avx512.cpp"),
+    # the decode attention sources are the baseline's, compiled again: attention_common.h's P.V goes 16-wide
+    sources=("blocked_linear_avx512.cpp", "q8act_avx512.cpp", "attention_avx2.cpp", "attention_q8_avx2.cpp",
+             "attention_mixed_avx2.cpp", "bindings_avx512.cpp"),
     headers=_COMMON_HEADERS,
     # hidden visibility: its ops share names with the baseline's, which is loaded in the same process
     cflags=_BASE_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fvisibility=hidden"),

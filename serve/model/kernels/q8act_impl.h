@@ -1,6 +1,8 @@
 // The int8-activation kernels of q8act_avx2.cpp (what they compute and why: its header), written once over an
 // integer dot-product policy D and compiled per ISA (q8act_avx2.cpp: vpmaddubsw + vpmaddwd; q8act_avx512.cpp:
-// AVX-512 VNNI vpdpbusd). Both give the same int32 lanes, so both variants' outputs are equal bit for bit.
+// AVX-512 VNNI vpdpbusd). Both give the same int32 lanes, so both variants' outputs are equal bit for bit; the
+// scalar fp32 steps are written as explicit std::fma, since FP contraction differs between the two builds (the
+// AVX-512 one vectorizes some of these loops, and a vectorized multiply-add is not contracted).
 // Include it after <torch/extension.h>, <ATen/Parallel.h> and avx2_common.h (all of it has internal linkage).
 #pragma once
 
@@ -106,7 +108,8 @@ inline void int4_block_rows(const int8_t* xq, const float* xd, int64_t K, int64_
       const float s = bf16_to_float(szg[0]), z = bf16_to_float(szg[1]);
       for (int t = 0; t < T; ++t) {
         acc[r][t] = _mm256_fmadd_ps(gacc[r][t], _mm256_set1_ps(s), acc[r][t]);
-        extra[r][t] += s * corr[t * G + g] + z * xsum[t * G + g];
+        // explicit fma: left to FP contraction, the AVX-512 build (vectorized otherwise) rounded differently
+        extra[r][t] += std::fma(s, corr[t * G + g], z * xsum[t * G + g]);
       }
     }
   }
@@ -211,7 +214,7 @@ torch::Tensor int4_q8(const torch::Tensor& x, const torch::Tensor& packed, const
       float c = 0.0f, s = 0.0f;
       for (int64_t j = 0; j < per_group; ++j) {
         const int64_t b = m * B + g * per_group + j;
-        c += a.d[b] * static_cast<float>(a.qsum[b]);
+        c = std::fma(a.d[b], static_cast<float>(a.qsum[b]), c);  // one rounding on every ISA (see extra above)
       }
       for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xp[m * K + k];
       corr[m * G + g] = -8.0f * c;

@@ -7,6 +7,8 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 struct Avx2F {
   using V = __m256;
   static constexpr int kLanes = 8;
@@ -16,8 +18,14 @@ struct Avx2F {
   static void store(float* p, V v) { _mm256_store_ps(p, v); }
   static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  // 8 int8 codes as floats (exact)
+  static V widen(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
 };
 
 #ifdef __AVX512F__
@@ -30,7 +38,13 @@ struct Avx512F {
   static void store(float* p, V v) { _mm512_store_ps(p, v); }
   static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  // 16 int8 codes as floats (exact)
+  static V widen(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
 };
 #endif
