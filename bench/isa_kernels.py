@@ -6,10 +6,12 @@ ops the AVX-512 variant has its own code for, AVX2 vs AVX-512 side by side, Smol
 Rows: one decoder layer's four projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) through the
 blocked fp32 linear (``fp32_blocked_linear``, 64-row blocks) and the int8-activation int8 / int4 kernels
 (``int8_linear_q8`` / ``int4_linear_q8``, group 64 / 128) at 1 / 4 / 16 rows; paged decode attention over fp32 and
-8-bit KV (9 query / 3 kv heads x 64, 16-token blocks) at 1 x 512 and 8 x 256 tokens. Weights are random and fit in
-L2 / L3 (a kernel-speed comparison, not a memory-bound decode step). Each cell is the median of ``--repeats``
-rounds of the median of ``--calls`` calls, in microseconds; the rounds interleave the variants. Outputs are
-checked equal across the variants first (their arithmetic is the same, serve/model/kernels/isa.py).
+8-bit KV (9 query / 3 kv heads x 64, 16-token blocks) at 1 x 512 and 8 x 256 tokens. Weights are random (the fp32
+layer is 14 MB: from L3 on a CPU whose L3 holds it, else from memory). Under load from other processes run it with
+``--threads 1``: with 2 threads a descheduled OpenMP worker stalls every parallel region (milliseconds per call).
+Each cell is the median of ``--repeats`` rounds of the median of ``--calls`` calls, in microseconds; the rounds
+interleave the variants. Outputs are checked equal across the variants first (docs/cpu-kernels.md: their
+arithmetic is the same).
 """
 
 from __future__ import annotations
