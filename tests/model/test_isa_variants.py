@@ -236,3 +236,29 @@ def test_a_variant_the_cpu_does_not_list_is_not_built(fresh, monkeypatch) -> Non
     monkeypatch.setattr(isa, "_run_child", no_child)
     usable, why = isa.probe(isa.AVX512, kernels.build_dir(isa.AVX512).name, kernels.cache_dir())
     assert not usable and why == "the CPU does not list avx512f, avx512bw, avx512vl, avx512_vnni"
+
+
+def test_a_cpu_without_avx512_runs_the_baseline_after_one_warning(fresh, monkeypatch, caplog) -> None:
+    """An AVX2-only CPU (its flags as /proc/cpuinfo would list them): auto serves on AVX2, says why once."""
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.ops() is not None and kernels.isa_name() == "avx2"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "avx512 variant is not usable here (the CPU does not list avx512f" in warnings[0]
+    assert kernels.describe().startswith("morphserve AVX2 ")
+
+
+def test_a_variant_that_does_not_build_falls_back_with_one_warning(fresh, monkeypatch, tmp_path, caplog) -> None:
+    """A compiler without the variant's flags (here: a source that does not compile) is not the CPU's verdict: auto
+    falls back with one warning and nothing is cached, so a fixed toolchain is tried again."""
+    source = tmp_path / "isa_plant_broken.cpp"
+    source.write_text('#error "this compiler cannot build the variant"\n')
+    broken = isa.Variant(name="broken", module="morphserve_isa_plant_broken", sources=(str(source),), headers=(),
+                         cflags=("-O1",), checksum=0, requires=())
+    monkeypatch.setitem(isa.VARIANTS, broken.name, broken)
+    monkeypatch.setattr(isa, "PREFERENCE", [broken.name, *isa.PREFERENCE])
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.ops() is not None and kernels.isa_name() in USABLE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "broken variant is not usable here (its build failed" in warnings[0], warnings
+    assert "broken" not in fresh.read_text()
