@@ -64,7 +64,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps aiconfigurator-core==0.12.0  # NVIDIA's kernel tables for make plan (its numpy>=2 pin is only its SDK's; sim/ reads the tables with pyarrow)
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1  # structured output (serve/guided; llguidance for bench.guided_engines); --no-deps: xgrammar's triton is only its CUDA mask kernel
 	$(PIP) install --quiet -e ".[dev,bench]"
-	$(PY) -m serve.model.kernels  # compile the AVX2 int8/int4 CPU kernels once (~1 min; falls back to torch's)
+	$(PY) -m serve.model.kernels  # compile the CPU kernels once: the AVX2 baseline (~1 min; falls back to torch's) and the AVX-512 variant (3 files; probed in a child, skipped where the CPU lacks it)
 	touch $@
 
 # Dynamo's venv sees $(VENV)'s packages through a .pth file (listed after its own), so the workers run the
@@ -185,10 +185,14 @@ $(PEERS_DIR)/vllm-venv/.installed:
 	$(PEERS_DIR)/vllm-venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-# built from source for this CPU's instruction set (~8 min on 2 cores, niced)
-$(PEERS_DIR)/llamacpp-venv/.installed:
+# built from source for the instruction set this CPU was found to execute (~8 min on 2 cores, niced): AVX-512 + VNNI
+# where our AVX-512 kernels' probe executed, else AVX2; AMX off (python -m bench.llamacpp_flags prints the flags and
+# why; GGML_NATIVE trusts cpuid, and died with SIGILL on AMX on a host listing it). The flags are kept beside the venv.
+$(PEERS_DIR)/llamacpp-venv/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(PEERS_DIR)/llamacpp-venv
-	CMAKE_ARGS="-DGGML_NATIVE=ON" nice -n 19 $(PEERS_DIR)/llamacpp-venv/bin/pip install --quiet llama-cpp-python==$(LLAMACPP_VERSION)
+	$(PY) -m bench.llamacpp_flags > $(PEERS_DIR)/llamacpp-venv/cmake_args.txt
+	@echo "llama.cpp CMAKE_ARGS: $$(cat $(PEERS_DIR)/llamacpp-venv/cmake_args.txt)"
+	CMAKE_ARGS="$$(cat $(PEERS_DIR)/llamacpp-venv/cmake_args.txt)" nice -n 19 $(PEERS_DIR)/llamacpp-venv/bin/pip install --quiet llama-cpp-python==$(LLAMACPP_VERSION)
 	touch $@
 
 bench-peer: build-engines $(PEERS_DIR)/vllm-venv/.installed $(PEERS_DIR)/llamacpp-venv/.installed

@@ -54,7 +54,8 @@ class KernelTimer:
     def __init__(self, extension: ModuleType | None, python_functions: dict[CodeType, str]) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter[str] = collections.Counter()
-        self._extension = extension.__name__ if extension is not None else None
+        # the ops' function objects: an ISA variant's ops come from two extension modules (serve/model/kernels/isa.py)
+        self._extension = {id(f) for f in vars(extension).values() if callable(f)} if extension is not None else set()
         self._python = python_functions
         self._open_c: list[tuple[object, str, float]] = []
         self._open_py: dict[FrameType, tuple[str, float]] = {}
@@ -62,7 +63,7 @@ class KernelTimer:
     def _c_name(self, fn: Any) -> str | None:
         if fn is F.scaled_dot_product_attention:
             return "torch sdpa"
-        if self._extension is not None and getattr(fn, "__module__", None) == self._extension:
+        if id(fn) in self._extension:
             return fn.__name__
         return None
 

@@ -22,6 +22,7 @@ from serve.logging_setup import get_logger
 from serve.memory.arena import ALIGN, Arena
 from serve.memory.pressure import PressureSource, pressure_source
 from serve.memory.sizing import ArenaPlan
+from serve.model import kernels
 from serve.model.crossover_measure import apply_measured
 from serve.model.kv_cache import BlockStore, PagedKVCache, block_shape, kv_bytes_per_block
 from serve.model.kv_format import KVLayout, check_kv_cache_dtype
@@ -74,7 +75,9 @@ class TorchDevice:
                                              config.context_length(loaded.config.max_position_embeddings))
         # where our CPU kernels hand over to oneDNN on this machine (measured by make build-engines, else defaults)
         chosen = apply_measured(self.model, self.built_plan.engine_dir if self.built_plan is not None else None)
-        log.info("kernel_crossovers", source=chosen.source, **chosen.values())
+        # and which kernels (and ISA variant: serve/model/kernels/isa.py) the CPU layers run
+        cpu_kernels = kernels.describe() if device.type == "cpu" else "none (CUDA)"
+        log.info("kernel_crossovers", source=chosen.source, cpu_kernels=cpu_kernels, **chosen.values())
         self._host: dict[int, dict[str, DecoderLayer]] | None = None  # every layer at every precision (morphing)
 
     def policy(self, config: EngineConfig) -> PolicyConfig:

@@ -87,7 +87,14 @@ def _is_kernel_source(rel: Path) -> bool:
 def machine_key(device: torch.device, dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
     return {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": str(dtype).removeprefix("torch."), "layer_shape": list(shape), "kernels": kernel_fingerprint(),
-            "cpu_kernels": "morphserve" if device.type == "cpu" and qkernels.ops() is not None else "torch"}
+            "cpu_kernels": _cpu_kernels(device)}
+
+
+def _cpu_kernels(device: torch.device) -> str:
+    """Whose CPU kernels the costs were timed on, and which ISA variant of ours (their costs differ)."""
+    if device.type != "cpu" or qkernels.ops() is None:
+        return "torch"
+    return f"morphserve-{qkernels.isa_name()}"
 
 
 def key_id(key: Mapping[str, Any]) -> str:

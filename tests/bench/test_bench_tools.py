@@ -128,6 +128,37 @@ def test_quant_kernels_times_every_available_kernel_per_row_count(capsys) -> Non
     assert ("ours int4 q8" in names) is (kernels.ops() is not None)
 
 
+def test_isa_kernels_times_every_usable_variant_on_every_row(capsys) -> None:
+    """One column per ISA variant this machine executes, a row per kernel and shape, each variant's outputs checked
+    equal to the others' before timing (a variant computing something else exits instead of timing it)."""
+    from bench import isa_kernels
+    from serve.model.kernels import isa
+
+    assert isa_kernels.main(["--repeats", "1", "--calls", "1", "--threads", "1", "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    usable = [n for n in isa.VARIANTS if kernels.variant_ops(n) is not None]
+    assert lines[1].split(" | ")[1:1 + len(usable)] == [f"{n} us" for n in usable]
+    body = [line for line in lines[3:] if line.startswith("| ")]
+    assert len(body) == 3 * 3 + 2 * 2  # three linears at three row counts, two KV formats at two shapes
+    assert all(float(cell) > 0 for line in body for cell in line.strip("| ").split(" | ")[1:1 + len(usable)])
+
+
+def test_llamacpp_flags_follow_the_probe_and_keep_amx_off(capsys) -> None:
+    """bench.llamacpp_flags: AVX-512 + VNNI exactly where our AVX-512 variant's probe executed, AMX never, and
+    no -march=native (GGML_NATIVE trusts cpuid)."""
+    from bench import llamacpp_flags
+    from serve.model.kernels import isa
+
+    assert llamacpp_flags.main() == 0
+    out = capsys.readouterr()
+    flags = out.out.split()
+    avx512 = kernels.variant_ops(isa.AVX512.name) is not None
+    assert flags == llamacpp_flags.flags(avx512) and "-DGGML_NATIVE=OFF" in flags
+    assert ("-DGGML_AVX512=ON" in flags) is avx512 and ("-DGGML_AVX512_VNNI=ON" in flags) is avx512
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
+    assert "AMX off" in out.err
+
+
 def test_replay_serves_a_synthetic_workload_and_writes_the_replay_schema(tiny_dir: Path, tmp_path: Path) -> None:
     from bench import replay
 

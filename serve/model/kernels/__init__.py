@@ -15,6 +15,13 @@ first quantized layer built on CPU does and logs it. ``MORPHSERVE_KERNEL_CACHE``
 (default ``~/.cache/morphserve/kernels/<torch version>``; one subdirectory per content hash of the sources). When the CPU lacks AVX2/FMA, the compiler is
 missing or the build fails, one warning is logged and :func:`ops` returns None: the quantized layers then
 use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchmarks compare the two).
+
+**ISA variants** (serve/model/kernels/isa.py, docs/cpu-kernels.md): the AVX2 + FMA module above is the baseline; an
+AVX-512 (F / BW / VL + VNNI) module built beside it gives the blocked fp32 linear and the int8-activation kernels
+16-wide / VPDPBUSD code. Each variant is probed in a child process before it is loaded here (a CPU that lists a flag
+but traps the instruction kills the child, not this process); the best usable one is chosen once per process and
+named by :func:`describe`. ``MORPHSERVE_CPU_ISA=avx2|avx512`` forces one (an unusable forced one is an error); the
+AVX-512 build or probe failing otherwise falls back to AVX2 with one warning.
 """
 
 from __future__ import annotations
@@ -33,17 +40,13 @@ from types import ModuleType
 
 import torch
 
-_log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("qlinear_avx2.cpp", "q8act_avx2.cpp", "linear_avx2.cpp", "blocked_linear_avx2.cpp", "attention_avx2.cpp",
-                         "attention_q8_avx2.cpp", "attention_mixed_avx2.cpp", "norm_avx2.cpp",
-                         "elementwise_avx2.cpp", "bindings.cpp")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("avx2_common.h", "attention_common.h")]  # included by the sources: staged and hashed, not compiled
-_NAME = "morphserve_cpu_kernels"
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: at::parallel_for, torch's intra-op threads
+from serve.model.kernels import isa
+from serve.model.kernels.isa import Variant
 
+_log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": the reason when None
+_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": the reason when None; "isa": the variant
+_variants: dict[str, ModuleType | None] = {}  # variant_ops()
 
 
 def cache_dir() -> Path:
@@ -84,17 +87,25 @@ def _parse_activations(raw: str) -> bool:
     return value == "int8"
 
 
+def isa_name() -> str | None:
+    """The ISA variant :func:`ops` runs (``avx2``, ``avx512``), or None when torch's kernels run."""
+    ops()
+    return _state.get("isa")  # type: ignore[return-value]
+
+
 def describe() -> str:
     """Which kernels the quantized CPU layers run on, for benchmark reports and logs."""
     module = ops()
     if module is not None:
         acts = "int8" if int8_activations() else "fp32"
-        return f"morphserve AVX2 ({torch.get_num_threads()} threads, {acts} activations in quantized layers)"
+        label = {"avx2": "AVX2", "avx512": "AVX-512"}.get(str(_state.get("isa")), str(_state.get("isa")))
+        return f"morphserve {label} ({torch.get_num_threads()} threads, {acts} activations in quantized layers)"
     return f"torch aten ({_state.get('why', 'unknown')})"
 
 
 def _load() -> ModuleType | None:
     int8_activations()  # a bad MORPHSERVE_QACTIVATIONS fails here, at the first model build
+    wanted = isa.requested()  # and a bad MORPHSERVE_CPU_ISA
     if os.environ.get("MORPHSERVE_QKERNELS", "").lower() == "torch":
         _state["why"] = "MORPHSERVE_QKERNELS=torch"
         return None
@@ -102,38 +113,87 @@ def _load() -> ModuleType | None:
         _state["why"] = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
         _log.warning("quantized CPU kernels: %s; using torch's kernels", _state["why"])
         return None
+    base_ok, why = isa.probe(isa.BASELINE, build_dir().name, cache_dir())
+    if not base_ok:
+        if wanted == isa.BASELINE.name:
+            raise RuntimeError(f"MORPHSERVE_CPU_ISA={wanted}: the {wanted} kernels cannot run on this machine ({why})")
+        _state["why"] = f"the {isa.BASELINE.name} kernels are not usable here: {why}"
+        _log.warning("quantized CPU kernels: %s; using torch's kernels", _state["why"])
+        return None
     try:
-        return build()
+        base = build()
     except Exception as exc:  # noqa: BLE001 - any build failure means: fall back, once, loudly
         _state["why"] = f"build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
         _log.warning("quantized CPU kernels could not be built (%s); using torch's kernels", exc)
         return None
+    for variant in isa.candidates(wanted):
+        module, why = _usable(variant, base)
+        if module is not None:
+            _state["isa"] = variant.name
+            _log.info("CPU kernels: the %s variant (MORPHSERVE_CPU_ISA=%s)", variant.name, wanted)
+            return module
+        if wanted != "auto":
+            raise RuntimeError(f"MORPHSERVE_CPU_ISA={wanted}: the {variant.name} kernels cannot run on this machine "
+                               f"({why}); unset it or choose another of {', '.join(isa.VARIANTS)}")
+        _log.warning("CPU kernels: the %s variant is not usable here (%s); trying the next", variant.name, why)
+    _state["why"] = "no ISA variant of the kernels executes on this CPU"
+    _log.warning("quantized CPU kernels: %s; using torch's kernels", _state["why"])
+    return None
 
 
-def build_dir() -> Path:
-    """The build directory of these exact sources and flags: ``cache_dir() / <content hash>``.
+def variant_ops(name: str) -> ModuleType | None:
+    """The ops of one ISA variant whatever :func:`ops` chose (tests and benchmarks compare the variants), or None
+    when it is not usable here (its probe failed, or the baseline cannot be built)."""
+    with _lock:
+        if name not in _variants:
+            try:
+                base = build()
+            except Exception:  # noqa: BLE001 - as ops(): no kernels
+                return None
+            _variants[name] = _usable(isa.VARIANTS[name], base)[0]
+        return _variants[name]
+
+
+def _usable(variant: Variant, base: ModuleType) -> tuple[ModuleType | None, str]:
+    """``variant``'s ops (the baseline's where it has none of its own) once its probe ran in a child process, or
+    None and why not. The module is loaded into this process only after its probe passed."""
+    usable, why = isa.probe(variant, build_dir(variant).name, cache_dir())
+    if not usable:
+        return None, why
+    if variant.name == isa.BASELINE.name:
+        return base, why
+    try:
+        module = build(variant=variant)  # built and probed by the child: a cache hit
+    except Exception as exc:  # noqa: BLE001 - as a failed probe
+        return None, f"its build failed: {type(exc).__name__}: {exc}"
+    return (isa.merged(base, module, variant) if variant.partial else module), why
+
+
+def build_dir(variant: Variant = isa.BASELINE) -> Path:
+    """The build directory of a variant's exact sources and flags: ``cache_dir() / <content hash>``.
 
     ninja rebuilds whenever a source's path or command line changes, so one directory shared by copies of the
     package at different paths (a checkout, a pip-installed deployment) would recompile on every switch
     (~100 s, seen as timeouts in make test). Keyed by content, each version builds once and is reused."""
-    h = hashlib.sha256(" ".join(_CFLAGS).encode())
-    for p in _SOURCES + _HEADERS:
+    h = hashlib.sha256(variant.module.encode() + b"\0" + " ".join(variant.cflags).encode())
+    for p in variant.paths(variant.sources + variant.headers):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     return cache_dir() / h.hexdigest()[:16]
 
 
-def _staged_sources(into: Path) -> list[Path]:
-    """Copies of the sources under the build directory, so every copy of the package compiles the same paths
-    (written only when missing: unchanged mtimes keep ninja's cached objects valid)."""
+def _staged_sources(variant: Variant, into: Path) -> list[Path]:
+    """Copies of a variant's sources under its build directory, so every copy of the package compiles the same
+    paths (written only when missing: unchanged mtimes keep ninja's cached objects valid)."""
     into.mkdir(parents=True, exist_ok=True)
+    sources = variant.paths(variant.sources)
     staged = []
-    for p in _SOURCES + _HEADERS:
+    for p in sources + variant.paths(variant.headers):
         target = into / p.name
         if not target.exists() or target.read_bytes() != p.read_bytes():
             tmp = target.with_suffix(".tmp")
             tmp.write_bytes(p.read_bytes())
             tmp.replace(target)
-        if p in _SOURCES:
+        if p in sources:
             staged.append(target)
     return staged
 
@@ -177,13 +237,15 @@ def _project_ninja_first() -> Iterator[None]:
         os.environ["PATH"] = before
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile (or load the cached build of) the extension; raises when it cannot be built."""
+def build(verbose: bool = False, variant: Variant = isa.BASELINE) -> ModuleType:
+    """Compile (or load the cached build of) a variant's extension module; raises when it cannot be built. Loading
+    runs the module's code: a variant other than the baseline is built here only after its probe passed (or in
+    the probe's child)."""
     from torch.utils import cpp_extension
 
-    directory = build_dir()
+    directory = build_dir(variant)
     directory.mkdir(parents=True, exist_ok=True)
-    sources = _staged_sources(directory / "src")
+    sources = _staged_sources(variant, directory / "src")
     t0 = time.perf_counter()
     # torch's own build baton is a plain "lock" file that every later load waits on forever when a build was
     # killed half-way (seen: a test's subprocess killed on timeout hung every engine start after it). An
@@ -191,9 +253,10 @@ def build(verbose: bool = False) -> ModuleType:
     with (directory / "build.flock").open("w") as held, _project_ninja_first():
         fcntl.flock(held, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
-        module = cpp_extension.load(name=_NAME, sources=[str(p) for p in sources], extra_cflags=_CFLAGS,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+        module = cpp_extension.load(name=variant.module, sources=[str(p) for p in sources],
+                                    extra_cflags=list(variant.cflags), extra_ldflags=["-fopenmp"],
+                                    build_directory=str(directory), verbose=verbose)
     seconds = time.perf_counter() - t0
     if seconds > 2.0:  # a real compile, not a cache hit
-        _log.warning("built the quantized CPU kernels in %.0f s (cached in %s)", seconds, directory)
+        _log.warning("built the quantized CPU kernels (%s) in %.0f s (cached in %s)", variant.name, seconds, directory)
     return module

@@ -1,7 +1,8 @@
 // AVX2 helpers of the attention kernels (attention_avx2.cpp: fp32 KV; attention_q8_avx2.cpp: 8-bit KV;
 // attention_mixed_avx2.cpp: a block table mixing the two), staged and hashed with them by kernels/__init__.py. The
 // decode kernels share their arithmetic through these, in one order, so the mixed kernel equals each single-format
-// kernel bit for bit on a table of that format.
+// kernel bit for bit on a table of that format. The AVX-512 variant (serve/model/kernels/isa.py) compiles the three
+// decode kernels again with its flags: their P.V (weighted_heads) then runs on 16-lane vectors, with the same bits.
 #pragma once
 
 #include <immintrin.h>
@@ -11,6 +12,7 @@
 #include <cstdint>
 
 #include "avx2_common.h"
+#include "simd_f32.h"
 
 // The eight lane sums of a[0..7], as one vector.
 inline __m256 hsum8(const __m256* a) {
@@ -68,13 +70,6 @@ struct MixedRow {
   const float* f;
   const int8_t* c;
 };
-
-// Eight values from element i of a row, whatever the row's kind.
-inline __m256 load8_at(const float* row, int64_t i) { return load8_values(row + i); }
-inline __m256 load8_at(const int8_t* row, int64_t i) { return load8_values(row + i); }
-inline __m256 load8_at(const MixedRow& row, int64_t i) {
-  return row.c != nullptr ? load8_values(row.c + i) : load8_values(row.f + i);
-}
 
 // Every cache line of a row of hd values asked for (into L2): 16 fp32 values or 64 codes a line.
 inline void prefetch_row(const float* row, int64_t hd) {
@@ -136,37 +131,67 @@ inline void softmax_heads(float* scores, int64_t lenp, int64_t len, int64_t G, c
   }
 }
 
-constexpr int kVecs = 4;  // 8-lane vectors of the head dimension per P.V register tile
+constexpr int kVecs = 4;  // vectors of the head dimension per P.V register tile
 
-// out[g] (g < GC) = inv[g] * sum_t p[g][t] * v_t over NV vectors of the head from lane 8 * j0: GC * NV
-// accumulators stay in registers while every V row is read (and, for int8 codes, converted) once.
-template <int GC, int NV, typename Row>
+// S::kLanes values from element i of a V row as floats: fp32 rows as they are, int8 codes converted (their scale
+// is in the weights), whatever the row's kind.
+template <class S>
+inline typename S::V load_at(const float* row, int64_t i) { return S::loadu(row + i); }
+template <class S>
+inline typename S::V load_at(const int8_t* row, int64_t i) { return S::widen(row + i); }
+template <class S>
+inline typename S::V load_at(const MixedRow& row, int64_t i) {
+  return row.c != nullptr ? S::widen(row.c + i) : S::loadu(row.f + i);
+}
+
+// out[g] (g < GC) = inv[g] * sum_t p[g][t] * v_t over NV vectors of S (simd_f32.h) of the head from lane
+// S::kLanes * j0: GC * NV accumulators stay in registers while every V row is read (and, for int8 codes,
+// converted) once. Each output lane is one FMA chain over t whatever the vector width, so the AVX-512 variant's
+// 16-lane tiles give the 8-lane tiles' bits.
+template <class S, int GC, int NV, typename Row>
 void weighted_rows(const float* p, int64_t lenp, int64_t len, const Row* vrow, int64_t j0, const float* inv,
                    float* out, int64_t hd) {
-  __m256 acc[GC][NV];
+  constexpr int L = S::kLanes;
+  typename S::V acc[GC][NV];
   for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[g][j] = S::zero();
   for (int64_t t = 0; t < len; ++t) {
-    __m256 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load8_at(vrow[t], 8 * (j0 + j));
+    typename S::V v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load_at<S>(vrow[t], L * (j0 + j));
     for (int g = 0; g < GC; ++g) {
-      const __m256 pt = _mm256_broadcast_ss(p + g * lenp + t);
-      for (int j = 0; j < NV; ++j) acc[g][j] = _mm256_fmadd_ps(pt, v[j], acc[g][j]);
+      const typename S::V pt = S::broadcast(p + g * lenp + t);
+      for (int j = 0; j < NV; ++j) acc[g][j] = S::fmadd(pt, v[j], acc[g][j]);
     }
   }
   for (int g = 0; g < GC; ++g)
-    for (int j = 0; j < NV; ++j)
-      _mm256_storeu_ps(out + g * hd + 8 * (j0 + j), _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
+    for (int j = 0; j < NV; ++j) S::storeu(out + g * hd + L * (j0 + j), S::mul(acc[g][j], S::set1(inv[g])));
 }
 
-template <int GC, typename Row>
+template <class S, int GC, typename Row>
 void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const Row* vrow, int64_t j0, int64_t nv,
                        const float* inv, float* out, int64_t hd) {
   switch (nv) {
-    case 1: weighted_rows<GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    case 2: weighted_rows<GC, 2>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    case 3: weighted_rows<GC, 3>(p, lenp, len, vrow, j0, inv, out, hd); break;
-    default: weighted_rows<GC, kVecs>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 1: weighted_rows<S, GC, 1>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 2: weighted_rows<S, GC, 2>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    case 3: weighted_rows<S, GC, 3>(p, lenp, len, vrow, j0, inv, out, hd); break;
+    default: weighted_rows<S, GC, kVecs>(p, lenp, len, vrow, j0, inv, out, hd); break;
+  }
+}
+
+template <class S, typename Row>
+void weighted_heads_with(const float* scores, int64_t lenp, int64_t len, const Row* vrow, const float* inv,
+                         float* out, int64_t G, int64_t hd) {
+  const int64_t vecs = hd / S::kLanes;
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int64_t gc = std::min<int64_t>(3, G - g0);
+    for (int64_t j0 = 0; j0 < vecs; j0 += kVecs) {
+      const int64_t nv = std::min<int64_t>(kVecs, vecs - j0);
+      const float* p = scores + g0 * lenp;
+      float* o = out + g0 * hd;
+      if (gc == 3) weighted_rows_any<S, 3>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
+      else if (gc == 2) weighted_rows_any<S, 2>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
+      else weighted_rows_any<S, 1>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
+    }
   }
 }
 
@@ -176,16 +201,8 @@ void weighted_rows_any(const float* p, int64_t lenp, int64_t len, const Row* vro
 template <typename Row>
 void weighted_heads(const float* scores, int64_t lenp, int64_t len, const Row* vrow, const float* inv, float* out,
                     int64_t G, int64_t hd) {
-  const int64_t vecs = hd / 8;
-  for (int64_t g0 = 0; g0 < G; g0 += 3) {
-    const int64_t gc = std::min<int64_t>(3, G - g0);
-    for (int64_t j0 = 0; j0 < vecs; j0 += kVecs) {
-      const int64_t nv = std::min<int64_t>(kVecs, vecs - j0);
-      const float* p = scores + g0 * lenp;
-      float* o = out + g0 * hd;
-      if (gc == 3) weighted_rows_any<3>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
-      else if (gc == 2) weighted_rows_any<2>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
-      else weighted_rows_any<1>(p, lenp, len, vrow, j0, nv, inv + g0, o, hd);
-    }
-  }
+#ifdef __AVX512F__
+  if (hd % 16 == 0) return weighted_heads_with<Avx512F>(scores, lenp, len, vrow, inv, out, G, hd);
+#endif
+  weighted_heads_with<Avx2F>(scores, lenp, len, vrow, inv, out, G, hd);
 }

@@ -3,6 +3,9 @@
 // over tables mixing the two attention_mixed_avx2.cpp), RMSNorm (norm_avx2.cpp) and the fused SwiGLU / RoPE + KV write
 // (elementwise_avx2.cpp), compiled together by serve/model/kernels/__init__.py.
 #include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cstdint>
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t group);
@@ -38,7 +41,31 @@ void rope_kv_write_q8_(const torch::Tensor& qkv, const torch::Tensor& cos, const
                        const torch::Tensor& scales, const torch::Tensor& k_rows, const torch::Tensor& scale_rows,
                        const torch::Tensor& is8, int64_t layer_offset, int64_t v_offset);
 
+// Executes one instruction of each extension the module is compiled for and returns what they computed (the ISA
+// probe's child process compares it with the expected value, serve/model/kernels/isa.py): FMA (8-wide fmadd) and
+// AVX2 (vpmaddubsw + vpmaddwd, the int8-activation kernels' dot product).
+int64_t probe() {
+  alignas(32) uint8_t u[32];
+  alignas(32) int8_t s[32];
+  for (int i = 0; i < 32; ++i) {
+    u[i] = static_cast<uint8_t>(i + 1);
+    s[i] = static_cast<int8_t>(i % 2 == 0 ? 1 : -2);
+  }
+  const __m256i uy = _mm256_load_si256(reinterpret_cast<const __m256i*>(u));
+  const __m256i sy = _mm256_load_si256(reinterpret_cast<const __m256i*>(s));
+  const __m256i dy = _mm256_madd_epi16(_mm256_maddubs_epi16(uy, sy), _mm256_set1_epi16(1));
+  const __m256 f = _mm256_fmadd_ps(_mm256_set1_ps(1.5f), _mm256_set1_ps(2.0f), _mm256_set1_ps(0.25f));
+  alignas(32) int32_t iy[8];
+  alignas(32) float fy[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(iy), dy);
+  _mm256_store_ps(fy, f);
+  int64_t total = 0;
+  for (int i = 0; i < 8; ++i) total += iy[i] + static_cast<int64_t>(fy[i] * 4.0f);  // 8 * 13 = 104 from the FMAs
+  return total;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("probe", &probe, "execute one instruction of each ISA extension this module uses; returns a checksum");
   m.def("int8_linear", &int8_linear, "y = x @ (q * scale)^T, fp32 accumulation");
   m.def("int4_linear", &int4_linear, "y = x @ ((c - 8) * s + z)^T, blocked int4 codes, fp32 accumulation");
   m.def("int8_linear_q8", &int8_linear_q8, "int8_linear with activations rounded to int8 blocks of 32 (q8act_avx2.cpp)");
