@@ -181,8 +181,11 @@ def test_greedy_equal_through_a_morphing_transition_mid_request(smollm):
     (the rung below) and the rest at int8; output equals a plain engine whose same layers switch at the same
     output length (tests/morph_support.py's direct variants)."""
     cfg = dict(num_kv_blocks=128, enable_prefix_caching=False)
+    # the test applies the transition itself; restore_persist_s: the controller must not restore the layers
+    # after 5 s of calm wall-clock time, which a loaded machine reaches before the 36 tokens are out
     morphing = LLMEngine(EngineConfig(speculation="always", morph_mode="default", morph_precisions="int8,int4",
-                                      policy_overrides={"cost_aware": False}, **cfg), loaded=smollm)
+                                      policy_overrides={"cost_aware": False, "restore_persist_s": 1e9}, **cfg),
+                         loaded=smollm)
     reference = LLMEngine(EngineConfig(speculation="off", **cfg), loaded=smollm)
     layers, prompt = tuple(range(3, 9)), smollm.tokenizer.encode(PROMPTS[2])
     params = SamplingParams(max_tokens=36, ignore_eos=True)
