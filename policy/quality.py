@@ -23,6 +23,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from statistics import NormalDist
 
 DEFAULT_WINDOW = 256
@@ -65,6 +66,12 @@ class QualityReading:
     def describe(self) -> str:
         return (f"agreement {self.agreement:.3f} (lower {self.lower:.3f} at {self.confidence:.0%}, "
                 f"{self.samples} samples), tv {self.divergence:.4f}")
+
+
+class QualitySource(Protocol):
+    """What the controller's floor reads the meter through (the morph runtime gets it in its constructor)."""
+
+    def reading(self) -> QualityReading | None: ...
 
 
 class QualityWindow:
@@ -182,6 +189,20 @@ class FloorRule:
         self.floor, self.restore_s = floor, restore_s
         self._under_since: float | None = None
 
+    def restored(self, now_s: float) -> None:
+        """A restore the floor asked for was taken: the next one waits ``restore_s`` again, for samples of the
+        milder state."""
+        if self._under_since is not None:
+            self._under_since = now_s
+
+    def holds(self, reading: QualityReading | None, quantized: bool) -> FloorVerdict:
+        """Whether the floor holds quantizing now, without advancing its restore timer (a second look within one
+        decision: covering a deficit before preempting)."""
+        if self.floor is None or not quantized or reading is None or reading.lower >= self.floor:
+            return FloorVerdict(False, False, "")
+        return FloorVerdict(True, False, f"quality lower bound {reading.lower:.3f} < floor {self.floor:.3f}; "
+                                         f"{reading.describe()}")
+
     def check(self, now_s: float, reading: QualityReading | None, quantized: bool) -> FloorVerdict:
         floor = self.floor
         if floor is None:
@@ -197,8 +218,6 @@ class FloorRule:
             self._under_since = now_s
         under_s = now_s - self._under_since
         restore = under_s >= self.restore_s and reading.agreement < floor
-        if restore:
-            self._under_since = now_s  # the next restore waits as long again, for samples of the milder state
         verdict = (f"restore first (under for {under_s:.2f} s >= {self.restore_s} s, agreement itself under)"
                    if restore else f"no further quantizing (under for {under_s:.2f} s)")
         return FloorVerdict(True, restore, f"quality lower bound {reading.lower:.3f} < floor {floor:.3f}: {verdict}; "

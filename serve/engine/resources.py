@@ -98,6 +98,14 @@ class ResourceManagers:
         for m in self._managers:
             m.after_schedule(num_tokens)
 
+    def after_execute(self, sampled: Sequence[object], logits: object) -> None:
+        """The batch ran; a manager failing here is recorded and the batch's tokens still go out."""
+        for m in self._managers:
+            try:
+                m.after_execute(sampled, logits)
+            except Exception as exc:  # noqa: BLE001
+                self._failed(m, exc)
+
     def on_first_token(self, now: float, ttft_s: float) -> None:
         for m in self._managers:
             m.on_first_token(now, ttft_s)

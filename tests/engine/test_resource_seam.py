@@ -150,8 +150,9 @@ def test_managers_are_reached_by_type_and_their_stats_are_typed(tiny):
     assert isinstance(runtime, MorphRuntime) and e.resource_manager(YieldsMemory) is runtime
     assert isinstance(e.resource_manager(Recorder), Recorder)
     stats = e.stats()
-    # the default mode's kv_rung auto is int8 on this fp32 CPU engine: the KV-precision rung is a manager too
-    assert set(stats.resources) == {"kv_precision", "morph", "rec"}
+    # the default mode's kv_rung auto is int8 on this fp32 CPU engine: the KV-precision rung is a manager too, and
+    # the quality meter (quality_meter 0.02 by default) watches after the levers
+    assert set(stats.resources) == {"kv_precision", "morph", "quality", "rec"}
     assert stats.resources["morph"].configuration == "f" * e.model_config.num_layers
     assert stats.swaps_total == stats.resources["morph"].swaps_total == 0
     off = engine_with(tiny, "off", [], [])
