@@ -103,6 +103,23 @@ def test_one_managers_failure_is_recorded_under_its_name_and_the_others_still_ru
     assert e.faults.failed_iterations >= 3 and not e.healthy  # every boundary failed: the engine says so
 
 
+class FailingObserver(Recorder):
+    def after_execute(self, sampled, logits) -> None:
+        self.log.append((self.name, "after_execute", len(sampled)))
+        raise RuntimeError("observer planted failure")
+
+
+def test_an_observer_failing_after_execute_is_recorded_and_the_engine_stays_healthy(tiny):
+    log: list = []
+    e = engine_with(tiny, "off", [], [FailingObserver("obs", log)])
+    want = engine_with(tiny, "off", [], []).generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert out[0]["token_ids"] == want[0]["token_ids"]  # it saw every batch before the sampling and changed nothing
+    assert [x for x in log if x[1] == "after_execute"] == [("obs", "after_execute", 1)] * 4
+    assert e.faults.last_error.startswith("obs: RuntimeError: observer planted failure")
+    assert e.healthy and e.faults.failed_iterations == 0
+
+
 def test_a_shortfall_goes_to_each_pool_growing_manager_in_order_with_what_is_left(tiny):
     """A recorder ahead of the morph runtime covers nothing, so the runtime is offered the whole shortfall; the
     recorder after it is offered only what the runtime left (nothing, here: quantizing covered it)."""
