@@ -38,6 +38,12 @@ Cost-aware modes (``PolicyConfig.cost_aware`` with measured ``StepCosts``; ``pol
   ``restore_persist_s`` with KV below ``kv_low``.
 
 Where the measured quantized kernels are not slower, every rule above reduces to the cost-blind one.
+
+The quality floor (``PolicyConfig.quality_floor``, off by default; policy/quality.py ``FloorRule``): the quality
+meter's reading comes in the telemetry. While its lower bound on top-1 agreement is under the floor, no quantizing
+step is taken (under pressure, and to cover a deficit before preempting: the scheduler then preempts); when it has
+stayed under for ``quality_restore_s`` (and the measured agreement is under the floor too), the newest transition is
+restored first, under pressure or not, as soon as its KV chunk is free. Every reason carries the reading.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from .costs import StepCosts
 from .decision import MorphDecision
 from .memory_yield import YieldRule, mib
 from .modes import PolicyConfig
+from .quality import FloorRule, FloorVerdict
 from .telemetry import Telemetry
 
 
@@ -75,6 +82,8 @@ def describe(t: Telemetry) -> str:
     if t.yielded_bytes:
         parts.append(f"yielded {mib(t.yielded_bytes)}")
     parts.append(f"quantized {len(t.quantized_layers)}/{t.num_layers}")
+    if t.quality is not None:
+        parts.append(t.quality.describe())
     return "[" + ", ".join(parts) + "]"
 
 
@@ -92,6 +101,7 @@ class MorphController:
         self._pressure_streak = 0
         self._calm_since: float | None = None
         self.yield_rule = YieldRule(config, order)
+        self.floor = FloorRule(config.quality_floor, config.quality_restore_s)
 
     def use_costs(self, costs: StepCosts) -> None:
         """A corrected step-cost table (policy/cost_drift.py): the cost rule weighs it from the next decision on,
@@ -146,7 +156,13 @@ class MorphController:
 
     # -- dynamic (MorphServe) -----------------------------------------------------
 
+    def _floor(self, t: Telemetry) -> FloorVerdict:
+        return self.floor.check(t.now_s, t.quality, bool(t.quantized_layers) or t.quality is not None)
+
     def _dynamic(self, t: Telemetry) -> MorphDecision:
+        floor = self._floor(t)
+        if floor.restore and t.quantized_layers:
+            return self._floor_restore(t, floor)
         triggers, deficit = self._pressure(t)
         if triggers:
             self._calm_since = None
@@ -157,7 +173,7 @@ class MorphController:
                     f"pressure ({'; '.join(triggers)}) seen {self._pressure_streak}/{persist} iterations, "
                     f"waiting for it to persist {describe(t)}"
                 )
-            decision = self._quantize_step(t, triggers, deficit, memory=self._memory_deficit(t) > 0)
+            decision = self._quantize_step(t, triggers, deficit, memory=self._memory_deficit(t) > 0, floor=floor)
             if decision.action == "quantize":
                 self._pressure_streak = 0
             return decision
@@ -196,8 +212,11 @@ class MorphController:
         return deficit
 
     def _quantize_step(self, t: Telemetry, triggers: list[str], deficit: int, memory: bool,
-                       always_pays: bool = False) -> MorphDecision:
+                       always_pays: bool = False, floor: FloorVerdict | None = None) -> MorphDecision:
         c = self.config
+        if floor is not None and floor.hold:
+            return MorphDecision.nothing(f"pressure ({'; '.join(triggers)}) but the quality floor holds: "
+                                         f"{floor.reason} {describe(t)}")
         ladder = self.ladder(t)
         precision_of = t.precision_of
         chunk = t.blocks_per_layer_chunk
@@ -304,7 +323,23 @@ class MorphController:
         if self.config.strategy != "dynamic" or deficit <= 0:
             return MorphDecision.nothing(f"no deficit to cover in mode {self.config.mode} {describe(t)}")
         return self._quantize_step(t, [f"running requests short of {deficit} KV blocks (quantize before preempt)"],
-                                   deficit, memory=True, always_pays=True)
+                                   deficit, memory=True, always_pays=True,
+                                   floor=self.floor.holds(t.quality, bool(t.quantized_layers) or t.quality is not None))
+
+    def _floor_restore(self, t: Telemetry, floor: FloorVerdict) -> MorphDecision:
+        """The quality floor restores the newest transition first (LIFO), once its KV chunk is free."""
+        layer, precision = t.quantized_layers[-1]
+        if t.top_is_yielded:
+            return MorphDecision.nothing(f"{floor.reason}; but the newest transition gave its bytes back: reclaim "
+                                         f"decides when they return {describe(t)}")
+        if not t.pending_restore_chunk_free:
+            return MorphDecision.nothing(f"{floor.reason}; layer {layer}'s KV chunk is still in use, the restore "
+                                         f"waits for it {describe(t)}")
+        self._calm_since = t.now_s
+        self.floor.restored(t.now_s)
+        target = self._milder_rung(precision, t)
+        return MorphDecision("restore", (layer,), target, f"{floor.reason} -> restore layer {layer} ({precision}) to "
+                                                          f"{target or 'full precision'} (LIFO) {describe(t)}")
 
     def _milder_rung(self, precision: str, t: Telemetry) -> str | None:
         """The rung a restore returns to: one step back on the ladder, or full precision (None)."""

@@ -84,8 +84,24 @@ class PolicyConfig:
     ``auto`` (the ``default`` mode): int8 where it is verified, a CPU engine computing in fp32 over a full-precision
     cache, and no rung elsewhere (:func:`resolve_kv_rung`). None: no rung."""
 
+    quality_floor: float | None = None
+    """The quality floor (policy/quality.py ``FloorRule``, docs/quality.md): while the quality meter's lower bound on
+    top-1 agreement with full precision is under it, no further quantizing step; when it stays under for
+    ``quality_restore_s`` (and the measured agreement is under it too), the newest transition is restored first.
+    None (the default): off."""
+    quality_confidence: float = 0.95
+    """Two-sided confidence of the meter's Wilson interval (its lower bound is what the floor reads)."""
+    quality_restore_s: float = 5.0
+    """Seconds the lower bound must stay under ``quality_floor`` before each restore the floor asks for."""
+
     def __post_init__(self) -> None:
         errors: list[str] = []
+        if self.quality_floor is not None and not 0.0 < self.quality_floor <= 1.0:
+            errors.append(f"quality_floor must be in (0, 1] or null, got {self.quality_floor!r}")
+        if not 0.0 < self.quality_confidence < 1.0:
+            errors.append(f"quality_confidence must be in (0, 1), got {self.quality_confidence!r}")
+        if not 0 <= self.quality_restore_s < float("inf"):
+            errors.append(f"quality_restore_s must be a finite number >= 0, got {self.quality_restore_s!r}")
         if self.strategy not in ("off", "static", "dynamic"):
             errors.append(f"strategy must be off, static or dynamic, got {self.strategy!r}")
         if not 0.0 < self.kv_low < self.kv_high <= 1.0:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .quality import QualityReading
+
 
 @dataclass(frozen=True)
 class Telemetry:
@@ -84,6 +86,9 @@ class Telemetry:
     pending_restore_chunk_free: bool = False
     blocks_per_layer_chunk: Mapping[str, int] = field(default_factory=dict)
     kv_blocks_per_freed_slot: float = 1.0
+    quality: QualityReading | None = None
+    """The quality meter's reading (policy/quality.py): top-1 agreement with full precision over its window of
+    samples, with its bound; None without a meter or before its first sample. The quality floor reads it."""
 
     def __post_init__(self) -> None:
         if self.kv_blocks_total < 0 or self.kv_blocks_used < 0:

@@ -130,6 +130,9 @@ class EngineConfig:
     # self-speculative decoding (docs/speculation.md): off | auto (the controller drafts when the measured step
     # costs and the acceptance rate say it pays) | always (drafts whenever KV and the batch allow)
     speculation: str = "auto"
+    # the quality meter (docs/quality.md): at most this fraction of measured step time spent comparing sampled
+    # positions with full precision while something is quantized (0: off)
+    quality_meter: float = 0.02
 
     def slai_thetas(self, device_type: str) -> tuple[float, float]:
         """(theta_low, theta_high) of the slai scheduler on a ``device_type`` device: the fields where set, else
@@ -234,6 +237,8 @@ class EngineConfig:
             raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
         if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
+        if not 0 <= self.quality_meter < float("inf"):
+            raise ValueError(f"quality_meter must be a finite fraction of step time >= 0, got {self.quality_meter!r}")
         from policy.speculation import SPECULATION_MODES  # noqa: PLC0415
 
         if self.speculation not in SPECULATION_MODES:

@@ -60,6 +60,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                    "precision: auto (the controller drafts when the measured step costs and the acceptance rate say "
                    "it pays, never under KV pressure or with prefill in the batch), always, or off "
                    "(docs/speculation.md)",
+    "quality_meter": "most fraction of measured step time the quality meter spends comparing sampled positions with "
+                     "full precision while layers are quantized or KV is 8-bit (0: off) (docs/quality.md)",
     "request_timeout_s": "deadline in seconds of a request that names no timeout_s: past it the request ends with "
                          "deadline exceeded (HTTP 504)",
 }

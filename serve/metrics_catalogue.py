@@ -86,6 +86,27 @@ ENGINE_METRICS: tuple[EngineMetric, ...] = (
     EngineMetric("morphserve_step_cost_corrections_total", "counter",
                  "Step-cost tables measured again while serving because quiet probes said the table was off.",
                  "step_cost_corrections"),
+    # the quality meter (serve/engine/quality_meter.py, docs/quality.md): sampled positions of running requests
+    # compared with full precision on the same context while layers are quantized or KV is 8-bit
+    EngineMetric("morphserve_quality_agreement", "gauge",
+                 "Top-1 next-token agreement with full precision over the quality meter's window of samples (unset "
+                 "before the first sample).", "quality_agreement"),
+    EngineMetric("morphserve_quality_agreement_lower", "gauge",
+                 "Wilson lower bound of that agreement at the policy's quality_confidence (what quality_floor reads).",
+                 "quality_agreement_lower"),
+    EngineMetric("morphserve_quality_divergence", "gauge",
+                 "Mean total variation distance between the served and the full-precision next-token distributions "
+                 "over the window (0-1).", "quality_divergence"),
+    EngineMetric("morphserve_quality_samples_total", "counter", "Positions the quality meter compared.",
+                 "quality_samples_total"),
+    EngineMetric("morphserve_quality_meter_seconds_total", "counter",
+                 "Seconds the quality meter spent on full-precision reference forwards.", "quality_meter_seconds_total"),
+    EngineMetric("morphserve_tokens_quantized_layers_total", "counter",
+                 "Generated tokens served while some decoder layer was quantized (of generation_tokens_total).",
+                 "tokens_quantized_layers_total"),
+    EngineMetric("morphserve_tokens_kv_8bit_total", "counter",
+                 "Generated tokens served to requests reading 8-bit KV blocks (of generation_tokens_total).",
+                 "tokens_kv_8bit_total"),
 )
 LAYERS_QUANTIZED = EngineMetric("morphserve_layers_quantized", "gauge",
                                 "Decoder layers currently held in each quantized precision.", "layers_quantized")

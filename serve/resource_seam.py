@@ -11,6 +11,8 @@ and calls every one at fixed points of each iteration:
 * ``cover_shortfall(scheduler, blocks)``: the scheduler is ``blocks`` KV blocks short and about to preempt; each
   manager that ``grows_pool`` is offered what the earlier ones left uncovered, and returns the blocks it freed;
 * ``after_schedule(num_tokens)``: the batch's size;
+* ``after_execute(sampled, logits)``: the batch ran; its sampled chunks and their logits rows, before the engine
+  samples from them (read only: an observer such as the quality meter);
 * ``on_first_token`` / ``on_token_gap``: latency signals;
 * ``on_request_finished(request_id)``: a request left the engine (per-request resources are freed here);
 
@@ -25,7 +27,7 @@ by type (``YieldsMemory``), never a branch on the mode.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -84,6 +86,7 @@ class ResourceManager(Protocol):
     def before_schedule(self, scheduler: SchedulerView) -> object: ...
     def cover_shortfall(self, scheduler: SchedulerView, blocks: int) -> int: ...
     def after_schedule(self, num_tokens: int) -> None: ...
+    def after_execute(self, sampled: Sequence[Any], logits: Any) -> None: ...
     def on_first_token(self, now: float, ttft_s: float) -> None: ...
     def on_token_gap(self, now: float, gap_s: float) -> None: ...
     def on_request_finished(self, request_id: str) -> None: ...
@@ -113,6 +116,11 @@ class ResourceManagerBase:
         return 0
 
     def after_schedule(self, num_tokens: int) -> None:
+        return None
+
+    def after_execute(self, sampled: Sequence[Any], logits: Any) -> None:
+        """``sampled``: the executed batch's chunks that yield tokens, in logits-row order; ``logits``: their rows.
+        Read only: a manager that wrote either would change served tokens."""
         return None
 
     def on_first_token(self, now: float, ttft_s: float) -> None:

@@ -181,7 +181,7 @@ def chunk(token_ids: list[int], reason: str | None = None, prompt_tokens: int = 
     """One streamed response chunk; the final one (``reason`` given) carries the usage and, from the engine's final
     output ``out`` (a RequestOutput, by duck type), what Dynamo's frontend shows under ``nvext`` when a client asks
     (``nvext.extra_fields``): ``stop_reason`` and ``engine_data`` (the request's perf metrics under TensorRT-LLM's
-    names, RequestMetrics.perf_fields), and the prompt tokens served from the prefix cache as ``cached_tokens``."""
+    names, RequestMetrics.perf_fields, and its quality numbers, RequestMetrics.quality_fields), and the prompt tokens served from the prefix cache as ``cached_tokens``."""
     answer: dict[str, Any] = {"token_ids": list(token_ids), "index": 0}
     if reason is not None:
         answer["finish_reason"] = finish_reason(reason)
@@ -189,7 +189,7 @@ def chunk(token_ids: list[int], reason: str | None = None, prompt_tokens: int = 
         cached = None if metrics is None else min(prompt_tokens, metrics.kv_reused_blocks * block_size)
         answer["completion_usage"] = usage(prompt_tokens, completion_tokens, cached)
         if metrics is not None:
-            answer["engine_data"] = metrics.perf_fields(final=True)
+            answer["engine_data"] = {**metrics.perf_fields(final=True), **metrics.quality_fields()}
         if getattr(out, "stop_reason", None) is not None:
             answer["stop_reason"] = out.stop_reason
     return answer

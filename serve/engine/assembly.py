@@ -20,6 +20,7 @@ from policy import PolicyConfig, StepCosts
 from serve.config import EngineConfig
 from serve.engine.executor import Executor
 from serve.engine.kv_rung import build_kv_rung, kv_blocks_per_slot
+from serve.engine.quality_meter import build_quality_meter
 from serve.engine.memory_assembly import EngineMemory, MemoryDevice, build_memory
 from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
@@ -104,18 +105,20 @@ def resource_managers(config: EngineConfig, device: EngineDevice, policy: Policy
                       memory: EngineMemory, clock: Callable[[], float]) -> list[ResourceManager]:
     """The levers the mode hosts, in the order the loop calls them: the KV-precision rung (the cheapest lever) ahead
     of layer morphing. What one needs of another goes in through its constructor: the runtime the blocks a freed slot
-    becomes, the rung the runtime's next swap (read-only, ``LayerSwaps``)."""
+    becomes, the rung the runtime's next swap (read-only, ``LayerSwaps``), the runtime the quality meter's reading
+    (read-only, ``QualitySource``). The meter comes last: it observes the batch the levers shaped."""
     if memory.bank is None or plan is None:
         return []
     mixed = memory.kv.mixes_formats
+    meter = build_quality_meter(config.quality_meter, policy.quality_confidence, device.model, memory.bank,
+                                memory.pool, memory.kv, clock, config.seed)  # observes last; the floor reads it
     morph = build_runtime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv,
                           config.block_size, clock, costs=device.morph_costs(policy, plan, memory.bank),
                           prefix_cache=config.prefix_cache_across_morph, pressure=device.pressure(config, policy),
                           step_token_budget=config.max_num_batched_tokens,
-                          kv_blocks_per_freed_slot=kv_blocks_per_slot(memory.kv) if mixed else 1.0)
-    if not mixed:
-        return [morph]
-    return [build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph, clock), morph]
+                          kv_blocks_per_freed_slot=kv_blocks_per_slot(memory.kv) if mixed else 1.0, quality=meter)
+    rung = [build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph, clock)] if mixed else []
+    return [*rung, morph, *([meter] if meter is not None else [])]
 
 
 def make_scheduler(config: EngineConfig, pool: BlockPool, clock: Callable[[], float],

@@ -95,8 +95,7 @@ class LLMEngine:
         """The loop's state from its parts (built by serve/engine/assembly.py, or simulated by the planner)."""
         self.device, self.dtype = parts.device, parts.dtype
         self.model_config, self.tokenizer, self.max_model_len = parts.model_config, parts.tokenizer, parts.max_model_len
-        self.model = parts.model
-        self.memory = parts.memory
+        self.model, self.memory = parts.model, parts.memory
         self.pool, self.ledger, self.kv = self.memory.pool, self.memory.ledger, self.memory.kv
         self.bytes_per_block = self.ledger.slot_bytes
         self.resources = ResourceManagers(parts.resources, self.faults.record)  # a manager's failure: the fault log
@@ -243,6 +242,7 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001 - fail this batch's requests only
                     produced += self._fail_seqs([c.seq for c in sched.chunks], "forward", exc)
                 else:
+                    self.resources.after_execute(sampled, logits)  # observers only (the quality meter)
                     self.scheduler.on_executed(sched)
                     produced += self._emit(self.appender.append(sampled, logits))  # drafted chunks: accepted runs
                     if self.resources.iteration_ok:  # no manager failed at the boundary or on a shortfall

@@ -23,7 +23,9 @@ class RequestMetrics:
     KV blocks are counted each time the request starts computing from scratch (its admission, and again after a
     preemption): ``kv_reused_blocks`` came from the prefix cache, ``kv_missed_blocks`` are its prompt's other blocks
     (computed), ``kv_new_blocks`` every block allocated for it (draft blocks given back after verification
-    included). Speculation: draft tokens verified for it and of those accepted."""
+    included). Speculation: draft tokens verified for it and of those accepted. Quality (serve/engine/quality_meter.py):
+    its output tokens served while some layer was quantized and while it read 8-bit KV blocks, and its positions the
+    meter sampled, of which agreeing with full precision on the top-1 token."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -34,6 +36,10 @@ class RequestMetrics:
     kv_new_blocks: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    quantized_layer_tokens: int = 0
+    kv_8bit_tokens: int = 0
+    quality_samples: int = 0
+    quality_agreed: int = 0
 
     @property
     def kv_total_blocks(self) -> int:
@@ -45,6 +51,17 @@ class RequestMetrics:
         """Share of its prompt blocks found in the prefix cache (0 when none was looked up)."""
         looked = self.kv_reused_blocks + self.kv_missed_blocks
         return self.kv_reused_blocks / looked if looked else 0.0
+
+    @property
+    def quality_agreement(self) -> float | None:
+        """Its sampled top-1 agreement with full precision; None when the meter never sampled it."""
+        return self.quality_agreed / self.quality_samples if self.quality_samples else None
+
+    def quality_fields(self) -> dict[str, int | float | None]:
+        """Its quality numbers (docs/quality.md) as the front ends pass them on: output tokens served while layers
+        were quantized and while it read 8-bit KV, its sampled positions and their top-1 agreement (None: unsampled)."""
+        return {"quantized_layer_tokens": self.quantized_layer_tokens, "kv_8bit_tokens": self.kv_8bit_tokens,
+                "quality_samples": self.quality_samples, "quality_agreement": self.quality_agreement}
 
     @property
     def acceptance_rate(self) -> float:

@@ -13,8 +13,9 @@ from typing import TypeVar
 from serve.resource_seam import ResourceManager, ResourceStats, SchedulerView
 
 M = TypeVar("M")
-FaultRecorder = Callable[[str, BaseException], object]
-"""``record(where, exc)``: the engine's fault log (serve/engine/faults.py), told which manager failed."""
+FaultRecorder = Callable[..., object]
+"""``record(where, exc, request_ids=(), iteration_failed=True)``: the engine's fault log (serve/engine/faults.py),
+told which manager failed."""
 
 
 class ResourceManagers:
@@ -97,6 +98,17 @@ class ResourceManagers:
     def after_schedule(self, num_tokens: int) -> None:
         for m in self._managers:
             m.after_schedule(num_tokens)
+
+    def after_execute(self, sampled: Sequence[object], logits: object) -> None:
+        """The batch ran. An observer failing here is recorded, but the iteration still counts as healthy: it
+        changed nothing the batch serves, and the batch's tokens go out."""
+        for m in self._managers:
+            try:
+                m.after_execute(sampled, logits)
+            except Exception as exc:  # noqa: BLE001
+                if self._record is None:
+                    raise
+                self._record(m.name, exc, (), False)
 
     def on_first_token(self, now: float, ttft_s: float) -> None:
         for m in self._managers:

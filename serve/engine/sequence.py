@@ -51,6 +51,10 @@ class Sequence:
     kv_counts: KVBlockCounts = field(default_factory=KVBlockCounts)  # its blocks reused / missed / new (the manager's)
     num_draft_tokens: int = 0          # self-speculative decoding: draft tokens verified for it
     num_accepted_draft_tokens: int = 0  # of which accepted
+    served_quantized_tokens: int = 0   # quality meter: its tokens served while some layer was quantized
+    served_kv_8bit_tokens: int = 0     # ... while it read 8-bit KV blocks
+    quality_samples: int = 0           # its positions the meter sampled, and of those agreeing with full precision
+    quality_agreed: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not the model's end token)
 
     def __post_init__(self) -> None:
@@ -61,7 +65,9 @@ class Sequence:
         """Its numbers so far (serve/engine/outputs.py says what each counts)."""
         kv = self.kv_counts
         return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.last_token_time,
-                              kv.reused, kv.missed, kv.new, self.num_draft_tokens, self.num_accepted_draft_tokens)
+                              kv.reused, kv.missed, kv.new, self.num_draft_tokens, self.num_accepted_draft_tokens,
+                              self.served_quantized_tokens, self.served_kv_8bit_tokens, self.quality_samples,
+                              self.quality_agreed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -69,6 +69,16 @@ class EngineStats:
     # the step-cost table checked while serving (serve/morph/cost_check.py): probes timed, tables measured again
     step_cost_probes: int = 0
     step_cost_corrections: int = 0
+    # the quality meter (serve/engine/quality_meter.py): top-1 agreement with full precision over its window of
+    # samples and Wilson's lower bound (None before a sample), mean total variation, samples, tokens served while
+    # layers were quantized / to requests reading 8-bit KV, seconds spent on reference forwards
+    quality_agreement: float | None = None
+    quality_agreement_lower: float | None = None
+    quality_divergence: float | None = None
+    quality_samples_total: int = 0
+    tokens_quantized_layers_total: int = 0
+    tokens_kv_8bit_total: int = 0
+    quality_meter_seconds_total: float = 0.0
     # every manager's own typed snapshot, by its name (e.g. resources["morph"]: MorphResourceStats)
     resources: dict[str, Any] = field(default_factory=dict)
 

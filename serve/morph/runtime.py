@@ -20,6 +20,7 @@ import time
 from typing import Callable
 
 from policy import FULL, MorphController, MorphDecision, PolicyConfig, StepCosts, Telemetry, signature
+from policy.quality import QualitySource
 from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
@@ -39,11 +40,12 @@ class MorphRuntime(ResourceManagerBase):
                  ledger: MemoryLedger, kv: KVBlocks, block_size: int, window_s: float = 10.0,
                  clock: Callable[[], float] = time.perf_counter, costs: StepCosts | None = None,
                  prefix_cache: str = "exact", pressure: PressureSource | None = None, step_token_budget: int = 0,
-                 kv_blocks_per_freed_slot: float = 1.0) -> None:
+                 kv_blocks_per_freed_slot: float = 1.0, quality: QualitySource | None = None) -> None:
         """``step_token_budget``: the scheduler's token budget per batch (the cost rule reads it);
         ``kv_blocks_per_freed_slot``: the KV blocks each freed slot becomes under pressure (more than 1 when the
-        KV-precision rung writes a layer chunk's free slots as 8-bit blocks: serve/engine/kv_rung.py)."""
-        self.config = config
+        KV-precision rung writes a layer chunk's free slots as 8-bit blocks: serve/engine/kv_rung.py); ``quality``:
+        the quality meter's reading, in the telemetry for the quality floor (None: no meter)."""
+        self.config, self.quality = config, quality
         self.prefix_cache = prefix_cache  # EngineConfig.prefix_cache_across_morph
         self.costs = costs
         self.controller = MorphController(config, swap_order, costs)
@@ -115,8 +117,7 @@ class MorphRuntime(ResourceManagerBase):
             yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
             top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
             yielded_layers=self._yielded_layers(),
-            block_bytes=self.ledger.slot_bytes,
-        )
+            block_bytes=self.ledger.slot_bytes, quality=self.quality.reading() if self.quality is not None else None)
 
     # ---- the iteration boundary: the engine loop's resource-manager seam (serve/resource_seam.py) ------------
     name = "morph"

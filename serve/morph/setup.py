@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from policy import FULL, PolicyConfig, StepCosts
+from policy.quality import QualitySource
 from serve.logging_setup import get_logger
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger
@@ -57,12 +58,13 @@ def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> S
 def build_runtime(policy: PolicyConfig, swap_order: list[int], bank: MorphBank, pool: BlockPool,
                   ledger: MemoryLedger, kv: KVBlocks, block_size: int, clock: Callable[[], float],
                   costs: StepCosts | None = None, prefix_cache: str = "exact", pressure: PressureSource | None = None,
-                  step_token_budget: int = 0, kv_blocks_per_freed_slot: float = 1.0) -> MorphRuntime:
+                  step_token_budget: int = 0, kv_blocks_per_freed_slot: float = 1.0,
+                  quality: QualitySource | None = None) -> MorphRuntime:
     """The morph runtime over the engine's memory (``costs``: the cost-aware controller's step costs, None without
     them); a static mode applies its layers at once."""
     runtime = MorphRuntime(policy, swap_order, bank, pool, ledger, kv, block_size, clock=clock, costs=costs,
                            prefix_cache=prefix_cache, pressure=pressure, step_token_budget=step_token_budget,
-                           kv_blocks_per_freed_slot=kv_blocks_per_freed_slot)
+                           kv_blocks_per_freed_slot=kv_blocks_per_freed_slot, quality=quality)
     if policy.strategy == "static":
         decision = runtime.controller.decide(runtime.telemetry(runtime.clock(), IdleSchedulerView()))
         runtime.apply_now(decision)

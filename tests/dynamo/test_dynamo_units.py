@@ -16,6 +16,7 @@ from serve.dynamo.cli import parse_worker_args
 from serve.dynamo.http import metric_values
 from serve.dynamo.metrics import CapacityPublisher, KvSnapshot, RequestMetrics, exposition
 from serve.dynamo.requests import RequestError, chunk, finish_reason, to_engine_request
+from serve.engine.outputs import RequestMetrics as EngineRequestMetrics
 from serve.engine.stats import EngineStats
 from serve.guided.spec import GuidedDecoding
 
@@ -149,6 +150,15 @@ def test_chunks_and_finish_reasons() -> None:
     assert final["finish_reason"] == "length"
     assert final["completion_usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert [finish_reason(r) for r in ("stop", "length", "abort", "error")] == ["stop", "length", "cancelled", "error"]
+
+
+def test_engine_data_carries_the_requests_quality() -> None:
+    metrics = EngineRequestMetrics(1.0, quantized_layer_tokens=6, kv_8bit_tokens=2, quality_samples=4, quality_agreed=3)
+    data = chunk([6], "length", 3, 8, out=SimpleNamespace(metrics=metrics, stop_reason=None), block_size=16)["engine_data"]
+    assert (data["quantized_layer_tokens"], data["kv_8bit_tokens"], data["quality_samples"]) == (6, 2, 4)
+    assert data["quality_agreement"] == 0.75 and data["kv_cache_hit_rate"] == 0.0  # beside the perf metrics
+    unsampled = chunk([6], "length", 3, 8, out=SimpleNamespace(metrics=EngineRequestMetrics(1.0), stop_reason=None))
+    assert unsampled["engine_data"]["quality_agreement"] is None
 
 
 # ---- metrics -----------------------------------------------------------------------------------------

@@ -103,6 +103,23 @@ def test_one_managers_failure_is_recorded_under_its_name_and_the_others_still_ru
     assert e.faults.failed_iterations >= 3 and not e.healthy  # every boundary failed: the engine says so
 
 
+class FailingObserver(Recorder):
+    def after_execute(self, sampled, logits) -> None:
+        self.log.append((self.name, "after_execute", len(sampled)))
+        raise RuntimeError("observer planted failure")
+
+
+def test_an_observer_failing_after_execute_is_recorded_and_the_engine_stays_healthy(tiny):
+    log: list = []
+    e = engine_with(tiny, "off", [], [FailingObserver("obs", log)])
+    want = engine_with(tiny, "off", [], []).generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert out[0]["token_ids"] == want[0]["token_ids"]  # it saw every batch before the sampling and changed nothing
+    assert [x for x in log if x[1] == "after_execute"] == [("obs", "after_execute", 1)] * 4
+    assert e.faults.last_error.startswith("obs: RuntimeError: observer planted failure")
+    assert e.healthy and e.faults.failed_iterations == 0
+
+
 def test_a_shortfall_goes_to_each_pool_growing_manager_in_order_with_what_is_left(tiny):
     """A recorder ahead of the morph runtime covers nothing, so the runtime is offered the whole shortfall; the
     recorder after it is offered only what the runtime left (nothing, here: quantizing covered it)."""
@@ -150,8 +167,9 @@ def test_managers_are_reached_by_type_and_their_stats_are_typed(tiny):
     assert isinstance(runtime, MorphRuntime) and e.resource_manager(YieldsMemory) is runtime
     assert isinstance(e.resource_manager(Recorder), Recorder)
     stats = e.stats()
-    # the default mode's kv_rung auto is int8 on this fp32 CPU engine: the KV-precision rung is a manager too
-    assert set(stats.resources) == {"kv_precision", "morph", "rec"}
+    # the default mode's kv_rung auto is int8 on this fp32 CPU engine: the KV-precision rung is a manager too, and
+    # the quality meter (quality_meter 0.02 by default) watches after the levers
+    assert set(stats.resources) == {"kv_precision", "morph", "quality", "rec"}
     assert stats.resources["morph"].configuration == "f" * e.model_config.num_layers
     assert stats.swaps_total == stats.resources["morph"].swaps_total == 0
     off = engine_with(tiny, "off", [], [])

@@ -68,7 +68,7 @@ def test_pressure_converts_before_any_layer_swap_and_calm_reverts_lifo(tiny):
     clock = FakeClock()
     e = morph_engine(tiny, "performance", blocks=20, clock=clock, kv_rung="int8")
     rung = _rung(e)
-    assert [m.name for m in e.resources] == ["kv_precision", "morph"] and e.kv.mixes_formats
+    assert [m.name for m in e.resources] == ["kv_precision", "morph", "quality"] and e.kv.mixes_formats
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(8):
         e.add_request([(17 * i + j) % 4000 + 10 for j in range(30)], params)
