@@ -29,10 +29,10 @@ from bench.triton.__main__ import build_parser as triton_parser
 from bench.triton.__main__ import default_engine_dir, load_tokenizer
 from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, assemble_result, run_mode, server_params
-from workload.repeats import cell
 from bench.vllm_server import peer_env
-from workload.items import build_workload
 from serve.config_flags import add_engine_flags
+from workload.items import build_workload
+from workload.repeats import cell
 
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, "ignore_eos": true, '
             '"stream": true}')

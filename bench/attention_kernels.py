@@ -31,8 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from workload.repeats import cell, median_call_us
 from serve.model import kernels
+from workload.repeats import cell, median_call_us
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

@@ -21,12 +21,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from workload import defaults
-from workload.repeats import span
-from workload.replay import replay
-from workload.items import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from serve.config import SCHEDULERS, EngineConfig
 from serve.config_flags import add_engine_flags, engine_kwargs
+from workload import defaults
+from workload.items import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
+from workload.repeats import span
+from workload.replay import replay
 
 ENGINE_FIELDS = ("model", "device_memory", "max_num_seqs", "max_num_batched_tokens", "num_threads", "slai_theta")
 """The EngineConfig fields the sweep's command line sets for every engine (serve/config_flags.py); the scheduler,

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.aiperf import replay_args
-from workload.repeats import cell
-from workload.items import PromptBuilder, add_trace_arguments, default_text_path, trace_requests
-from serve.dynamo.cluster import REPO_ROOT, Cluster, ClusterConfig, free_port
 from serve.config_flags import add_engine_flags, engine_kwargs, flag_name
+from serve.dynamo.cluster import REPO_ROOT, Cluster, ClusterConfig, free_port
 from serve.dynamo.http import get_text, metric_values, post_json
 from serve.model.embedded import EMBEDDED_MODEL
+from workload.items import PromptBuilder, add_trace_arguments, default_text_path, trace_requests
+from workload.repeats import cell
 
 METRICS = {"ttft_s": "time_to_first_token", "itl_s": "inter_token_latency", "e2el_s": "request_latency"}
 WORKER_FIELDS = ("model", "device_memory", "max_model_len", "num_threads", "slo_ttft_s")

@@ -228,8 +228,8 @@ def replay_modes(model, seconds: float) -> dict:
     """A bursty arrival pattern at a budget where full precision runs out of KV, off vs default."""
     import random  # noqa: PLC0415
 
-    from workload.replay import replay  # noqa: PLC0415
     from workload.items import WorkItem  # noqa: PLC0415
+    from workload.replay import replay  # noqa: PLC0415
 
     rng = random.Random(0)
     items, t = [], 0.0

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from bench.guided_schemas import SCHEMAS, schema_prompt
-from workload.repeats import cell, spread
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.guided.compiler import GuideCompiler
 from serve.guided.spec import GuidedDecoding
+from workload.repeats import cell, spread
 
 
 def cpu_description() -> dict[str, Any]:

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workload.latency import percentiles
 from serve.triton.client import metric_value, scrape_metrics
+from workload.latency import percentiles
 
 MODEL = "morphserve"
 

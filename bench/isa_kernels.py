@@ -23,13 +23,13 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from workload.repeats import median_call_us
 from serve.model import kernels
 from serve.model.kernels import isa
 from serve.model.kv_cache import FULL_BLOCK, Q8_BLOCK, BlockStore, PagedKVCache, block_shape
 from serve.model.kv_format import KVLayout
 from serve.model.linear import BlockedLayout
 from serve.model.quantized_linear import pack_int4_blocked
+from workload.repeats import median_call_us
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -36,11 +36,11 @@ from typing import Any
 import torch.nn.functional as F
 
 from bench.peer import make_engine, workloads
-from workload.repeats import cell
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
+from workload.repeats import cell
 
 AB_SWITCHES = ("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head", "int8_activations",
                "blocked_weights", "blocked_head", "trim_last_layer")

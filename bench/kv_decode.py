@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from bench.provenance import provenance
-from workload.repeats import cell
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
+from workload.repeats import cell
 
 
 def decode_tok_s(engine: LLMEngine, batch: int, context: int, tokens: int, seed: int) -> float:

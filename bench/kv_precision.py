@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from workload.quality import PROBE_PROMPTS, QualityEvaluator, aggregate_match, match_rates, quality_loss_pct
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
+from workload.quality import PROBE_PROMPTS, QualityEvaluator, aggregate_match, match_rates, quality_loss_pct
 
 
 def perplexities(model: str, signatures: list[str], num_tokens: int, window: int) -> dict[str, dict[str, float]]:

@@ -42,7 +42,6 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import decode_weight_bytes, emit, gemv_read_gbs
-from workload.repeats import cell
 from bench.vllm_server import peer_env, vllm_env
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
@@ -51,6 +50,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.engine.spec_manager import SpeculationManager
 from serve.model.embedded import DEFAULT_ENGINE_DIR
 from serve.model.loader import embedded_model_path, load_model, save_hf_directory
+from workload.repeats import cell
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 

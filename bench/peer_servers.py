@@ -32,15 +32,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bench.aiperf import build_parser as aiperf_parser
 from bench.aiperf import aiperf_env, export_mooncake, export_tokenizer, parse_aiperf, replay_args, run_aiperf
-from workload.repeats import cell
+from bench.aiperf import build_parser as aiperf_parser
 from bench.triton.__main__ import default_engine_dir
 from bench.triton.requests import PreparedRequest, prepare_requests
 from bench.triton.run import REPO_ROOT
 from bench.vllm_server import VllmServer
-from workload.items import PromptBuilder, WorkItem, default_text_path
 from serve.config_flags import add_engine_flags
+from workload.items import PromptBuilder, WorkItem, default_text_path
+from workload.repeats import cell
 
 # (label, our summary key, stat)
 ROWS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p95", "ttft_s", "p95"),

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from workload.quality import QualityEvaluator, aggregate_match, match_rates
-from workload.items import PromptBuilder, default_text_path
 from policy import FULL, MorphDecision, signature
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
 from serve.morph.runtime import MorphRuntime
+from workload.items import PromptBuilder, default_text_path
+from workload.quality import QualityEvaluator, aggregate_match, match_rates
 
 
 def _signature(ev: QualityEvaluator, int4_layers: list[int]) -> str:

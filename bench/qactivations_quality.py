@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-from workload.quality import QualityEvaluator
 from serve.config import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags
 from serve.model import kernels
 from serve.model.quantized_linear import SMALL_BATCH
+from workload.quality import QualityEvaluator
 
 SETTINGS = ("fp32", "int8")
 

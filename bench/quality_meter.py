@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from workload.items import default_text_path
 from policy import FULL, MorphDecision
 from policy.quality import SamplingRule
 from serve.config import EngineConfig
@@ -36,6 +35,7 @@ from serve.model.embedded import EMBEDDED_MODEL
 from serve.model.kv_cache import PagedKVCache
 from serve.model.llama import ForwardBatch, PrefillChunk
 from serve.morph.runtime import MorphRuntime
+from workload.items import default_text_path
 
 FIXED = {"cost_aware": False, "restore_persist_s": 1e9, "kv_rung": None, "max_quantized_fraction": 1.0}
 """Policy keys that keep the configuration as the tool set it: no restore, no KV rung, room for every layer."""

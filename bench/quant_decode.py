@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from bench.engine_throughput import make_prompts, ours_generate
-from workload.repeats import span
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.model import kernels
+from workload.repeats import span
 
 
 def _timed(fn) -> float:

@@ -23,12 +23,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from workload.repeats import median_call_us, span
 from serve.model import kernels
 from serve.model.embedded import EMBEDDED_MODEL
 from serve.model.linear import DenseLinear, onednn_available, onednn_linear
 from serve.model.quantized_linear import pack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
+from workload.repeats import median_call_us, span
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 

@@ -18,8 +18,20 @@ from typing import Any
 import numpy as np
 
 from bench import http_door_checks as doors
-from bench.reliability_common import (ENGINE_STUB, TRITONSERVER, Target, alive, descendants, error_of, gauge,
-                                      generate, processes, ready, streams, wait_until)
+from bench.reliability_common import (
+    ENGINE_STUB,
+    TRITONSERVER,
+    Target,
+    alive,
+    descendants,
+    error_of,
+    gauge,
+    generate,
+    processes,
+    ready,
+    streams,
+    wait_until,
+)
 
 # 21 JSON type errors: (body additions, the field the 400 must name)
 TYPE_ERRORS: list[tuple[dict[str, Any], str]] = [

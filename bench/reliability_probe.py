@@ -31,9 +31,25 @@ from pathlib import Path
 from typing import Any
 
 from bench import reliability_held as held
-from bench.reliability_common import (COMPILE_WORKER, ENGINE_STUB, TRITONSERVER, Target, alive, cmdline, cpu_s,
-                                      descendants, error_of, gauge, generate, post, processes, rss_mib, status_field,
-                                      streams, wait_until)
+from bench.reliability_common import (
+    COMPILE_WORKER,
+    ENGINE_STUB,
+    TRITONSERVER,
+    Target,
+    alive,
+    cmdline,
+    cpu_s,
+    descendants,
+    error_of,
+    gauge,
+    generate,
+    post,
+    processes,
+    rss_mib,
+    status_field,
+    streams,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

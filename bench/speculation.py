@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from workload.items import default_text_path
-from workload.repeats import span
 from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.spec_manager import SpeculationManager
+from workload.items import default_text_path
+from workload.repeats import span
 
 DATA = default_text_path()
 CHATS = ["Name three colors.", "What is the capital of France?", "Explain what a prime number is.",

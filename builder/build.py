@@ -25,11 +25,12 @@ import torch
 from tqdm import tqdm
 
 from builder import defaults, hf_export, importance
-from builder.hf_export import source_dtype
 from builder import levels as lv
 from builder.calibration import CalibrationData, calibration_text, load_calibration, text_sha256
 from builder.errors import BuildError
 from builder.forward import DenseLlama
+from builder.hf_export import source_dtype
+from builder.summary import summary
 from builder.trtllm_export import (
     export_full,
     export_levels,
@@ -37,7 +38,6 @@ from builder.trtllm_export import (
     fp8_w8a8_model,
     trtllm_available,
 )
-from builder.summary import summary
 from builder.variants import VariantResult, build_variants
 from policy.precisions import QUANTIZED_PRECISIONS as PRECISIONS
 from serve.logging_setup import get_logger

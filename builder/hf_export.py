@@ -228,7 +228,6 @@ def level_modules(layer_precisions: Mapping[int, str]) -> dict[str, str]:
 def write_checkpoint(model: nn.Module, out_dir: Path) -> None:
     """modelopt's ``export_hf_checkpoint`` of ``model`` into ``out_dir``, quietly (it packs ``model`` in place)."""
     from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
-
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,13 @@ import sys
 from pathlib import Path
 
 from policy import FULL
+from policy.measurement import Verdict
 from serve.config import EngineConfig
 from serve.config_flags import add_engine_flags
-from serve.model.embedded import DEFAULT_ENGINE_DIR
 from serve.model import crossover_measure, crossovers
 from serve.model.crossovers import KernelCrossovers
+from serve.model.embedded import DEFAULT_ENGINE_DIR
 from serve.model.quantized_linear import REGISTRY
-from policy.measurement import Verdict
 from serve.model.step_costs import COSTS_FILE, cache_path, lookup, machine_key, measure_trusted, store
 
 

@@ -23,8 +23,8 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 from statistics import NormalDist
+from typing import Protocol
 
 DEFAULT_WINDOW = 256
 """Samples the reading is computed over (the newest ones): long enough for a bound a few points wide, short enough

@@ -8,7 +8,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.model.embedded import EMBEDDED_MODEL  # also read from here by serve.triton (which may not import serve.model)
+from serve.model.embedded import (
+    EMBEDDED_MODEL,  # also read from here by serve.triton (which may not import serve.model)
+)
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

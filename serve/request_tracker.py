@@ -25,8 +25,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from serve.error_kinds import ErrorKind
-from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
-                                     TIER_INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN, RequestHistogram)
+from serve.metrics_catalogue import (
+    E2E_REQUEST_LATENCY,
+    INTER_TOKEN_LATENCY,
+    REQUEST_QUEUE_TIME,
+    TIER_INTER_TOKEN_LATENCY,
+    TIME_TO_FIRST_TOKEN,
+    RequestHistogram,
+)
 
 # Finish reasons besides the engine's own stop, length and error: a request ended before its answer.
 CANCELLED = "cancelled"

@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from workload.replay import build_parser as replay_parser
-from workload.replay import engine_config, replay, run_cli
-from workload.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
-from workload.items import build_workload
+from policy.speculation import SpeculationConfig
+from serve.engine.kv_rung import KVPrecisionRung
+from serve.morph.runtime import MorphRuntime
 from sim.assemble import build_engine
 from sim.bank import SimLayerBank
 from sim.clock import VirtualClock
@@ -33,9 +32,10 @@ from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
 from sim.speculation import DRAFT_RUNGS, ModelledSpeculation, SimSpeculation, default_rung
 from sim.target import Target, table_target
-from policy.speculation import SpeculationConfig
-from serve.engine.kv_rung import KVPrecisionRung
-from serve.morph.runtime import MorphRuntime
+from workload.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
+from workload.items import build_workload
+from workload.replay import build_parser as replay_parser
+from workload.replay import engine_config, replay, run_cli
 
 DEFAULT_TABLE_MODEL = "llama-2-7b"
 GPU_MAX_NUM_SEQS = 256

@@ -31,10 +31,10 @@ from serve.engine.executor import Executor
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import ScheduledChunk
 from serve.model.step_costs import device_name
-from sim.target import Target
+from serve.morph.runtime import MorphRuntime
 from sim.executor import batch_shape
 from sim.step_model import LocalStepModel, LocalTerms, prefill_work
-from serve.morph.runtime import MorphRuntime
+from sim.target import Target
 
 CALIBRATION_REQUESTS = 40
 

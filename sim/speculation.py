@@ -32,8 +32,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from policy import FULL
-from policy.speculation import (SpeculationConfig, SpeculationController, SpeculationDecision, expected_tokens,
-                                rung_below)
+from policy.speculation import (
+    SpeculationConfig,
+    SpeculationController,
+    SpeculationDecision,
+    expected_tokens,
+    rung_below,
+)
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.spec_manager import draft_telemetry
 from serve.resource_seam import ResourceManagerBase, SchedulerView

@@ -16,7 +16,7 @@ from serve.config import EngineConfig
 from serve.engine.memory_budget import budget_bytes
 from serve.model.kv_cache import kv_bytes_per_block
 from serve.model.model_config import ModelConfig
-from sim.kernel_tables import KV_TABLE_DTYPE, KernelTables, TableError, GEMM_DTYPE
+from sim.kernel_tables import GEMM_DTYPE, KV_TABLE_DTYPE, KernelTables, TableError
 from sim.model_specs import kv_block_nbytes, layer_nbytes, load_model_config, non_layer_nbytes
 from sim.step_model import StepModel, TableStepModel
 

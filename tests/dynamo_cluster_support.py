@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-
 from serve.dynamo.cluster import Cluster, ClusterConfig, Proc, free_port
 from serve.dynamo.http import get_text, metric_values
 from tests.ci_skip_policy import skip_outside_ci

@@ -13,8 +13,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from workload.traces import TraceRequest, find_burst_window, load_trace, synthetic_gamma, transform
 from serve.model.tokenizer import Tokenizer
+from workload.traces import TraceRequest, find_burst_window, load_trace, synthetic_gamma, transform
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "botchan_excerpt.txt"
 

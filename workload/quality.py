@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from workload.items import default_text_path
 from policy import FULL
 from policy.precisions import CODE_PRECISION, PRECISION_CODE
 from serve.morph.runtime import MorphRuntime
+from workload.items import default_text_path
 
 # A fixed probe set: short, varied prompts whose greedy continuations are sensitive to weight changes.
 PROBE_PROMPTS: tuple[str, ...] = (

@@ -21,18 +21,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from workload import defaults
-from workload.latency import RequestTiming, by_tier, distribution, markdown_table, summarize
-from workload.repeats import repeated_table, summarize_runs
-from workload.summary import MorphSummary, time_weighted_quantized_share
-from workload.items import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from policy.precisions import full_signature
 from serve.config import EngineConfig, parse_policy_overrides
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.morph.runtime import MorphRuntime
-
+from workload import defaults
+from workload.items import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
+from workload.latency import RequestTiming, by_tier, distribution, markdown_table, summarize
+from workload.repeats import repeated_table, summarize_runs
+from workload.summary import MorphSummary, time_weighted_quantized_share
 
 ENGINE_FIELDS = ("model", "device_memory", "slo_ttft_s", "scheduler", "slai_theta", "max_num_seqs",
                  "max_num_batched_tokens", "device", "dtype", "num_threads", "prefix_cache_across_morph",

@@ -16,8 +16,8 @@ from typing import Any
 
 from bench.dynamo_faults.faults import Window
 from bench.dynamo_faults.load import Record
-from workload.latency import percentiles
 from serve.dynamo.frontend_log import Attempt, response_id
+from workload.latency import percentiles
 
 
 def p95(values: list[float]) -> float | None:

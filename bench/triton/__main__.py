@@ -32,14 +32,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from workload import defaults
-from workload.repeats import repeated_table
 from bench.triton.report import _num, _pct, check_targets, results_markdown, write_json
 from bench.triton.requests import make_probes, prepare_requests
 from bench.triton.run import REPO_ROOT, Progress, add_quality, assemble_result, parse_params, run_mode
-from workload.items import add_slo_arguments, add_trace_arguments, build_workload
 from serve.config_flags import add_engine_flags
 from serve.model.embedded import DEFAULT_ENGINE_DIR
+from workload import defaults
+from workload.items import add_slo_arguments, add_trace_arguments, build_workload
+from workload.repeats import repeated_table
 
 DEFAULT_MODES = ("off", "static-int4", "accuracy", "default", "performance")
 SERVER_FIELDS = ("slo_ttft_s", "device_memory", "device", "scheduler", "max_num_seqs", "max_num_batched_tokens",

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workload.latency import RequestTiming
 from workload.items import WorkItem
+from workload.latency import RequestTiming
 
 
 @dataclass

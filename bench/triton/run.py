@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from bench.triton.requests import PreparedRequest, RequestRecord, run_request
 from workload import defaults
 from workload.latency import by_tier, distribution, summarize
 from workload.summary import config_changes, morph_summary, parse_morph_events, tokens_by_config
-from bench.triton.requests import PreparedRequest, RequestRecord, run_request
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -295,6 +295,7 @@ def assemble_result(mode: str, desc: str, records: Sequence[RequestRecord], info
 def add_quality(results: Mapping[str, dict], args: argparse.Namespace, tokenizer, num_layers: int,
                 log: Callable[[str], None]) -> None:
     """Fill each result's "quality": token-weighted perplexity of the configurations it ran, probe agreement."""
+    from policy.precisions import full_signature  # noqa: PLC0415
     from workload.quality import (  # noqa: PLC0415
         QualityEvaluator,
         aggregate_match,
@@ -303,7 +304,6 @@ def add_quality(results: Mapping[str, dict], args: argparse.Namespace, tokenizer
         reference_outputs,
         weighted_perplexity,
     )
-    from policy.precisions import full_signature  # noqa: PLC0415
 
     probe_prompts = sorted({p["prompt"] for r in results.values() for p in r.get("probes", [])})
     signatures = sorted({c for r in results.values() for c, n in r.get("tokens_by_config", {}).items() if n > 0})

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 
 from serve.config import EngineConfig, parse_policy_overrides
-from serve.model.embedded import EMBEDDED_MODEL
 from serve.config_flags import add_engine_flags, engine_kwargs
+from serve.model.embedded import EMBEDDED_MODEL
 
 DEFAULT_MODEL_NAME = "morphserve"
 DEFAULT_QUEUE_TIMEOUT_S = 30.0  # as the Triton model's config.pbtxt: load is shed at the defaults (docs/hardening.md)

@@ -44,14 +44,22 @@ from pathlib import Path
 
 from serve.config_flags import add_engine_flags
 from serve.dynamo.cluster import REPO_ROOT
-from serve.dynamo.host_recipe import (DEFAULT_WORKER_ARGS, ETCD_PORT, HTTP_PORT, SYSTEM_PORT, HostsConfig, etcd_argv,
-                                      launcher_argv)
-from serve.dynamo.launch import ROUTER_MODES
+from serve.dynamo.host_recipe import (
+    DEFAULT_WORKER_ARGS,
+    ETCD_PORT,
+    HTTP_PORT,
+    SYSTEM_PORT,
+    HostsConfig,
+    etcd_argv,
+    launcher_argv,
+)
 from serve.dynamo.http import get_json, get_text, metric_values, post_json
+from serve.dynamo.launch import ROUTER_MODES
 from serve.dynamo.linkem import LinkEmulator
+from serve.dynamo.netns import HostLink, Network, kill_namespace_processes, leftovers
 from serve.model.embedded import EMBEDDED_MODEL
 from serve.operator_auth import ENV_KEY
-from serve.dynamo.netns import HostLink, Network, kill_namespace_processes, leftovers
+
 
 @dataclass
 class Host:

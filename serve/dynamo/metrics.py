@@ -18,8 +18,15 @@ from dataclasses import dataclass
 from policy.precisions import QUANTIZED_PRECISIONS
 from serve.engine.stats import EngineStats
 from serve.logging_setup import get_logger
-from serve.metrics_catalogue import (ENGINE_METRICS, LAYERS_QUANTIZED, PROMPT_TOKENS, REQUEST_HISTOGRAMS,
-                                     REQUESTS_FINISHED, RequestHistogram, stat_value)
+from serve.metrics_catalogue import (
+    ENGINE_METRICS,
+    LAYERS_QUANTIZED,
+    PROMPT_TOKENS,
+    REQUEST_HISTOGRAMS,
+    REQUESTS_FINISHED,
+    RequestHistogram,
+    stat_value,
+)
 
 log = get_logger("morphserve.dynamo.metrics")
 

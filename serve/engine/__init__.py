@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from serve.engine.errors import EngineOverloaded
     from serve.engine.engine import LLMEngine
+    from serve.engine.errors import EngineOverloaded
     from serve.engine.outputs import FinishReason, RequestOutput
     from serve.engine.sampling_params import SamplingParams
     from serve.engine.slo import RequestSLO

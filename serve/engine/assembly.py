@@ -20,8 +20,8 @@ from policy import PolicyConfig, StepCosts
 from serve.config import EngineConfig
 from serve.engine.executor import Executor
 from serve.engine.kv_rung import build_kv_rung, kv_blocks_per_slot
-from serve.engine.quality_meter import build_quality_meter
 from serve.engine.memory_assembly import EngineMemory, MemoryDevice, build_memory
+from serve.engine.quality_meter import build_quality_meter
 from serve.engine.scheduler import Scheduler
 from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.memory.block_pool import BlockPool

@@ -23,20 +23,20 @@ from serve.engine.faults import FaultTracker
 from serve.engine.grammar_wait import GrammarWait, guide_error
 from serve.engine.lifecycle import Lifecycle
 from serve.engine.outputs import FinishReason, OutputCollector, RequestOutput
+from serve.engine.resources import ResourceManagers
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.sequence import Sequence
 from serve.engine.slo import RequestSLO
-from serve.engine.validation import RequestValidator
 from serve.engine.stats import EngineStats, resource_fields
 from serve.engine.token_append import Appended, TokenAppender
 from serve.engine.torch_device import TorchDevice
-from serve.engine.sequence import Sequence
+from serve.engine.validation import RequestValidator
 from serve.guided.compiler import GuideCompiler
 from serve.logging_setup import ensure_logging
 from serve.memory.block_pool import CacheEvents
 from serve.model.loader import LoadedModel
-from serve.process.omp_threads import on_short_lived_thread
 from serve.model.tokenizer import IncrementalDetokenizer
-from serve.engine.resources import ResourceManagers
+from serve.process.omp_threads import on_short_lived_thread
 from serve.resource_seam import YieldsMemory
 
 Callback = Callable[[RequestOutput], None]

@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 
 from serve.engine.scheduler import ScheduledChunk
-from serve.process.heap import release_free_heap
 from serve.model.kv_cache import PagedKVCache
 from serve.model.llama import ForwardBatch, LlamaModel, PrefillChunk
+from serve.process.heap import release_free_heap
 
 HEAP_RELEASE_INTERVAL_S = 10.0
 """Seconds between two releases of the C heap's free pages (at most one per batch; none while idle)."""

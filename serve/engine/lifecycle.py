@@ -27,8 +27,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from policy.shedding import StartRateMeter, queue_deadline_retry_after, shed_on_arrival
-from serve.engine.errors import (DeadlineExceeded, EngineDraining, EngineError, EngineOverloaded, EngineUnavailable,
-                                 InvalidRequest)
+from serve.engine.errors import (
+    DeadlineExceeded,
+    EngineDraining,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    InvalidRequest,
+)
 from serve.error_kinds import DEFAULT_RETRY_AFTER_S
 
 if TYPE_CHECKING:

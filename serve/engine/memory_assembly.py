@@ -20,9 +20,9 @@ import torch
 
 from policy import PolicyConfig
 from serve.config import EngineConfig
+from serve.engine.memory_budget import memory_budget
 from serve.memory.arena import Arena, SlotRange
 from serve.memory.block_pool import BlockPool
-from serve.engine.memory_budget import memory_budget
 from serve.memory.budget import MemoryLedger
 from serve.memory.sizing import ArenaPlan, plan_arena
 from serve.model.kv_cache import KVBlocks

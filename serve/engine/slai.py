@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from policy.slai_budget import fit_step_time, must_run_now, token_budget
-
 from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from serve.engine.sequence import Sequence, SequenceStatus
 from serve.memory.block_pool import BlockPool

@@ -23,7 +23,8 @@ Acceptance, row ``j`` of a drafted chunk holding the target's logits after the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch

@@ -29,11 +29,17 @@ from serve.model.kv_format import KVLayout, check_kv_cache_dtype
 from serve.model.llama import DecoderLayer, LlamaModel
 from serve.model.loader import LoadedModel
 from serve.model.quantized_layer import build_model
+from serve.morph.cost_check import CostCheck
 from serve.morph.layer_bank import LayerBank, MorphBank
 from serve.morph.placement import arena_nbytes, remap
-from serve.morph.plan import MorphPlan, check_device_supports, host_bank, load_model_and_plan, morph_precisions, \
-    resolve_plan
-from serve.morph.cost_check import CostCheck
+from serve.morph.plan import (
+    MorphPlan,
+    check_device_supports,
+    host_bank,
+    load_model_and_plan,
+    morph_precisions,
+    resolve_plan,
+)
 from serve.morph.runtime import MorphRuntime
 from serve.morph.setup import cost_inputs, step_costs
 from serve.resource_seam import ResourceManager

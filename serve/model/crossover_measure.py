@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from policy.measurement import BAND, Verdict, judge
 from serve.model import crossovers, kernels
 from serve.model.crossovers import DEFAULTS, KernelCrossovers
 from serve.model.linear import DenseLinear, onednn_available, onednn_linear
 from serve.model.llama import LlamaModel
-from policy.measurement import BAND, Verdict, judge
 from serve.model.step_costs import cache_dir, checked, device_name, machine_key, read_entry, store_entry
 
 CROSSOVERS_FILE = "kernel_crossovers.json"

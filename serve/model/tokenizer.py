@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers.decoders import DecodeStream
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 # llama.cpp's pre-tokenizer names whose HF counterpart splits digits one by one before byte-level BPE.
 _DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell"}

@@ -19,9 +19,9 @@ from policy import FULL
 from policy.speculation import rung_below
 from serve.model.linear import DenseLinear, LinearOp
 from serve.model.llama import DecoderLayer, LlamaModel
+from serve.model.quantized_layer import quantized_layer
 from serve.model.quantized_linear import host_packed
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
-from serve.model.quantized_layer import quantized_layer
 from serve.morph.layer_bank import LayerBank, host_copy
 from serve.morph.placement import remap
 from serve.morph.plan import VariantSource

@@ -15,9 +15,9 @@ stream waits on before the copied layer is used. Nothing calls a device-wide syn
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -26,9 +26,9 @@ from policy import FULL
 from serve.memory.arena import Arena, SlotRange
 from serve.model.linear import ConcatLinear
 from serve.model.llama import DecoderLayer, LlamaModel
-from serve.process.omp_threads import serial_torch_here
 from serve.model.quantized_linear import host_packed
 from serve.morph.placement import arena_nbytes, remap, weight_tensors
+from serve.process.omp_threads import serial_torch_here
 
 
 def host_copy(layer: DecoderLayer, device: torch.device) -> DecoderLayer:

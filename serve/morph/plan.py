@@ -16,9 +16,9 @@ from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.linear import LinearOp
 from serve.model.llama import LlamaModel
 from serve.model.loader import LoadedModel
+from serve.model.quantized_layer import quantized_layer
 from serve.model.quantized_linear import REGISTRY
 from serve.model.rtn import choose_int4_block_size, quantize_linear_rtn
-from serve.model.quantized_layer import quantized_layer
 from serve.morph.layer_bank import host_copy
 
 VariantSource = Callable[[int, str], Mapping[str, LinearOp]]

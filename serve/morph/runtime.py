@@ -22,9 +22,9 @@ from typing import Callable
 from policy import FULL, MorphController, MorphDecision, PolicyConfig, StepCosts, Telemetry, signature
 from policy.quality import QualitySource
 from serve.logging_setup import get_logger
+from serve.memory.arena import SlotRange
 from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger, query_device_memory
-from serve.memory.arena import SlotRange
 from serve.memory.pressure import PressureSource
 from serve.model.kv_cache import KVBlocks
 from serve.morph.latency_window import LatencyWindow

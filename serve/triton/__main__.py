@@ -15,23 +15,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from serve.logging_setup import configure_logging, get_logger
-from serve.triton.http_body import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                   DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_JSON_DEPTH)
-from serve.triton.client_apis import OPENABLE
-from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
-from serve.triton.http_front import FrontOptions
-from serve.triton.install import TritonLaunchError
 from serve.config import EMBEDDED_MODEL, parse_policy_overrides
 from serve.config_flags import add_engine_flags, engine_kwargs
+from serve.logging_setup import configure_logging, get_logger
+from serve.triton.client_apis import OPENABLE
+from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
+from serve.triton.http_body import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_JSON_DEPTH,
+)
+from serve.triton.http_front import FrontOptions
+from serve.triton.install import TritonLaunchError
 from serve.triton.llmapi_config import FrontSettings
 from serve.triton.model_params import validate_params
 from serve.triton.repository import (
-    LLMAPI_MODEL_NAME,
-    llmapi_config_of,
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
+    LLMAPI_MODEL_NAME,
     fill_config_parameters,
+    llmapi_config_of,
     read_config_parameters,
     write_repository,
 )

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from serve.triton.input_error import InputError
-from serve.triton.request_inputs import scalar
 from serve.triton.llmapi_config import DEFAULT_MAX_TOKENS
+from serve.triton.request_inputs import scalar
 
 InputGetter = Callable[[str], "np.ndarray | None"]
 

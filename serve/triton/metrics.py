@@ -8,8 +8,15 @@ import threading
 from typing import Any
 
 from policy import QUANTIZED_PRECISIONS
-from serve.metrics_catalogue import (ENGINE_METRICS, LAYERS_QUANTIZED, PROMPT_TOKENS, REQUEST_HISTOGRAMS,
-                                     REQUESTS_FINISHED, RequestHistogram, stat_value)
+from serve.metrics_catalogue import (
+    ENGINE_METRICS,
+    LAYERS_QUANTIZED,
+    PROMPT_TOKENS,
+    REQUEST_HISTOGRAMS,
+    REQUESTS_FINISHED,
+    RequestHistogram,
+    stat_value,
+)
 
 # TensorRT-LLM's gauge families (tensorrtllm_backend's custom metrics reporter): label -> what we export.
 # kv_cache_block_type: max = blocks in the pool now (it grows when layers are quantized), free, used,

@@ -30,7 +30,6 @@ from serve.triton.client_apis import open_apis, triton_restrictions
 from serve.triton.doors import Doors
 from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
 from serve.triton.http_front import FrontOptions
-from serve.triton.llmapi_config import FrontSettings
 from serve.triton.install import (
     TritonInstall,
     TritonLaunchError,
@@ -39,16 +38,17 @@ from serve.triton.install import (
     make_backend_dir,
     server_env,
 )
+from serve.triton.llmapi_config import FrontSettings
 from serve.triton.operator_port import post_control
-from serve.triton.stale import end_stale, mark, wait_group_gone
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
-    REPO_ROOT,
     FRONT_MODEL_NAMES,
+    REPO_ROOT,
     read_config_parameters,
     render_model_repository,
 )
+from serve.triton.stale import end_stale, mark, wait_group_gone
 
 LOOPBACK = "127.0.0.1"
 

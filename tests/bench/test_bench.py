@@ -12,15 +12,6 @@ from pathlib import Path
 import pytest
 
 from bench import qactivations_quality as qaq
-from workload.latency import summarize
-from workload.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
-from workload.summary import (
-    config_changes,
-    morph_summary,
-    parse_morph_events,
-    time_weighted_quantized_share,
-    tokens_by_config,
-)
 from bench.triton.report import check_targets
 from bench.triton.requests import (
     PreparedRequest,
@@ -33,6 +24,15 @@ from bench.triton.requests import (
 )
 from bench.triton.run import assemble_result
 from serve.model import kernels
+from workload.latency import summarize
+from workload.quality import aggregate_match, match_rates, quality_loss_pct, weighted_perplexity
+from workload.summary import (
+    config_changes,
+    morph_summary,
+    parse_morph_events,
+    time_weighted_quantized_share,
+    tokens_by_config,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Metric aggregation

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serve.morph.latency_window import percentile as runtime_percentile
 from workload.latency import distribution, percentiles
 from workload.repeats import cell, span
-from serve.morph.latency_window import percentile as runtime_percentile
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"

@@ -9,11 +9,11 @@ import pytest
 from serve.config import EngineConfig
 from serve.model.kv_cache import kv_bytes_per_block
 from sim.assemble import build_engine
-from sim.target import table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import KernelTables, TableError, package_root
 from sim.model_specs import load_model_config
 from sim.step_model import BatchShape
+from sim.target import table_target
 
 FP8_LADDER = {"ladder": ["fp8"], "cost_aware": False}
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from bench.capacity import at_rate, parse_configs, parse_rates, summarize_config
-from workload.latency import RequestTiming, by_tier
-from workload.items import WorkItem, assign_targets
 from serve.triton.request_inputs import InputError, SloInputs, parse_slo_inputs
+from workload.items import WorkItem, assign_targets
+from workload.latency import RequestTiming, by_tier
 
 
 def items(n: int) -> list[WorkItem]:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import BUILD_FAST, BUILD_NUM_LAYERS, REPO_ROOT, hf_reference_model
 
 from builder.build import BuildOptions, build_engine
 from builder.calibration import load_calibration
@@ -40,6 +39,7 @@ from serve.model.hf_reference import hf_llama
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.loader import load_model
 from serve.model.rtn import quantize_int4_rtn
+from tests.conftest import BUILD_FAST, BUILD_NUM_LAYERS, REPO_ROOT, hf_reference_model
 
 OUTPUT_RTOL = {"int8": 6e-3, "int4": 6e-3, "fp8": 1e-6}
 FAST = BUILD_FAST

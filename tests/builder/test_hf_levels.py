@@ -18,17 +18,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests.ci_skip_policy import skip_outside_ci
-from tests.conftest import BUILD_FAST, BUILD_LEVELS, REPO_ROOT
 
 from builder import hf_export as hx
-from builder.build import BuildOptions, build_engine
 from builder import levels as lv
+from builder.build import BuildOptions, build_engine
 from builder.level_check import PROMPTS, check_levels, greedy
 from serve.config import EngineConfig
 from serve.model import engine_dir as ed
 from serve.model.layers import PROJECTIONS, projection_key
 from serve.model.loader import ModelLoadError, load_model
+from tests.ci_skip_policy import skip_outside_ci
+from tests.conftest import BUILD_FAST, BUILD_LEVELS, REPO_ROOT
 
 REAL_ENGINE = Path(os.environ.get("MORPHSERVE_ENGINE_DIR", REPO_ROOT / "engines" / "smollm2-135m"))
 QUANT_ALGO = {"int8": "W8A16", "int4": "W4A16_AWQ"}

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import BUILD_FAST, BUILD_LEVELS, BUILD_NUM_LAYERS
 from safetensors.torch import load_file
 
 from builder import defaults
@@ -36,6 +35,7 @@ from policy.modes import MODES
 from serve.config import EngineConfig
 from serve.model import engine_dir as ed
 from serve.model.kv_cache import kv_bytes_per_block
+from tests.conftest import BUILD_FAST, BUILD_LEVELS, BUILD_NUM_LAYERS
 
 # TensorRT-LLM llama module -> the Hugging Face projections it holds (concatenated along the output dim).
 MODULE_PROJS = {"attention.qkv": ("q_proj", "k_proj", "v_proj"), "attention.dense": ("o_proj",),

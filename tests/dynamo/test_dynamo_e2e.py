@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from tests.dynamo_cluster_support import ReferenceEngine, openai_client, running_cluster, wait_for, worker_metric
 from serve.dynamo.http import post_json
+from tests.dynamo_cluster_support import ReferenceEngine, openai_client, running_cluster, wait_for, worker_metric
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(900)]
 

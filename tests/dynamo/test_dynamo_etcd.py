@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.ci_skip_policy import skip_outside_ci
-from tests.dynamo_cluster_support import BASE_WORKER_ARGS, MODEL, REPO_ROOT, ReferenceEngine, dynamo_python
 from serve.dynamo.cluster import free_port, free_system_port
 from serve.dynamo.http import get_text
+from tests.ci_skip_policy import skip_outside_ci
+from tests.dynamo_cluster_support import BASE_WORKER_ARGS, MODEL, REPO_ROOT, ReferenceEngine, dynamo_python
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(900)]
 

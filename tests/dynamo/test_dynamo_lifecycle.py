@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.dynamo_cluster_support import running_cluster, wait_for, worker_metric
 from serve.dynamo.http import get_text, post_json
+from tests.dynamo_cluster_support import running_cluster, wait_for, worker_metric
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(900)]
 

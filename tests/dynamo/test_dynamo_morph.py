@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.dynamo_cluster_support import openai_client, running_cluster, wait_for, worker_metric
 from serve.dynamo.http import post_json
+from tests.dynamo_cluster_support import openai_client, running_cluster, wait_for, worker_metric
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -10,7 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.dynamo_cluster_support import READY_TIMEOUT_S, ReferenceEngine, openai_client, running_cluster, wait_for, worker_metric
+from tests.dynamo_cluster_support import (
+    READY_TIMEOUT_S,
+    ReferenceEngine,
+    openai_client,
+    running_cluster,
+    wait_for,
+    worker_metric,
+)
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -21,8 +21,8 @@ from serve.config import EngineConfig
 from serve.engine import sampler as sampler_module
 from serve.engine.engine import LLMEngine
 from serve.engine.outputs import OutputCollector
-from serve.engine.sequence import SequenceStatus
 from serve.engine.sampling_params import SamplingParams
+from serve.engine.sequence import SequenceStatus
 from serve.error_kinds import ErrorKind
 from serve.guided.spec import MAX_GUIDE_BYTES, GuidedDecoding
 from serve.guided.state import apply_bitmask, mask_guided_rows

@@ -22,7 +22,6 @@ from serve.engine.outputs import FinishReason
 from serve.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from serve.triton.request_inputs import InputError, InputLimits, parse_request
 
-
 # ---- SamplingParams: the one place sampling values are validated ---------------------------------
 
 def test_tiny_temperature_is_greedy_not_a_crash():

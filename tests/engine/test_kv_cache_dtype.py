@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve.model.random_model import make_tiny_model
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.sequence import Sequence
 from serve.model.kv_format import dequantize, quantize
+from serve.model.random_model import make_tiny_model
 from serve.model.tokenizer import IncrementalDetokenizer
 from tests.engine.test_engine_reference import _prompt_logits, _rel_err
 

@@ -10,7 +10,6 @@ import random
 from array import array
 
 import pytest
-from tests.morph.test_morph import FakeClock
 
 from policy import MorphDecision
 from serve.config import EngineConfig
@@ -18,6 +17,7 @@ from serve.dynamo.kv_events import KvEventBridge, block_id
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.runtime import MorphRuntime
+from tests.morph.test_morph import FakeClock
 from tests.morph_support import morph
 
 BS = 4

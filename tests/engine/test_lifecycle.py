@@ -12,8 +12,15 @@ import pytest
 from serve.config import EngineConfig
 from serve.engine.controls import ControlError, run_control
 from serve.engine.engine import LLMEngine
-from serve.engine.errors import (DeadlineExceeded, EngineDraining, EngineOverloaded, EngineUnavailable, InvalidRequest,
-                                 error_kind, retry_after_of)
+from serve.engine.errors import (
+    DeadlineExceeded,
+    EngineDraining,
+    EngineOverloaded,
+    EngineUnavailable,
+    InvalidRequest,
+    error_kind,
+    retry_after_of,
+)
 from serve.engine.outputs import OutputCollector
 from serve.engine.sampling_params import SamplingParams
 from serve.error_kinds import ErrorKind

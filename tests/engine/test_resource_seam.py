@@ -10,13 +10,13 @@ import pytest
 
 from serve.config import EngineConfig
 from serve.engine.assembly import build_parts
-from serve.engine.torch_device import TorchDevice
 from serve.engine.engine import LLMEngine
 from serve.engine.resources import ResourceManagers
-from serve.resource_seam import ResourceManagerBase, YieldsMemory
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.stats import resource_fields
+from serve.engine.torch_device import TorchDevice
 from serve.morph.runtime import MorphRuntime
+from serve.resource_seam import ResourceManagerBase, YieldsMemory
 from tests.morph.test_morph import FakeClock, assert_memory_exact
 
 

@@ -12,9 +12,6 @@ import contextlib
 import ctypes
 
 import pytest
-from tests.conftest import make_tiny_model
-from tests.memory.test_kv_accounting import assert_exact_accounting
-from tests.morph.test_morph import FakeClock, assert_memory_exact, assert_swap_mid_decode_keeps_state, decode_with_swap_at, drain_and_settle, morph_engine
 
 from policy import FULL, MorphDecision
 from serve.config import EngineConfig
@@ -22,6 +19,16 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.morph.placement import weight_tensors
 from serve.morph.runtime import MorphRuntime
+from tests.conftest import make_tiny_model
+from tests.memory.test_kv_accounting import assert_exact_accounting
+from tests.morph.test_morph import (
+    FakeClock,
+    assert_memory_exact,
+    assert_swap_mid_decode_keeps_state,
+    decode_with_swap_at,
+    drain_and_settle,
+    morph_engine,
+)
 from tests.morph_support import morph
 
 

@@ -10,10 +10,6 @@ import math
 from dataclasses import dataclass, field
 
 import pytest
-from tests.memory.test_kv_accounting import assert_exact_accounting
-from tests.morph.test_morph import FakeClock, morph_engine
-from tests.engine.test_slai import BS, req, run, running_partial_prefill
-from tests.engine.test_slai import FakeClock as SchedulerClock
 
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Scheduler
@@ -21,6 +17,10 @@ from serve.engine.sequence import SequenceStatus
 from serve.engine.slai import SlaiConfig, SlaiScheduler
 from serve.memory.block_pool import BlockPool
 from serve.memory.kv_cache_manager import KVBlockCounts, KVCacheManager
+from tests.engine.test_slai import BS, req, run, running_partial_prefill
+from tests.engine.test_slai import FakeClock as SchedulerClock
+from tests.memory.test_kv_accounting import assert_exact_accounting
+from tests.morph.test_morph import FakeClock, morph_engine
 from tests.morph_support import morph
 
 

@@ -7,11 +7,17 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.morph.test_morph import (FakeClock, assert_memory_exact, assert_swap_mid_decode_keeps_state,
-                                    decode_with_swap_at, morph_engine, run_random_load_to_base)
 
 from policy import FULL, MorphDecision
 from serve.model.kv_format import KVLayout
+from tests.morph.test_morph import (
+    FakeClock,
+    assert_memory_exact,
+    assert_swap_mid_decode_keeps_state,
+    decode_with_swap_at,
+    morph_engine,
+    run_random_load_to_base,
+)
 from tests.morph_support import morph
 
 

@@ -8,17 +8,23 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.memory.test_kv_accounting import assert_exact_accounting
-from tests.morph.test_morph import FakeClock, assert_memory_exact, drain_and_settle, morph_engine, run_random_load_to_base
 
 from policy.kv_rung import KVRungDecision
+from serve.engine.kv_rung import KVPrecisionRung
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.block_pool import BlockPool, BlockPoolError
 from serve.memory.prefix_hash import extend_block_hashes
 from serve.metrics_catalogue import ENGINE_METRICS
 from serve.model.kv_cache import Q8_BLOCK
 from serve.model.kv_format import dequantize, quantize
-from serve.engine.kv_rung import KVPrecisionRung
+from tests.memory.test_kv_accounting import assert_exact_accounting
+from tests.morph.test_morph import (
+    FakeClock,
+    assert_memory_exact,
+    drain_and_settle,
+    morph_engine,
+    run_random_load_to_base,
+)
 from tests.morph_support import morph
 
 CALM = {"kv_high": 1.0, "queue_delay_high_s": 1e9, "restore_persist_s": 1e9}

@@ -4,11 +4,10 @@ all go to the dense path (gather, dequantize, SDPA) over the same blocks."""
 
 from __future__ import annotations
 
-from tests.memory.test_kv_rung import CALM, _rung
-from tests.morph.test_morph import assert_memory_exact, morph_engine
-
 from policy.kv_rung import KVRungDecision
 from serve.engine.sampling_params import SamplingParams
+from tests.memory.test_kv_rung import CALM, _rung
+from tests.morph.test_morph import assert_memory_exact, morph_engine
 from tests.morph_support import morph
 
 PROMPTS = [[(7 * j + 31 * i) % 4000 + 10 for j in range(n)] for i, n in enumerate((8, 5, 13))]

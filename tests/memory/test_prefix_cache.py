@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.memory.test_kv_accounting import assert_exact_accounting
-from tests.morph.test_morph import FakeClock, morph_engine
 
 from policy import MorphDecision
 from serve.config import EngineConfig
@@ -14,6 +12,8 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.block_pool import BlockPool, BlockPoolError
 from serve.memory.prefix_hash import extend_block_hashes
+from tests.memory.test_kv_accounting import assert_exact_accounting
+from tests.morph.test_morph import FakeClock, morph_engine
 from tests.morph_support import morph
 
 H = [bytes([i]) * 32 for i in range(8)]  # stand-in content hashes

@@ -12,18 +12,17 @@ import ctypes
 
 import pytest
 import torch
-from tests.conftest import make_tiny_model
-from tests.memory.test_arena import _rss_bytes
-from tests.model.test_qkernels import _check_close, _gen
 
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
-from serve.model import kernels
+from serve.model import crossovers, kernels
 from serve.model import linear as linear_module
-from serve.model import crossovers
 from serve.model.linear import BlockedLayout, DenseLinear, blocked_layout
 from serve.morph.placement import arena_nbytes, weight_tensors
+from tests.conftest import make_tiny_model
+from tests.memory.test_arena import _rss_bytes
+from tests.model.test_qkernels import _check_close, _gen
 
 torch.set_num_threads(2)
 

@@ -11,14 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve.model.random_model import make_tiny_model
 from policy import FULL
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.memory.budget import query_device_memory
+from serve.model.random_model import make_tiny_model
 from serve.model.rtn import quantize_linear_rtn
-from tests.morph.test_morph import FakeClock, assert_memory_exact, assert_swap_mid_decode_keeps_state, decode_with_swap_at, drain_and_settle
+from tests.morph.test_morph import (
+    FakeClock,
+    assert_memory_exact,
+    assert_swap_mid_decode_keeps_state,
+    decode_with_swap_at,
+    drain_and_settle,
+)
 from tests.morph_support import morph
 
 pytestmark = [pytest.mark.cuda,

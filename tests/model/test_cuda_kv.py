@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve.model.random_model import make_tiny_model
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model.kv_cache import PagedKVCache
+from serve.model.random_model import make_tiny_model
 from tests.engine.test_engine_reference import _prompt_logits, _rel_err
 
 pytestmark = [pytest.mark.cuda,

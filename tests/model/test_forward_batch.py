@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from serve.model.random_model import make_tiny_model
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.sequence import Sequence
 from serve.model import kernels
+from serve.model.random_model import make_tiny_model
 from serve.model.tokenizer import IncrementalDetokenizer
 
 BS = 16

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.model.test_kv_mixed_decode import BS, _f64_attention, _mixed_cache, _tables
-from tests.model.test_qkernels import _check_close, _gen, _q8_round_trip
 
 from serve.model import kernels
 from serve.model.kernels import isa
 from serve.model.linear import BlockedLayout
 from serve.model.quantized_linear.int4_packing import pack_int4_blocked
+from tests.model.test_kv_mixed_decode import BS, _f64_attention, _mixed_cache, _tables
+from tests.model.test_qkernels import _check_close, _gen, _q8_round_trip
 
 torch.set_num_threads(2)
 

@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-from tests.conftest import REPO_ROOT, make_tiny_model
-from tests.engine.test_engine_reference import _prompt_logits, _rel_err
 
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model.loader import ModelLoadError, embedded_model_path, load_model, save_hf_directory
+from tests.conftest import REPO_ROOT, make_tiny_model
+from tests.engine.test_engine_reference import _prompt_logits, _rel_err
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

@@ -16,11 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from serve.model import kernels
+from serve.model import crossovers, kernels
 from serve.model import linear as linear_module
 from serve.model import quantized_linear as ql
 from serve.model.kv_cache import PagedKVCache, block_shape
-from serve.model import crossovers
 from serve.model.linear import ConcatLinear, DenseLinear, linear
 from serve.model.quantized_linear import Int4WeightOnly, pack_int4_blocked, unpack_int4_blocked
 from serve.model.rtn import quantize_int4_rtn, quantize_int8_rtn
@@ -229,10 +228,10 @@ def test_engine_attends_prompt_chunks_with_the_kernel_and_generates_like_sdpa(ti
     """Every prompt chunk goes through the kernel once per layer (whole prompts, the later chunk of a prompt the
     token budget splits, and the uncached tail of a prompt whose prefix is cached), and greedy tokens equal those
     of the SDPA path."""
-    from serve.model.random_model import make_tiny_model
     from serve.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams
+    from serve.model.random_model import make_tiny_model
 
     model = make_tiny_model(seed=5, tokenizer=tiny.tokenizer, vocab_size=1024, hidden_size=192, intermediate_size=256,
                             num_layers=2, num_heads=6, num_kv_heads=2, head_dim=32)

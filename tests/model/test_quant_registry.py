@@ -24,8 +24,8 @@ from serve.model.quantized_linear import (
     host_packed,
     load_quantized_linear,
     quant_format,
+    registry,
 )
-from serve.model.quantized_linear import registry
 from serve.model.rtn import quantize_fp8_rtn, quantize_int4_rtn, quantize_int8_rtn, quantize_linear_rtn
 from serve.morph.plan import MIN_CUDA_CAPABILITY
 

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.memory.test_kv_accounting import assert_exact_accounting
 
 from policy import FULL, MorphDecision
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
-from serve.engine.sampling_params import SamplingParams
-from serve.morph.latency_window import percentile
-from serve.model.kv_cache import Q8_BLOCK
 from serve.engine.kv_rung import KVPrecisionRung
+from serve.engine.sampling_params import SamplingParams
+from serve.model.kv_cache import Q8_BLOCK
+from serve.morph.latency_window import percentile
 from serve.morph.runtime import MorphRuntime
+from tests.memory.test_kv_accounting import assert_exact_accounting
 from tests.morph_support import decode_with_direct_swap_at, morph
 
 

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from workload.repeats import cell, spread, summarize_runs
-from workload.replay import parse_mode
 from policy import MorphController, PolicyConfig, StepCosts
 from policy.cost_rule import cost_ladder, requests_admitted
 from serve.model import step_costs as sc
-from tests.policy.test_policy import CHUNK, SWAP_ORDER, FakeEngine, step
 from tests.morph_support import morph
+from tests.policy.test_policy import CHUNK, SWAP_ORDER, FakeEngine, step
+from workload.repeats import cell, spread, summarize_runs
+from workload.replay import parse_mode
 
 COUNTS = (1, 8, 32, 128, 512)
 FULL_MS = (1.0, 1.5, 3.0, 8.0, 30.0)  # one layer's linears at full precision, ms per step
@@ -144,8 +144,8 @@ def test_step_costs_interpolate_and_round_trip() -> None:
 def test_measure_and_the_per_machine_cache(tiny, tmp_path, monkeypatch) -> None:
     """Real kernels on the tiny model: every precision timed at every size; stored under the machine key,
     found again; another kernel fingerprint is another machine (measured anew)."""
-    from serve.engine.engine import LLMEngine
     from serve.config import EngineConfig
+    from serve.engine.engine import LLMEngine
     from serve.morph.setup import cost_inputs
 
     monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path))
@@ -171,8 +171,8 @@ def test_cost_aware_engine_gets_costs_at_start(tiny, tmp_path, monkeypatch, quie
     """Measured at start, used by the engine either way, cached as this machine's only when the measurement was
     quiet (the host's load is the verdict's input; it is set here so the test does not depend on it)."""
     from policy.measurement import Verdict
-    from serve.engine.engine import LLMEngine
     from serve.config import EngineConfig
+    from serve.engine.engine import LLMEngine
 
     monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sc, "judge", lambda c: Verdict(quiet, () if quiet else ("other processes used 90%",)))
@@ -232,10 +232,10 @@ def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_sa
                                                                                        fake, swaps) -> None:
     """A real engine reading (fake) costs from its per-machine cache: requests queue on the sequence cap with
     KV blocks free; slow int4 never swaps, fast int4 does."""
-    from tests.morph.test_morph import FakeClock
     from serve.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams
+    from tests.morph.test_morph import FakeClock
 
     monkeypatch.setenv("MORPHSERVE_CACHE_DIR", str(tmp_path))
     cfg = tiny.config

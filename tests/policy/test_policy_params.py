@@ -15,10 +15,10 @@ from serve.config import AUTO_CUDA_FRACTION, EngineConfig, check_device_memory, 
 from serve.engine.engine import LLMEngine
 from serve.engine.memory_budget import memory_budget
 from serve.memory.budget import MemoryBudget
+from serve.morph.runtime import MorphRuntime
 from serve.triton.__main__ import build_parser, check_params, main, params_from_args
 from serve.triton.model_params import engine_config_kwargs
 from serve.triton.repository import DEFAULT_MODEL_REPOSITORY, fill_config_parameters, read_config_parameters
-from serve.morph.runtime import MorphRuntime
 from tests.morph_support import morph
 
 CONFIG = DEFAULT_MODEL_REPOSITORY / "morphserve" / "config.pbtxt"

@@ -10,22 +10,22 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from workload.replay import build_parser as replay_parser
-from workload.replay import engine_config
 from policy import FULL, MorphController, PolicyConfig, Telemetry, resolve_kv_rung
 from serve.config import EngineConfig
 from serve.engine.engine import LLMEngine
+from serve.model.quantized_linear import REGISTRY
+from serve.morph.runtime import MorphRuntime
 from sim.__main__ import main as plan_main
 from sim.assemble import build_engine
-from sim.target import table_target
 from sim.clock import VirtualClock
-from serve.model.quantized_linear import REGISTRY
 from sim.kernel_tables import GEMM_DTYPE, KernelTables, TableError, package_root
 from sim.model_specs import layer_nbytes, load_model_config, projections
 from sim.step_model import BatchShape, TableStepModel
+from sim.target import table_target
 from tests.conftest import FIXTURES
-from serve.morph.runtime import MorphRuntime
 from tests.morph_support import morph
+from workload.replay import build_parser as replay_parser
+from workload.replay import engine_config
 
 TRACE = FIXTURES / "traces" / "azure_conv_burst.csv"
 

@@ -11,11 +11,11 @@ from serve.engine.kv_rung import KVPrecisionRung
 from serve.engine.sampling_params import SamplingParams
 from serve.model.kv_cache import kv_bytes_per_block
 from sim.assemble import build_engine
-from sim.target import table_target
 from sim.clock import VirtualClock
 from sim.kernel_tables import TableError
 from sim.model_specs import load_model_config
 from sim.step_model import BatchShape
+from sim.target import table_target
 from tests.morph_support import morph
 
 LADDER = {"ladder": ["fp8"], "cost_aware": False, "queue_delay_high_s": 1e9,

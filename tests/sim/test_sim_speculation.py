@@ -17,11 +17,18 @@ from serve.config import EngineConfig
 from serve.engine.sampling_params import SamplingParams
 from sim.__main__ import main as plan_main
 from sim.assemble import build_engine, prompt_tokenizer
-from sim.target import table_target
 from sim.clock import VirtualClock
-from sim.speculation import (ModelledSpeculation, SimSpeculation, charged_s, default_rung, draft_precisions, draft_s,
-                             verify_s)
+from sim.speculation import (
+    ModelledSpeculation,
+    SimSpeculation,
+    charged_s,
+    default_rung,
+    draft_precisions,
+    draft_s,
+    verify_s,
+)
 from sim.step_model import BatchShape
+from sim.target import table_target
 from tests.conftest import FIXTURES
 
 TRACE = FIXTURES / "traces" / "azure_conv_burst.csv"

@@ -25,14 +25,13 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.triton.client import GenerationError, GrpcStream  # noqa: E402
 from serve.triton.http_body import FrontError, load_json  # noqa: E402
 from serve.triton.http_tensors import InputSpec, ModelSpec, RequestLimits, build_request  # noqa: E402
 from serve.triton.request_inputs import InputError, parse_request  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
 from serve.triton.trtllm import MORPHSERVE_INPUTS, PARAMETER_ALIASES  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

@@ -27,8 +27,6 @@ import pytest
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.triton.client import (  # noqa: E402
     GenerationError,
     GrpcStream,
@@ -39,6 +37,7 @@ from serve.triton.client import (  # noqa: E402
     scrape_metrics,
 )
 from serve.triton.server import TritonServer, free_port  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

@@ -24,10 +24,9 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-from tests.triton_support import skip_module_without_triton  # noqa: E402
 from bench.reliability_common import alive, cmdline, descendants  # noqa: E402
-
 from serve.triton.stale import LAUNCHER_MARK, REPOSITORY_MARK, find_stale  # noqa: E402
+from tests.triton_support import skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

@@ -24,12 +24,11 @@ import pytest
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.triton.client import GenerationError, GrpcStream, metric_value, request_inputs, scrape_metrics  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

@@ -22,8 +22,7 @@ from serve.triton.llmapi import (
 )
 from serve.triton.llmapi_config import FrontSettings, ModelYamlError, overlay_model_yaml, parse_model_yaml
 from serve.triton.model_params import engine_config_kwargs
-from serve.triton.repository import engine_settings, read_config_parameters
-from serve.triton.repository import DEFAULT_MODEL_REPOSITORY
+from serve.triton.repository import DEFAULT_MODEL_REPOSITORY, engine_settings, read_config_parameters
 from serve.triton.trtllm import MORPHSERVE_INPUTS
 
 # Upstream's triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (TensorRT-LLM, 2026): name -> (type, dims).

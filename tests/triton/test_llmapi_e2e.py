@@ -27,7 +27,6 @@ pytestmark = pytest.mark.e2e
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
 from serve.triton.install import TritonLaunchError  # noqa: E402
@@ -35,6 +34,7 @@ from serve.triton.llmapi_config import FrontSettings  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.repository import write_repository  # noqa: E402
 from serve.triton.server import TritonServer, free_port  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

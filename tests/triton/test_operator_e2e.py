@@ -20,14 +20,12 @@ import pytest
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.error_kinds import ErrorKind  # noqa: E402
-from serve.triton.client import (GenerationError, GrpcStream, generate_http, metric_value, request_inputs,  # noqa: E402
-                                 scrape_metrics)
+from serve.triton.client import GenerationError, GrpcStream, generate_http, metric_value, request_inputs, scrape_metrics  # noqa: E402
 from serve.triton.controls import new_inner_request_id  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

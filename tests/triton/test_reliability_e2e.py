@@ -23,14 +23,13 @@ import pytest
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import skip_module_without_triton  # noqa: E402
 from bench.reliability_common import cmdline, descendants  # noqa: E402
-
 from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.triton.client import GenerationError, GrpcStream, metric_value, request_inputs, scrape_metrics  # noqa: E402
 from serve.triton.http_body import SPEC_CACHE_SIZE  # noqa: E402
 from serve.triton.http_front import FrontOptions  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton_support import skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

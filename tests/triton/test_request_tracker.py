@@ -22,8 +22,14 @@ import pytest
 
 from serve.engine.outputs import FinishReason, RequestOutput
 from serve.error_kinds import ErrorKind
-from serve.metrics_catalogue import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
-                                     TIER_INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN, RequestHistogram)
+from serve.metrics_catalogue import (
+    E2E_REQUEST_LATENCY,
+    INTER_TOKEN_LATENCY,
+    REQUEST_QUEUE_TIME,
+    TIER_INTER_TOKEN_LATENCY,
+    TIME_TO_FIRST_TOKEN,
+    RequestHistogram,
+)
 from serve.request_tracker import CANCELLED, OVERLOADED, TIMEOUT, RequestTracker
 
 MODEL_FILE = Path(__file__).resolve().parents[2] / "triton_models" / "morphserve" / "1" / "model.py"

@@ -19,10 +19,9 @@ pytestmark = pytest.mark.e2e
 
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.triton.client import GenerationError, GrpcStream, request_inputs  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

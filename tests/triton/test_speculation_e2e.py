@@ -18,12 +18,11 @@ import pytest
 pytestmark = pytest.mark.e2e
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton.test_trtllm_e2e import client_inputs, run_client  # noqa: E402
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.triton.client import generate_grpc, generate_http  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton.test_trtllm_e2e import client_inputs, run_client  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

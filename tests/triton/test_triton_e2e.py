@@ -24,8 +24,6 @@ pytestmark = pytest.mark.e2e
 
 pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
-
 from serve.triton.__main__ import build_parser, params_from_args  # noqa: E402
 from serve.triton.client import (  # noqa: E402
     GenerationError,
@@ -43,6 +41,7 @@ from serve.triton.repository import (  # noqa: E402
     read_config_parameters,
 )
 from serve.triton.server import TritonServer, free_port  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

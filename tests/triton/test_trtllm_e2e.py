@@ -31,11 +31,11 @@ pytestmark = pytest.mark.e2e
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
 from serve.triton.client import metric_value, scrape_metrics  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
+from tests.triton_support import running_server, skip_module_without_triton  # noqa: E402
 
 skip_module_without_triton()
 

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.e2e
 
 from serve.config import EngineConfig  # noqa: E402
 from serve.triton.__main__ import main  # noqa: E402
+from serve.triton.install import TritonLaunchError  # noqa: E402
 from serve.triton.llmapi_config import parse_model_yaml  # noqa: E402
 from serve.triton.repository import SERVED_MODELS, read_config_parameters, write_repository  # noqa: E402
-from serve.triton.install import TritonLaunchError  # noqa: E402
 from serve.triton.server import TritonServer  # noqa: E402
 from tests.triton_support import skip_module_without_triton  # noqa: E402
 

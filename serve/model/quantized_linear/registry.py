@@ -22,8 +22,18 @@ import torch
 from policy.precisions import PRECISION_CODE, QUANTIZED_PRECISIONS, check_quantized_precision
 from serve.model.quantized_linear.common import Calibration, QuantizedLinear, UnifiedTensors, _check
 from serve.model.quantized_linear.fp8 import Fp8WeightOnly, fp8_from_calibration, fp8_from_unified, quantize_fp8_rtn
-from serve.model.quantized_linear.int4 import Int4WeightOnly, int4_from_calibration, int4_from_unified, quantize_int4_rtn
-from serve.model.quantized_linear.int8 import Int8WeightOnly, int8_from_calibration, int8_from_unified, quantize_int8_rtn
+from serve.model.quantized_linear.int4 import (
+    Int4WeightOnly,
+    int4_from_calibration,
+    int4_from_unified,
+    quantize_int4_rtn,
+)
+from serve.model.quantized_linear.int8 import (
+    Int8WeightOnly,
+    int8_from_calibration,
+    int8_from_unified,
+    quantize_int8_rtn,
+)
 
 
 @dataclass(frozen=True)
