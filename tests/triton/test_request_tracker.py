@@ -178,10 +178,20 @@ def fake_pb_utils() -> types.ModuleType:
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     pb.MetricFamily = FakeMetricFamily
     pb.TritonError = FakeTritonError
-    pb.Tensor = lambda name, array: (name, array)
+    pb.Tensor = FakeTensor
     pb.InferenceResponse = lambda output_tensors=None, error=None: types.SimpleNamespace(tensors=output_tensors,
                                                                                            error=error)
     return pb
+
+
+class FakeTensor(tuple):
+    """pb_utils.Tensor's name() on a (name, array) pair."""
+
+    def __new__(cls, name: str, array: Any) -> FakeTensor:
+        return super().__new__(cls, (name, array))
+
+    def name(self) -> str:
+        return self[0]
 
 
 class FakeRequest:

@@ -112,7 +112,7 @@ def _response(text: str, num_input: int, num_output: int, finish_reason: str,
             tensors.append(pb_utils.Tensor("stop_reason", np.array([reason.encode("utf-8")], dtype=np.object_)))
         if inflight.perf_metrics and out.metrics is not None:
             tensors += [pb_utils.Tensor(n, a) for n, a in perf_metric_arrays(out.metrics, out.finished).items()]
-    if inflight is not None:
+    if inflight is not None and inflight.outputs:  # empty: built without a request's names (all outputs)
         tensors = [t for t in tensors if t.name() in inflight.outputs]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
