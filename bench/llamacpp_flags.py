@@ -1,7 +1,7 @@
 """``python -m bench.llamacpp_flags``: the CMake flags ``make bench-peer`` builds llama.cpp with, from what this
 machine was found to execute (the ISA probe of our own kernels, serve/model/kernels/isa.py), instead of
 ``GGML_NATIVE=ON`` (``-march=native`` trusts cpuid: on an AVX-512 host listing AMX, llama.cpp built that way died
-with SIGILL on ``tileloadd``, issue 57). AMX stays off; AVX-512 (with VNNI) only where our AVX-512 variant's probe
+with SIGILL on ``tileloadd``). AMX stays off; AVX-512 (with VNNI) only where our AVX-512 variant's probe
 executed. Prints the flags on one line (the Makefile passes them as ``CMAKE_ARGS``) and says why on stderr.
 """
 
