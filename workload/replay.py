@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", action="append", default=None, metavar="MODE[+KEY=VALUE...]",
                    help="morph mode: off, static-int8, static-int4, accuracy, default, performance (default: default); "
                         "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. default+cost_aware=false, "
-                        "or sets speculation / kv_cache_dtype for it, e.g. default+speculation=off")
+                        "or sets speculation / kv_cache_dtype / scheduler / quality_meter for it, e.g. "
+                        "default+speculation=off, off+scheduler=slai")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per mode, interleaved by mode; figures are reported as median [min-max] (default: %(default)s)")
     add_engine_flags(p, ENGINE_FIELDS, aliases={"slo_ttft_s": ["--slo-ttft"], "num_threads": ["--threads"]},
@@ -187,9 +188,10 @@ def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: i
     ).as_dict()
 
 
-MODE_ENGINE_KEYS = ("speculation", "kv_cache_dtype")
-"""Engine settings a mode spec may carry beside policy overrides (``default+speculation=off``), so configurations
-that differ in them run interleaved in one command."""
+MODE_ENGINE_KEYS = ("speculation", "kv_cache_dtype", "scheduler", "quality_meter")
+"""Engine settings a mode spec may carry beside policy overrides (``default+speculation=off``,
+``off+scheduler=slai``, ``default+quality_meter=0``), so configurations that differ in them run interleaved in one
+command."""
 
 
 def parse_mode(spec: str) -> tuple[str, dict]:
@@ -200,10 +202,12 @@ def parse_mode(spec: str) -> tuple[str, dict]:
     return name, {k: v for k, v in own.items() if k not in MODE_ENGINE_KEYS}
 
 
-def mode_engine_settings(spec: str) -> dict[str, str]:
-    """``default+speculation=off`` -> {"speculation": "off"}: the engine settings a mode spec overrides."""
+def mode_engine_settings(spec: str) -> dict[str, str | float]:
+    """``default+speculation=off+quality_meter=0`` -> {"speculation": "off", "quality_meter": 0.0}: the engine
+    settings a mode spec overrides (the meter's fraction a number, the others names)."""
     _, *pairs = spec.split("+")
-    return {k: str(v) for k, v in parse_policy_overrides(pairs).items() if k in MODE_ENGINE_KEYS}
+    own = {k: v for k, v in parse_policy_overrides(pairs).items() if k in MODE_ENGINE_KEYS}
+    return {k: float(v) if k == "quality_meter" else str(v) for k, v in own.items()}
 
 
 def engine_config(args: argparse.Namespace, spec: str) -> EngineConfig:

@@ -56,6 +56,8 @@ def test_older_spellings_still_work_for_the_replay() -> None:
     assert (cfg.num_threads, cfg.slo_ttft_s, cfg.max_num_seqs, cfg.device, cfg.model) == (1, 3.0, 5, "cpu", "smollm2-135m")
     own = engine_config(args, "default+speculation=off+kv_cache_dtype=int8+kv_high=0.8")  # a mode's own settings
     assert (own.speculation, own.kv_cache_dtype, own.policy_overrides, cfg.speculation) == ("off", "int8", {"kv_high": 0.8}, "auto")
+    slai = engine_config(args, "off+scheduler=slai+quality_meter=0")  # compared with fcfs / the meter in one command
+    assert (slai.scheduler, slai.quality_meter, slai.policy_overrides, cfg.scheduler) == ("slai", 0.0, {}, "fcfs")
 
 
 def test_the_dynamo_worker_reaches_cuda_and_slai_through_its_flags() -> None:
