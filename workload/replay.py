@@ -155,6 +155,12 @@ def replay(engine, items: list[WorkItem], slo_ttft_s: float, slo_tpot_s: float |
     queried, hit = stats.prefix_cache_queries, stats.prefix_cache_hits
     result["prefix_cache"] = {"policy": engine.config.prefix_cache_across_morph, "queried_tokens": queried,
                               "hit_tokens": hit, "hit_rate": round(hit / queried, 4) if queried else None}
+    result["quality_meter"] = {"samples": stats.quality_samples_total, "agreement": stats.quality_agreement,
+                               "agreement_lower": stats.quality_agreement_lower,
+                               "divergence": stats.quality_divergence,
+                               "seconds": round(stats.quality_meter_seconds_total, 4),
+                               "tokens_quantized_layers": stats.tokens_quantized_layers_total,
+                               "tokens_kv_8bit": stats.tokens_kv_8bit_total}
     result["timeline"] = timeline
     result["requests"] = [{"arrival_s": timings[r].send_s - t0, "ttft_s": timings[r].ttft_s, "ok": timings[r].completed}
                           for r in rids]  # for the TTFT CDF and timeline plots
