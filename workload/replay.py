@@ -27,6 +27,7 @@ from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.slo import RequestSLO
 from serve.morph.runtime import MorphRuntime
+from serve.process.host_load import HostLoad
 from workload import defaults
 from workload.items import WorkItem, add_slo_arguments, add_trace_arguments, build_workload
 from workload.latency import RequestTiming, by_tier, distribution, markdown_table, summarize
@@ -232,8 +233,11 @@ def run_once(args: argparse.Namespace, spec: str) -> dict:
     engine = LLMEngine(engine_config(args, spec))
     try:
         items, desc = build_workload(args, engine.tokenizer)
-        result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model,
-                  **replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=not args.quiet)}
+        with HostLoad() as load:  # a run beside other work is slow for a reason that leaves with that work
+            served = replay(engine, items, args.slo_ttft_s, args.slo_tpot, progress=not args.quiet)
+        result = {"mode": spec, "trace": desc, "device_memory": args.device_memory, "model": args.model, **served,
+                  "host_load": {"other_share": round(load.other_share, 4), "steal_share": round(load.steal_share, 4),
+                                "known": load.known}}
     finally:
         engine.shutdown()
     if args.quality:
@@ -276,7 +280,8 @@ def repeated(args: argparse.Namespace, specs: list[str],
             runs[spec].append(r)
             m = r["morph"]
             print(f"run {rep + 1}/{args.repeat} {spec}: P50 TTFT {r['ttft_s']['p50']:.3f} s, P95 {r['ttft_s']['p95']:.3f} s, "
-                  f"SLO violations {r['slo']['violation_rate']:.1%}, swaps {m['swaps']}, restores {m['restores']}",
+                  f"SLO violations {r['slo']['violation_rate']:.1%}, swaps {m['swaps']}, restores {m['restores']}"
+                  + (f", other processes {r['host_load']['other_share']:.0%} of the CPUs" if "host_load" in r else ""),
                   file=sys.stderr, flush=True)
     print(f"medians of {args.repeat} run(s) per mode, [min-max]:\n")
     print(repeated_table(runs))

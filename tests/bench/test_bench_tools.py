@@ -169,3 +169,4 @@ def test_replay_serves_a_synthetic_workload_and_writes_the_replay_schema(tiny_di
     assert (r["mode"], r["num_requests"], r["completed"], r["failed"]) == ("off", 3, 3, 0)
     assert r["ttft_s"]["p50"] is not None and r["morph"]["swaps"] == 0
     assert (r["quality_meter"]["samples"], r["quality_meter"]["seconds"]) == (0, 0)  # nothing quantized: no cost
+    assert 0 <= r["host_load"]["other_share"] <= 1 and r["host_load"]["known"]  # what else ran beside it

@@ -56,7 +56,8 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"workload", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
             "serve.logging_setup", "serve.resource_seam", "policy"},
     # what the planner and the tools share: workloads, the replay loop, latency summaries, repeats, plots, quality
-    "workload": {"serve", "serve.engine", "serve.morph", "serve.model", "serve.config", "serve.config_flags", "policy"},
+    "workload": {"serve", "serve.engine", "serve.morph", "serve.model", "serve.config", "serve.config_flags", "serve.process",
+                 "policy"},
     "bench": {"workload", "serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
               "serve.config_flags", "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
