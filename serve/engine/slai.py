@@ -22,6 +22,11 @@ Each iteration, within the token budget (``max_num_batched_tokens``) and the run
    previously preempted sequences, then shortest remaining prompt, then arrival.
 5. Leftover budget goes to the non-critical decodes in LST order (no preemption for them).
 
+While KV binds (usage at or above ``kv_threshold``, or the last admission found no block for the request at the
+head of the queue), rule 5 runs right after rule 2: deferring a decode then buys the queue no prefill (it waits
+for blocks, not for budget) and only keeps the decode's blocks held longer, so every waiting request waits longer
+for them. Those decodes still preempt nobody; prefills take what budget they leave.
+
 The engine's clock is passed in, so tests drive every rule with a fake clock.
 """
 
@@ -48,6 +53,7 @@ class SlaiConfig:
     window: int = 32               # batches in the running mean of the batch duration (and the step-time fit)
     tbt_budget: bool = True        # cap each iteration's tokens by the tightest running decode's TBT deadline
     min_prompt_tokens: int = 16    # prompt tokens an iteration may always take beside its decodes (admission moves)
+    kv_bound_decodes_first: bool = True  # while KV binds admission, no decode is deferred (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("theta", "theta_low", "theta_high"):
@@ -79,6 +85,7 @@ class SlaiScheduler(Scheduler):
         self.last_budget_reason = ""
         self._last_token: dict[Sequence, float] = {}
         self.last_critical_unscheduled = 0   # critical decodes the last batch could not fit
+        self.admission_short_of_blocks = False  # the last admission found no block for the head of the queue
         self.num_critical_unscheduled = 0    # the same, summed over all batches
 
     # ---- deadlines -----------------------------------------------------------------------------
@@ -100,6 +107,11 @@ class SlaiScheduler(Scheduler):
     def lst(self, seq: Sequence) -> float:
         """Last schedulable time of a running decode, on the engine clock."""
         return self.deadline(seq) - self.theta() * self.mean_batch_s()
+
+    def kv_bound(self) -> bool:
+        """Whether KV memory, not the token budget, limits admission now (every decode is then critical)."""
+        return self.config.kv_bound_decodes_first and (
+            self.admission_short_of_blocks or self.kv_cache_manager.usage >= self.config.kv_threshold)
 
     # ---- the decision ----------------------------------------------------------------------------
     def _schedule(self) -> SchedulerOutput:
@@ -128,6 +140,9 @@ class SlaiScheduler(Scheduler):
                 budget -= self._add(out, scheduled, seq, 1)
             else:
                 missed += 1
+        relaxed_first = self.kv_bound()
+        if relaxed_first:
+            budget = self._relaxed(out, scheduled, relaxed, budget)                # rule 5 while KV binds
         for seq in [s for s in self.running if not s.is_decoding and s not in scheduled]:   # rule 3
             if budget < 1:
                 break
@@ -137,11 +152,8 @@ class SlaiScheduler(Scheduler):
                 budget -= self._add(out, scheduled, seq, n)
         if not out.preempted:                                              # rule 4
             budget = self._admit(out, scheduled, budget)
-        for seq in relaxed:                                                # rule 5
-            if budget < 1 or self._num_decodes(out) >= self.max_decodes:
-                break
-            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, victims=[]):
-                budget -= self._add(out, scheduled, seq, 1)
+        if not relaxed_first:
+            budget = self._relaxed(out, scheduled, relaxed, budget)                # rule 5
         if not out.chunks and relaxed and relaxed[0].status is SequenceStatus.RUNNING:
             # Nothing else can run (no free block): treat the earliest deadline as critical rather than idle.
             if self._allocate(relaxed[0], 1, out, victims=self._prefill_victims(scheduled), self_last=True):
@@ -150,13 +162,25 @@ class SlaiScheduler(Scheduler):
         self.num_critical_unscheduled += missed
         return out
 
+    def _relaxed(self, out: SchedulerOutput, scheduled: set[Sequence], relaxed: list[Sequence], budget: int) -> int:
+        """Rule 5: non-critical decodes in LST order within the budget left; they preempt nobody."""
+        for seq in relaxed:
+            if budget < 1 or self._num_decodes(out) >= self.max_decodes:
+                break
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, victims=[]):
+                budget -= self._add(out, scheduled, seq, 1)
+        return budget
+
     def _admit(self, out: SchedulerOutput, scheduled: set[Sequence], budget: int) -> int:
         order = sorted(self.waiting, key=lambda s: (s.slo.priority, 0 if s.num_output_tokens else 1,
                                                     s.num_tokens - s.num_computed_tokens, s.arrival_time))
+        if not order:
+            self.admission_short_of_blocks = False
         for seq in order:
             if budget < 1 or len(self.running) >= self.max_num_seqs:
                 break
             n = self._claim_blocks(seq, budget)
+            self.admission_short_of_blocks = n is None
             if n is None:
                 break  # a later (longer or lower-tier) prompt must not overtake this one
             self.waiting.remove(seq)

@@ -306,3 +306,34 @@ def test_a_prompt_never_stretches_an_iteration_past_the_tight_decodes_deadline(t
         assert any(name == "long" for b in batches for name, _ in b)        # the prompt made progress
     else:
         assert max(gaps) > 0.4, max(gaps)
+
+
+@pytest.mark.parametrize("rule_on", [True, False])
+def test_while_kv_binds_relaxed_decodes_run_before_prefills(rule_on: bool) -> None:
+    """At KV usage >= kv_threshold a relaxed decode is not deferred behind a prefill chunk: the queue waits for
+    blocks, not for budget, so deferring the decode only holds its blocks longer. Below it, it is deferred."""
+    s, clock = make(num_blocks=20, budget=6, theta=1.0, kv_threshold=0.5, kv_bound_decodes_first=rule_on)
+    d = req("D", 2, tbt=100.0)
+    s.add(d)
+    assert run(s, clock, 0.1) == [("D", 2)]              # D: 3 tokens in its one block
+    s.add(req("L", 30, arrival=0.1))
+    assert run(s, clock, 0.1) == [("L", 6)]              # 3 of 20 blocks used: D deferred, L takes the budget
+    held = s.pool.allocate(8)                            # 11 of 20 used: KV binds
+    assert s.kv_bound() is rule_on
+    out = [(c.seq.request_id, c.num_tokens) for c in s.schedule().chunks]
+    assert out == ([("D", 1), ("L", 5)] if rule_on else [("L", 6)])
+    s.pool.free(held)
+
+
+def test_an_admission_short_of_blocks_marks_kv_as_binding_until_one_succeeds() -> None:
+    s, clock = make(num_blocks=6, budget=8, theta=1.0)
+    s.add(req("D", 2, tbt=100.0))
+    run(s, clock, 0.1)
+    held = s.pool.allocate(4)                            # 5 of 6 used (83 %, under kv_threshold)
+    s.add(req("W", 12, arrival=0.1))
+    assert not s.kv_bound()
+    assert run(s, clock, 0.1) == [("D", 1)]              # W's first chunk needs 2 blocks, 1 is free
+    assert s.admission_short_of_blocks and s.kv_bound()
+    s.pool.free(held)
+    assert run(s, clock, 0.1) == [("D", 1), ("W", 7)]    # relaxed first while bound; then W fits
+    assert not s.admission_short_of_blocks and not s.kv_bound()
