@@ -1,10 +1,14 @@
 """A serving engine's check of its step-cost table against its own machine, and the correction (policy/cost_drift.py).
 
 A resource manager of the engine (serve/resource_seam.py), after the levers that read the table: it counts the
-iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the full-precision layer's
-linears at 1 and 8 tokens, three repeats, a few milliseconds, under the conditions check of
-policy/measurement.py. The rule compares it with the table; when quiet probes say the table is off, the whole
-table is measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
+iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the
+full-precision layer's linears at 8 and 32 tokens, three repeats, a few milliseconds, under the conditions check of
+policy/measurement.py. Not at 1 token: a 1-token layer takes 0.1-0.6 ms on a 2-core CPU, the scale of an OpenMP
+thread's wake-up, and quiet probes inside a serving loop read 0.3-0.7x of a quiet table there while 8 tokens read
+0.9-1.2x, so a check at 1 token corrected a right table at every engine start. The rule compares the probe with the
+table; when quiet probes say the table is off, the correction is due: at the next iteration with nothing running or
+waiting (measuring the table takes ~10 s on 2 cores, which no running request should wait for) the whole table is
+measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
 speculation controller take it), written back to the per-machine cache, and the kernel crossovers are measured
 again and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
 
@@ -31,7 +35,7 @@ from serve.resource_seam import ResourceManagerBase, SchedulerView
 
 log = get_logger("morphserve.cost_check")
 
-PROBE_TOKENS = (1, 8)
+PROBE_TOKENS = (8, 32)
 
 
 @dataclass
@@ -63,11 +67,16 @@ class CostCheck(ResourceManagerBase):
         self.rule = rule or DriftRule()
         self.stats = CostCheckStats(table_source=source)
         self._steps = 0
+        self.due: str | None = None  # why a correction is due (it runs when nothing is running or waiting)
 
     def before_schedule(self, scheduler: SchedulerView) -> None:
-        """Each iteration that serves something counts; a probe when one is due."""
+        """Each iteration that serves something counts, with a probe when one is due; an idle one makes a due
+        correction."""
         if scheduler.num_running() or scheduler.num_waiting():
             self.on_step()
+        elif self.due is not None:
+            why, self.due = self.due, None
+            self.remeasure(why)
 
     def resource_stats(self) -> CostCheckStats:
         return self.stats
@@ -80,7 +89,7 @@ class CostCheck(ResourceManagerBase):
             self.check()
 
     def check(self) -> DriftDecision:
-        """One probe and the rule's decision; a correction when it says so."""
+        """One probe and the rule's decision; a correction due when it says so."""
         model = self.model
         probe, _, verdict = measure_checked({FULL: self.layers[FULL]}, self.shape, model.device, model.dtype,
                                             token_counts=PROBE_TOKENS, repeats=3)
@@ -91,7 +100,7 @@ class CostCheck(ResourceManagerBase):
                  ratios={n: round(r, 3) for n, r in ratios.items()})
         self.stats.last_reason = decision.reason
         if decision.correct:
-            self.remeasure(decision.reason)
+            self.due = decision.reason
         return decision
 
     def remeasure(self, why: str = "asked by the operator") -> dict[str, Any]:

@@ -43,6 +43,19 @@ def fixed_measurements(monkeypatch, quiet: StepCosts) -> None:
     monkeypatch.setattr(cost_check, "measure_checked", measured)
 
 
+@dataclasses.dataclass
+class Busy:
+    """What the check reads of the scheduler (serve/resource_seam.py SchedulerView): whether anything is served."""
+    running: int = 0
+    waiting: int = 0
+
+    def num_running(self) -> int:
+        return self.running
+
+    def num_waiting(self) -> int:
+        return self.waiting
+
+
 def test_a_table_three_times_too_slow_is_corrected_after_two_probes(tiny, tmp_path, monkeypatch) -> None:
     from serve.model.llama import LlamaModel
     from serve.morph.cost_check import CostCheck
@@ -66,11 +79,15 @@ def test_a_table_three_times_too_slow_is_corrected_after_two_probes(tiny, tmp_pa
         check.on_step()
         assert not got and check.stats.probes == 1 and "1 of 2" in check.stats.last_reason
         check.on_step()
-        assert len(got) == 1 and check.stats.corrections == 1
+        assert not got and check.due is not None  # due, but requests are being served: none waits ~10 s for it
+        check.before_schedule(Busy(running=1))          # a serving iteration: a third probe, no correction
+        assert not got and check.due is not None
+        check.before_schedule(Busy(running=0))        # nothing running or waiting: now
+        assert len(got) == 1 and check.stats.corrections == 1 and check.due is None
         assert check.costs is got[0] and check.costs.layer_s == quiet.layer_s
         assert crossovers.current() == chosen and remeasured  # the kernel choices follow
         assert (tmp_path / sc.COSTS_FILE).is_file()  # a quiet measurement is this machine's
-        assert check.resource_stats().engine_fields() == {"step_cost_probes": 2, "step_cost_corrections": 1}
+        assert check.resource_stats().engine_fields() == {"step_cost_probes": 3, "step_cost_corrections": 1}
     finally:
         crossovers.use(crossovers.DEFAULTS)
 
@@ -78,8 +95,8 @@ def test_a_table_three_times_too_slow_is_corrected_after_two_probes(tiny, tmp_pa
 @pytest.mark.slow
 def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkeypatch) -> None:
     """The real embedded model's engine directory with its table (this machine's entry) multiplied by 3: the default
-    mode's controller starts on it, and after 32 serving iterations (probes at 16 and 32) it weighs the table
-    measured again, which the speculation manager (always) gets too; the kernel crossovers are measured again for
+    mode's controller starts on it, and after the serving iterations (probes at 4 and 8) and one idle iteration it
+    weighs the table measured again, which the speculation manager (always) gets too; the kernel crossovers are measured again for
     real and made current."""
     from serve.config import EngineConfig
     from serve.engine.engine import LLMEngine
@@ -121,6 +138,8 @@ def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkey
         check.first, check.every = 4, 4  # probes sooner than a serving engine's schedule: two within this run
         assert runtime.costs.layer_cost_s(FULL, 1) == pytest.approx(3 * quiet.layer_cost_s(FULL, 1))
         engine.generate(["Tell me about rivers."] * 4, SamplingParams(max_tokens=40, ignore_eos=True))
+        assert check.stats.corrections == 0 and check.due is not None, check.stats.as_dict()  # never mid-request
+        engine.step()  # an iteration with nothing to serve: the due correction
         assert check.stats.corrections == 1, check.stats.as_dict()
         now = runtime.controller.costs
         assert now is check.costs and spec.controller.costs is now
