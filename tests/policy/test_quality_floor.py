@@ -119,7 +119,7 @@ def test_a_tier_floor_restores_after_staying_under_and_its_leaving_stops_the_clo
     d = step(ctl, eng, quality=LOW, dt=1.0, running_tiers=(0,), **HOT)
     assert d.action == "none" and "under for 0.00 s" in d.reason
     d = step(ctl, eng, quality=LOW, dt=1.5, running_tiers=(1,), **CALM)  # tier 0 gone: nothing held, clock stops
-    assert d.action == "none" and "floor" not in d.reason
+    assert d.action == "none" and "floor 0.900" not in d.reason
     d = step(ctl, eng, quality=LOW, dt=1.5, running_tiers=(0,), **HOT)  # back: under again since now
     assert d.action == "none" and "under for 0.00 s" in d.reason
     d = step(ctl, eng, quality=LOW, dt=2.0, running_tiers=(0,), **HOT)
