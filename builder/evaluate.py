@@ -9,7 +9,9 @@ Quantized layers use the engine directory's own runtime variants (``load_engine_
 folded in; exactly the weights the kernels use, the fastest path on CPU), or with ``--kernels`` the
 runtime aten kernels themselves (bf16 activations, ~3e-3 relative difference per linear, slower). With
 ``--kv-cache-dtypes auto,int8`` (the default) the weight rows of the first order are repeated with every K/V rounded
-as int8 KV blocks hold them (``kv_cache_dtype``; the KV column of the table).
+as int8 KV blocks hold them (``kv_cache_dtype``; the KV column of the table). Each row also holds its top-1
+agreement with full precision over every position (``agreement``: the live quality meter's per-token quantity); the
+planner (``python -m sim --quality-table``) states it per level.
 """
 
 from __future__ import annotations
@@ -45,16 +47,23 @@ def window_batches(token_ids: list[int], window: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model: DenseLlama, layers: list[DenseLayer], windows: torch.Tensor, batch: int = 2,
-               kv_cache_dtype: str = "auto") -> float:
-    nll, count = 0.0, 0
+def scores(model: DenseLlama, layers: list[DenseLayer], windows: torch.Tensor, batch: int = 2,
+           kv_cache_dtype: str = "auto") -> tuple[float, torch.Tensor]:
+    """Perplexity over every window, and each position's top-1 next token (``[windows, window - 1]``)."""
+    nll, count, top1 = 0.0, 0, []
     for start in range(0, windows.shape[0], batch):
         ids = windows[start : start + batch]
         logits = model.forward(ids, layers, kv_cache_dtype)[:, :-1]
         targets = ids[:, 1:]
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
         count += targets.numel()
-    return math.exp(nll / count)
+        top1.append(logits.argmax(dim=-1))
+    return math.exp(nll / count), torch.cat(top1)
+
+
+def perplexity(model: DenseLlama, layers: list[DenseLayer], windows: torch.Tensor, batch: int = 2,
+               kv_cache_dtype: str = "auto") -> float:
+    return scores(model, layers, windows, batch, kv_cache_dtype)[0]
 
 
 class QualityEval:
@@ -64,7 +73,7 @@ class QualityEval:
         self.kernels = kernels
         self.model = DenseLlama(engine.config, engine.loaded.weights, max_positions=windows.shape[1])
         self._quant: dict[tuple[int, str], DenseLayer] = {}
-        self._cache: dict[tuple[str, frozenset[int], str], float] = {}
+        self._cache: dict[tuple[str, frozenset[int], str], tuple[float, torch.Tensor]] = {}
 
     def _quant_layer(self, i: int, precision: str) -> DenseLayer:
         if (i, precision) not in self._quant:
@@ -72,13 +81,22 @@ class QualityEval:
                                                                      kernels=self.kernels)
         return self._quant[(i, precision)]
 
-    def ppl(self, precision: str, quantized: frozenset[int], kv_cache_dtype: str = "auto") -> float:
+    def _scores(self, precision: str, quantized: frozenset[int], kv_cache_dtype: str) -> tuple[float, torch.Tensor]:
         key = (precision if quantized else "", quantized, kv_cache_dtype)
         if key not in self._cache:
             layers = [self._quant_layer(i, precision) if i in quantized else self.model.full_layers[i]
                       for i in range(self.engine.config.num_layers)]
-            self._cache[key] = perplexity(self.model, layers, self.windows, kv_cache_dtype=kv_cache_dtype)
+            self._cache[key] = scores(self.model, layers, self.windows, kv_cache_dtype=kv_cache_dtype)
         return self._cache[key]
+
+    def ppl(self, precision: str, quantized: frozenset[int], kv_cache_dtype: str = "auto") -> float:
+        return self._scores(precision, quantized, kv_cache_dtype)[0]
+
+    def agreement(self, precision: str, quantized: frozenset[int], kv_cache_dtype: str = "auto") -> float:
+        """Share of positions whose top-1 next token is full precision's (every layer full, full-precision KV): the
+        per-token quantity the live quality meter samples (docs/quality.md), here over every position."""
+        got = self._scores(precision, quantized, kv_cache_dtype)[1]
+        return float((got == self._scores("", frozenset(), "auto")[1]).float().mean())
 
 
 def orders(engine: EngineDir) -> dict[str, list[int]]:
@@ -105,7 +123,8 @@ def evaluate(engine: EngineDir, token_ids: list[int], precisions: list[str], ord
         layers = all_orders[order][:n]
         rows.append({"precision": precision, "order": order, "fraction_pct": frac, "num_quantized": n,
                      "kv_cache_dtype": kv, "quantized_layers": layers,
-                     "perplexity": ev.ppl(precision, frozenset(layers), kv)})
+                     "perplexity": ev.ppl(precision, frozenset(layers), kv),
+                     "agreement": ev.agreement(precision, frozenset(layers), kv)})
     return {
         "engine_dir": str(engine.root), "tokens": int(windows.numel()), "window": window, "windows": windows.shape[0],
         "weights": "runtime kernels (bf16 activations)" if kernels else "dequantized runtime weights, fp32 forward",
@@ -115,17 +134,19 @@ def evaluate(engine: EngineDir, token_ids: list[int], precisions: list[str], ord
     }
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def markdown_table(result: dict[str, Any], value: str = "perplexity") -> str:
+    """One row per (precision, order, KV) and one column per fraction quantized, of ``value`` (perplexity, or
+    agreement: the share of positions whose top-1 next token is full precision's)."""
     fractions = sorted({r["fraction_pct"] for r in result["rows"]})
     counts = {r["fraction_pct"]: r["num_quantized"] for r in result["rows"]}
     head = "| precision | order | KV | " + " | ".join(f"{f:g} % ({counts[f]})" for f in fractions) + " |"
     lines = [head, "|" + "---|" * (len(fractions) + 3)]
     keys = list(dict.fromkeys((r["precision"], r["order"], r.get("kv_cache_dtype", "auto")) for r in result["rows"]))
     for precision, order, kv in keys:
-        vals = {r["fraction_pct"]: r["perplexity"] for r in result["rows"]
+        vals = {r["fraction_pct"]: r.get(value, math.nan) for r in result["rows"]
                 if (r["precision"], r["order"], r.get("kv_cache_dtype", "auto")) == (precision, order, kv)}
         lines.append(f"| {precision} | {ORDER_LABELS[order]} | {'full' if kv == 'auto' else kv} | "
-                     + " | ".join(f"{vals[f]:.2f}" for f in fractions) + " |")
+                     + " | ".join(f"{vals[f]:.{2 if value == 'perplexity' else 3}f}" for f in fractions) + " |")
     return "\n".join(lines)
 
 
@@ -171,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json) if args.json else Path(args.engine_dir) / f"quality_{Path(args.text).stem}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(markdown_table(result))
+    print("\ntop-1 next-token agreement with full precision (every position):\n")
+    print(markdown_table(result, "agreement"))
     print(f"\n{result['tokens']} tokens of {args.text} in {result['windows']} windows of {result['window']}; "
           f"{result['weights']}; layer profile took {result['profile_seconds']:.1f} s; eval {result['seconds']:.0f} s; "
           f"JSON: {out}")

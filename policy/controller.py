@@ -39,8 +39,9 @@ Cost-aware modes (``PolicyConfig.cost_aware`` with measured ``StepCosts``; ``pol
 
 Where the measured quantized kernels are not slower, every rule above reduces to the cost-blind one.
 
-The quality floor (``PolicyConfig.quality_floor``, off by default; policy/quality.py ``FloorRule``): the quality
-meter's reading comes in the telemetry. While its lower bound on top-1 agreement is under the floor, no quantizing
+The quality floor (``PolicyConfig.quality_floor``, and per SLO tier ``quality_floor_by_tier``, off by default;
+policy/quality.py ``FloorRule``): the quality meter's reading comes in the telemetry, with the tiers running; the floor
+in force is the strictest of the server's and those tiers'. While its lower bound on top-1 agreement is under it, no quantizing
 step is taken (under pressure, and to cover a deficit before preempting: the scheduler then preempts); when it has
 stayed under for ``quality_restore_s`` (and the measured agreement is under the floor too), the newest transition is
 restored first, under pressure or not, as soon as its KV chunk is free. Every reason carries the reading.
@@ -101,7 +102,7 @@ class MorphController:
         self._pressure_streak = 0
         self._calm_since: float | None = None
         self.yield_rule = YieldRule(config, order)
-        self.floor = FloorRule(config.quality_floor, config.quality_restore_s)
+        self.floor = FloorRule(config.quality_floor, config.quality_restore_s, config.quality_floor_by_tier)
 
     def use_costs(self, costs: StepCosts) -> None:
         """A corrected step-cost table (policy/cost_drift.py): the cost rule weighs it from the next decision on,
@@ -157,7 +158,7 @@ class MorphController:
     # -- dynamic (MorphServe) -----------------------------------------------------
 
     def _floor(self, t: Telemetry) -> FloorVerdict:
-        return self.floor.check(t.now_s, t.quality, bool(t.quantized_layers) or t.quality is not None)
+        return self.floor.check(t.now_s, t.quality, bool(t.quantized_layers) or t.quality is not None, t.running_tiers)
 
     def _dynamic(self, t: Telemetry) -> MorphDecision:
         floor = self._floor(t)
@@ -324,7 +325,8 @@ class MorphController:
             return MorphDecision.nothing(f"no deficit to cover in mode {self.config.mode} {describe(t)}")
         return self._quantize_step(t, [f"running requests short of {deficit} KV blocks (quantize before preempt)"],
                                    deficit, memory=True, always_pays=True,
-                                   floor=self.floor.holds(t.quality, bool(t.quantized_layers) or t.quality is not None))
+                                   floor=self.floor.holds(t.quality, bool(t.quantized_layers) or t.quality is not None,
+                                                          t.running_tiers))
 
     def _floor_restore(self, t: Telemetry, floor: FloorVerdict) -> MorphDecision:
         """The quality floor restores the newest transition first (LIFO), once its KV chunk is free."""

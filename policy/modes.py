@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .precisions import QUANTIZED_PRECISIONS
+from .quality import tier_floors
 
 Strategy = Literal["off", "static", "dynamic"]
 KV_RUNGS = ("auto", "int8", "fp8")
@@ -89,6 +90,10 @@ class PolicyConfig:
     top-1 agreement with full precision is under it, no further quantizing step; when it stays under for
     ``quality_restore_s`` (and the measured agreement is under it too), the newest transition is restored first.
     None (the default): off."""
+    quality_floor_by_tier: tuple[tuple[int, float], ...] = ()
+    """Floors of their own for SLO tiers, (tier, floor) pairs (``--policy quality_floor_by_tier='{"0": 0.97}'``): the
+    floor in force is the strictest of ``quality_floor`` and the floors of the tiers with a request running
+    (policy/quality.py ``floor_in_force``): every running request is served by the same layers. Empty: none."""
     quality_confidence: float = 0.95
     """Two-sided confidence of the meter's Wilson interval (its lower bound is what the floor reads)."""
     quality_restore_s: float = 5.0
@@ -98,6 +103,12 @@ class PolicyConfig:
         errors: list[str] = []
         if self.quality_floor is not None and not 0.0 < self.quality_floor <= 1.0:
             errors.append(f"quality_floor must be in (0, 1] or null, got {self.quality_floor!r}")
+        try:
+            if tier_floors(self.quality_floor_by_tier) != self.quality_floor_by_tier:
+                errors.append(f"quality_floor_by_tier must be (tier, floor) pairs sorted by tier, got "
+                              f"{self.quality_floor_by_tier!r}")
+        except ValueError as exc:
+            errors.append(str(exc))
         if not 0.0 < self.quality_confidence < 1.0:
             errors.append(f"quality_confidence must be in (0, 1), got {self.quality_confidence!r}")
         if not 0 <= self.quality_restore_s < float("inf"):
@@ -175,6 +186,11 @@ class PolicyConfig:
             overrides = {**overrides, "ladder": tuple(p.strip() for p in ladder.split(",") if p.strip())}
         elif isinstance(ladder, list):  # --policy ladder='["int8","int4"]' parses as a JSON list
             overrides = {**overrides, "ladder": tuple(ladder)}
+        if "quality_floor_by_tier" in overrides:  # a JSON object of tier -> floor, from --policy or config.pbtxt
+            try:
+                overrides = {**overrides, "quality_floor_by_tier": tier_floors(overrides["quality_floor_by_tier"])}
+            except ValueError as exc:
+                raise ValueError(f"invalid PolicyConfig: {exc}") from None
         errors = [_type_error(k, v) for k, v in overrides.items()]
         errors = [e for e in errors if e]
         if errors:
@@ -209,6 +225,8 @@ def _type_error(key: str, value: object) -> str | None:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif hint is float:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif key == "quality_floor_by_tier":
+        ok, want = isinstance(value, tuple), "an object of tier -> floor"
     elif typing.get_origin(hint) is tuple:
         ok, want = isinstance(value, tuple) and all(isinstance(v, str) for v in value), "a list of precisions"
     else:  # str, or a Literal of strings (strategy)

@@ -176,17 +176,61 @@ class FloorVerdict:
     reason: str
 
 
-class FloorRule:
-    """The quality floor (``PolicyConfig.quality_floor``): while the meter's lower bound on top-1 agreement is under
-    the floor, no further quantizing step; when it has stayed under for ``restore_s`` and the measured agreement
-    itself is under the floor too (not only the bound's width with few samples), restore the newest transition
-    first. No reading (nothing sampled yet) holds nothing: full precision meets any floor, and the first step's
-    quality can only be measured once it is taken."""
+MAX_TIER = 9
+"""Tiers 0..9 (0 = strict), as requests name them (serve/engine/slo.py ``MAX_PRIORITY``)."""
 
-    def __init__(self, floor: float | None, restore_s: float) -> None:
+
+def tier_floors(value: object) -> tuple[tuple[int, float], ...]:
+    """A ``quality_floor_by_tier`` setting (a JSON object such as ``{"0": 0.97, "1": 0.9}``, or (tier, floor) pairs)
+    -> (tier, floor) pairs sorted by tier; ValueError names what is wrong."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)):
+        raise ValueError(f"quality_floor_by_tier must be an object of tier -> floor, got {value!r}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"quality_floor_by_tier: {pair!r} is not a tier and its floor")
+        tier, floor = pair
+        try:
+            t = int(tier) if isinstance(tier, (int, str)) and not isinstance(tier, bool) else None
+        except ValueError:
+            t = None
+        if t is None or not 0 <= t <= MAX_TIER or str(t) != str(tier).strip():
+            raise ValueError(f"quality_floor_by_tier: tier {tier!r} is not an integer in [0, {MAX_TIER}]")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 < floor <= 1.0:
+            raise ValueError(f"quality_floor_by_tier: tier {t}'s floor must be in (0, 1], got {floor!r}")
+        if t in out:
+            raise ValueError(f"quality_floor_by_tier names tier {t} twice")
+        out[t] = float(floor)
+    return tuple(sorted(out.items()))
+
+
+def floor_in_force(floor: float | None, by_tier: Sequence[tuple[int, float]],
+                   running_tiers: Sequence[int]) -> tuple[float, str] | None:
+    """The floor the served configuration must meet now, and whose it is: the strictest of the server's
+    ``quality_floor`` and the floors of the tiers with a request running. Every running request is served by the
+    same layers and KV blocks, so the most demanding one present decides; a tier with nothing running asks for
+    nothing. None when no floor applies."""
+    running = set(running_tiers)
+    floors = [(f, f" of tier {t}") for t, f in by_tier if t in running]
+    if floor is not None:
+        floors.append((floor, ""))
+    return max(floors, key=lambda fs: fs[0], default=None)
+
+
+class FloorRule:
+    """The quality floor (``PolicyConfig.quality_floor`` and ``quality_floor_by_tier``): while the meter's lower bound
+    on top-1 agreement is under the floor in force (:func:`floor_in_force`), no further quantizing step; when it has
+    stayed under for ``restore_s`` and the measured agreement itself is under the floor too (not only the bound's
+    width with few samples), restore the newest transition first. No reading (nothing sampled yet) holds nothing:
+    full precision meets any floor, and the first step's quality can only be measured once it is taken. The time
+    under counts while the bound stays under whichever floor is in force (a stricter tier arriving starts it), and
+    stops once the bound meets it or no floor applies."""
+
+    def __init__(self, floor: float | None, restore_s: float, by_tier: Sequence[tuple[int, float]] = ()) -> None:
         if floor is not None and not 0.0 < floor <= 1.0:
             raise ValueError(f"quality_floor must be in (0, 1] or None, got {floor}")
-        self.floor, self.restore_s = floor, restore_s
+        self.floor, self.restore_s, self.by_tier = floor, restore_s, tier_floors(by_tier)
         self._under_since: float | None = None
 
     def restored(self, now_s: float) -> None:
@@ -195,30 +239,34 @@ class FloorRule:
         if self._under_since is not None:
             self._under_since = now_s
 
-    def holds(self, reading: QualityReading | None, quantized: bool) -> FloorVerdict:
+    def holds(self, reading: QualityReading | None, quantized: bool, tiers: Sequence[int] = ()) -> FloorVerdict:
         """Whether the floor holds quantizing now, without advancing its restore timer (a second look within one
-        decision: covering a deficit before preempting)."""
-        if self.floor is None or not quantized or reading is None or reading.lower >= self.floor:
+        decision: covering a deficit before preempting); ``tiers``: those with a request running."""
+        force = floor_in_force(self.floor, self.by_tier, tiers)
+        if force is None or not quantized or reading is None or reading.lower >= force[0]:
             return FloorVerdict(False, False, "")
-        return FloorVerdict(True, False, f"quality lower bound {reading.lower:.3f} < floor {self.floor:.3f}; "
+        return FloorVerdict(True, False, f"quality lower bound {reading.lower:.3f} < floor {force[0]:.3f}{force[1]}; "
                                          f"{reading.describe()}")
 
-    def check(self, now_s: float, reading: QualityReading | None, quantized: bool) -> FloorVerdict:
-        floor = self.floor
-        if floor is None:
+    def check(self, now_s: float, reading: QualityReading | None, quantized: bool,
+              tiers: Sequence[int] = ()) -> FloorVerdict:
+        force = floor_in_force(self.floor, self.by_tier, tiers)
+        if force is None:
+            self._under_since = None
             return FloorVerdict(False, False, "")
+        floor, whose = force
         if not quantized or reading is None:
             self._under_since = None
             why = "nothing quantized" if not quantized else "no samples yet"
-            return FloorVerdict(False, False, f"quality floor {floor:.3f}: {why}")
+            return FloorVerdict(False, False, f"quality floor {floor:.3f}{whose}: {why}")
         if reading.lower >= floor:
             self._under_since = None
-            return FloorVerdict(False, False, f"quality floor {floor:.3f} met: {reading.describe()}")
+            return FloorVerdict(False, False, f"quality floor {floor:.3f}{whose} met: {reading.describe()}")
         if self._under_since is None:
             self._under_since = now_s
         under_s = now_s - self._under_since
         restore = under_s >= self.restore_s and reading.agreement < floor
         verdict = (f"restore first (under for {under_s:.2f} s >= {self.restore_s} s, agreement itself under)"
                    if restore else f"no further quantizing (under for {under_s:.2f} s)")
-        return FloorVerdict(True, restore, f"quality lower bound {reading.lower:.3f} < floor {floor:.3f}: {verdict}; "
-                                           f"{reading.describe()}")
+        return FloorVerdict(True, restore, f"quality lower bound {reading.lower:.3f} < floor {floor:.3f}{whose}: "
+                                           f"{verdict}; {reading.describe()}")

@@ -89,6 +89,9 @@ class Telemetry:
     quality: QualityReading | None = None
     """The quality meter's reading (policy/quality.py): top-1 agreement with full precision over its window of
     samples, with its bound; None without a meter or before its first sample. The quality floor reads it."""
+    running_tiers: tuple[int, ...] = ()
+    """The SLO tiers (0 = strict) with a request running, each once: the quality floor in force is the strictest of
+    theirs (``PolicyConfig.quality_floor_by_tier``) and the server's."""
 
     def __post_init__(self) -> None:
         if self.kv_blocks_total < 0 or self.kv_blocks_used < 0:

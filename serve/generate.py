@@ -14,7 +14,8 @@ from serve.config import EMBEDDED_MODEL, EngineConfig
 from serve.config_flags import add_engine_flags, engine_kwargs
 from serve.engine.sampling_params import SamplingParams
 
-ENGINE_FIELDS = ("model", "level", "device", "dtype", "num_threads", "kv_cache_dtype", "speculation")
+ENGINE_FIELDS = ("model", "level", "device", "dtype", "num_threads", "kv_cache_dtype", "speculation",
+                 "quality_meter")
 """The EngineConfig fields this command's line sets (serve/config_flags.py)."""
 
 

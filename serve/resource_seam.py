@@ -45,6 +45,10 @@ class SchedulerView(Protocol):
 
     def blocks_needed_by_waiting(self) -> int: ...
 
+    def running_tiers(self) -> tuple[int, ...]:
+        """The SLO tiers (0 = strict) with a request running, each once (the quality floor's per-tier floors)."""
+        ...
+
     def slo_signals(self, now: float) -> tuple[int, float | None]:
         """(critical decodes left out of the last batch, least TTFT slack of a waiting request or None)."""
         ...
@@ -64,6 +68,9 @@ class IdleSchedulerView:
 
     def blocks_needed_by_waiting(self) -> int:
         return 0
+
+    def running_tiers(self) -> tuple[int, ...]:
+        return ()
 
     def slo_signals(self, now: float) -> tuple[int, float | None]:
         return 0, None

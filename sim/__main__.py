@@ -30,6 +30,7 @@ from sim.clock import VirtualClock
 from sim.executor import SimExecutor
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
+from sim.quality_levels import find_table, load_table, plan_quality, quality_table
 from sim.speculation import DRAFT_RUNGS, ModelledSpeculation, SimSpeculation, default_rung
 from sim.target import Target, table_target
 from workload.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculation-rung", choices=DRAFT_RUNGS, default=None,
                    help="the draft's rung for full-precision layers: int8 / int4 weight-only (A100's tables) or fp8 "
                         "(H100, H200, L40S); default: int8 where the tables have it, else fp8")
+    g.add_argument("--quality-table", type=Path, default=None, metavar="JSON",
+                   help="make quality's offline table (builder.evaluate: <engine-dir>/quality_<text>.json): the plan "
+                        "states each served level's top-1 agreement with full precision from it (sim/quality_levels.py); "
+                        "default: the one in --model when that is an engine directory with one")
     for action in p._actions:  # --model means a config here (and an engine on --system local)
         if action.dest == "model":
             action.default = None
@@ -110,6 +115,8 @@ class Planner:
             args.max_num_batched_tokens = args.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS
             args.device_memory = args.device_memory or GPU_DEVICE_MEMORY
             self.target = table_target(args.system, args.model, 16, args.overhead_ms / 1e3)
+        self.quality_path = args.quality_table or find_table(args.model)
+        self.quality = load_table(self.quality_path) if self.quality_path is not None else None
         self.speculation: ModelledSpeculation | None = None
         if args.speculation_acceptance is not None:
             self.speculation = ModelledSpeculation(args.speculation_acceptance, args.speculation_k,
@@ -157,6 +164,8 @@ class Planner:
             "swap_bytes_copied": m.bank.bytes_copied if m and isinstance(m.bank, SimLayerBank) else 0,
             "kv_rung": dataclasses.asdict(rung.resource_stats()) if rung else None,
         }
+        if self.quality is not None and self.quality_path is not None:
+            result["plan"]["quality"] = plan_quality(self.quality, self.quality_path, result["tokens_by_config"])
         drafting = engine.resource_manager(SimSpeculation)
         if drafting is not None:
             result["plan"]["speculation_counts"] = drafting.resource_stats().as_dict()
@@ -232,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     except TableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    levels = quality_table(planner.results) if status == 0 else ""
+    if levels:
+        print(f"\nquality per level, offline (make quality's table {planner.quality_path}, top-1 agreement with full "
+              "precision on its held-out text):\n")
+        print(levels)
     table = speculation_table(planner.results) if status == 0 else ""
     if table:
         print("\nself-speculative decoding, modelled (sim/speculation.py; TPOT without: the same mode, speculation off):\n")

@@ -36,7 +36,7 @@ from workload.summary import MorphSummary, time_weighted_quantized_share
 
 ENGINE_FIELDS = ("model", "device_memory", "slo_ttft_s", "scheduler", "slai_theta", "max_num_seqs",
                  "max_num_batched_tokens", "device", "dtype", "num_threads", "prefix_cache_across_morph",
-                 "kv_cache_dtype", "speculation")
+                 "kv_cache_dtype", "speculation", "quality_meter")
 """The EngineConfig fields a replay's command line sets (one engine per mode; serve/config_flags.py)."""
 
 

@@ -21,7 +21,7 @@ ENGINE_FIELDS = ("model", "morph_mode", "device", "dtype", "device_memory", "num
                  "scheduler", "enable_prefix_caching", "prefix_cache_across_morph", "memory_floor",
                  "memory_reclaim_mark", "memory_pressure_source", "queue_timeout_s", "shed_on_arrival",
                  "request_timeout_s", "max_num_waiting", "kv_cache_dtype",
-                 "speculation")
+                 "speculation", "quality_meter")
 """The EngineConfig fields a worker's command line sets (serve/config_flags.py turns them into flags)."""
 
 

@@ -209,6 +209,10 @@ class Scheduler:
     def oldest_waiting_arrival(self) -> float | None:
         return self.waiting[0].arrival_time if self.waiting else None
 
+    def running_tiers(self) -> tuple[int, ...]:
+        """The SLO tiers with a sequence running, each once, strictest first."""
+        return tuple(sorted({s.slo.priority for s in self.running if s.slo.priority is not None}))
+
     def slo_signals(self, now: float) -> tuple[int, float | None]:
         """(critical decodes left out of the last batch, least TTFT slack of a waiting request in seconds).
 

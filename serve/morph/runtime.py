@@ -116,7 +116,7 @@ class MorphRuntime(ResourceManagerBase):
             memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
             yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
             top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
-            yielded_layers=self._yielded_layers(),
+            yielded_layers=self._yielded_layers(), running_tiers=scheduler.running_tiers(),
             block_bytes=self.ledger.slot_bytes, quality=self.quality.reading() if self.quality is not None else None)
 
     # ---- the iteration boundary: the engine loop's resource-manager seam (serve/resource_seam.py) ------------

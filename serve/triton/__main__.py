@@ -47,7 +47,7 @@ log = get_logger("triton_launcher")
 
 ENGINE_FIELDS = ("level", "morph_mode", "device", "dtype", "device_memory", "max_num_seqs", "max_num_batched_tokens",
                  "slo_ttft_s", "scheduler", "queue_timeout_s", "shed_on_arrival", "request_timeout_s",
-                 "kv_cache_dtype", "speculation")
+                 "kv_cache_dtype", "speculation", "quality_meter")
 """EngineConfig fields with a flag of their own (serve/config_flags.py); they land in config.pbtxt parameters.
 Any other field: --param KEY=VALUE."""
 _DEVICE_MEMORY_HELP = (

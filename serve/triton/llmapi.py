@@ -11,7 +11,8 @@ Upstream's meanings kept here:
   ``exclude_input_from_output`` false: a non-streaming answer starts with the prompt);
 - ``return_finish_reason`` / ``return_stop_reason`` / ``return_cumulative_logprob`` add those outputs, one
   string / number per answer ("None" while unfinished, as upstream); ``sampling_param_return_perf_metrics`` adds
-  the request's perf metrics (times in ns of CLOCK_MONOTONIC, upstream's steady clock; KV blocks; speculation);
+  the request's perf metrics (times in ns of CLOCK_MONOTONIC, upstream's steady clock; KV blocks; speculation),
+  and with them this server's quality outputs (``QUALITY_OUTPUTS``, not upstream's);
 - ``stop`` = true with a request id ends the in-flight request of that id (the front model does it).
 
 Where this server differs, it says so: outputs carry their declared types (upstream fills its numeric outputs with
@@ -64,7 +65,12 @@ PERF_OUTPUTS = ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_allo
                 "first_token_time_ns", "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens",
                 "total_draft_tokens")
 """The perf-metric outputs, named as upstream's; the engine model answers them under the same names."""
-ENGINE_OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cum_log_probs", *PERF_OUTPUTS)
+QUALITY_OUTPUTS = ("quantized_layer_tokens", "kv_8bit_tokens", "quality_samples", "quality_agreement")
+"""This server's own per-request quality outputs (docs/quality.md), answered with the perf metrics under
+``RequestMetrics.quality_fields``' names (Dynamo's ``engine_data`` keys): output tokens served while some layer was
+quantized and while the request read 8-bit KV (of ``num_output_tokens``), the positions the quality meter sampled
+and their top-1 agreement with full precision, which is left out until the meter sampled the request."""
+ENGINE_OUTPUTS = ("text_output", "finish_reason", "stop_reason", "cum_log_probs", *PERF_OUTPUTS, *QUALITY_OUTPUTS)
 ALLOWED_PARAMETERS = frozenset({"Streaming"})
 """Request parameters upstream's own client sends and its model reads nothing of (``llmapi_client.py -S``)."""
 
@@ -192,7 +198,7 @@ def engine_to_llmapi(outs: Mapping[str, np.ndarray], text: str, options: OutputO
         result["cumulative_logprob"] = np.asarray(cum, dtype=np.float32).reshape(1) if cum is not None else \
             np.array([0.0], dtype=np.float32)
     if options.perf_metrics:
-        for name in PERF_OUTPUTS:
+        for name in (*PERF_OUTPUTS, *QUALITY_OUTPUTS):
             if name in outs:
                 result[name] = np.asarray(outs[name]).reshape(1)
     return {k: v for k, v in result.items() if k in declared}
@@ -210,7 +216,15 @@ PERF_DTYPES = {name: np.int64 if name.endswith("_ns") else np.float32 if name in
 """Each perf-metric output's declared type (upstream's config.pbtxt)."""
 
 
+QUALITY_DTYPES = {name: np.float32 if name == "quality_agreement" else np.int32 for name in QUALITY_OUTPUTS}
+"""Each quality output's declared type (the morphserve and tensorrt_llm models' config.pbtxt)."""
+
+
 def perf_metric_arrays(m: Any, final: bool) -> dict[str, np.ndarray]:
     """A request's ``RequestMetrics`` (serve/engine/outputs.py, read by duck type) -> the perf-metric outputs with
-    their declared types (``RequestMetrics.perf_fields`` names them and gives the units)."""
-    return {name: np.array([v], dtype=PERF_DTYPES[name]) for name, v in m.perf_fields(final).items()}
+    their declared types (``RequestMetrics.perf_fields`` names them and gives the units), then the quality outputs
+    (``quality_fields``; an unsampled request's agreement, None, is left out)."""
+    arrays = {name: np.array([v], dtype=PERF_DTYPES[name]) for name, v in m.perf_fields(final).items()}
+    arrays.update({name: np.array([v], dtype=QUALITY_DTYPES[name]) for name, v in m.quality_fields().items()
+                   if v is not None})
+    return arrays

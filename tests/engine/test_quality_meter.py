@@ -134,3 +134,24 @@ def test_8bit_kv_alone_switches_the_meter_on(smollm):
         assert s.samples_total > 0 and s.tokens_kv_8bit == 16 and s.tokens_quantized_layers == 0
     finally:
         engine.shutdown()
+
+
+def test_the_controller_sees_which_tiers_are_running(smollm):
+    """Per-tier quality floors (PolicyConfig.quality_floor_by_tier) read the SLO tiers with a request running from
+    the telemetry the morph runtime builds: each tier once, strictest first, none once everything finished."""
+    from serve.engine.slo import RequestSLO
+
+    engine = build(smollm, 0.0, "off", num_kv_blocks=256)
+    try:
+        for i, tier in enumerate((3, 0, 3)):
+            engine.add_request(PROMPTS[i], SamplingParams(max_tokens=6, ignore_eos=True), request_id=f"t{i}",
+                               slo=RequestSLO(priority=tier))
+        while engine.scheduler.num_running() < 3:
+            engine.step()
+        runtime = morph(engine)
+        assert runtime.telemetry(engine.clock(), engine.scheduler).running_tiers == (0, 3)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert runtime.telemetry(engine.clock(), engine.scheduler).running_tiers == ()
+    finally:
+        engine.shutdown()

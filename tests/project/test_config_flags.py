@@ -67,6 +67,31 @@ def test_the_dynamo_worker_reaches_cuda_and_slai_through_its_flags() -> None:
     assert (opts.engine.device, opts.engine.dtype, opts.engine.scheduler) == ("cuda:1", "bfloat16", "slai")
 
 
+def test_the_quality_meters_fraction_reaches_every_engine_a_command_builds() -> None:
+    """--quality-meter on each command line lands in its EngineConfig (serve.triton: in config.pbtxt's parameter, which
+    the shipped model declares and the model's load checks); a replay mode's own setting still wins over it."""
+    from serve.dynamo.cli import parse_worker_args
+    from serve.generate import ENGINE_FIELDS as GENERATE_FIELDS
+    from serve.generate import build_parser as generate_parser
+    from serve.triton.__main__ import build_parser as triton_parser
+    from serve.triton.__main__ import check_params, params_from_args
+    from serve.triton.repository import DEFAULT_MODEL_REPOSITORY
+    from workload.replay import build_parser as replay_parser
+    from workload.replay import engine_config
+
+    assert parse_worker_args(["--quality-meter", "0"]).engine.quality_meter == 0.0
+    replay = replay_parser().parse_args(["--quality-meter", "0.05"])
+    assert engine_config(replay, "default").quality_meter == 0.05
+    assert engine_config(replay, "default+quality_meter=0").quality_meter == 0.0
+    generate = generate_parser().parse_args(["--prompt", "x", "--quality-meter", "0.1"])
+    assert EngineConfig(**engine_kwargs(generate, GENERATE_FIELDS)).quality_meter == 0.1
+    params = params_from_args(triton_parser().parse_args(["--quality-meter", "0.25"]))
+    assert params["quality_meter"] == 0.25
+    check_params(params, DEFAULT_MODEL_REPOSITORY, "morphserve")  # a declared parameter, a valid value
+    with pytest.raises(ValueError, match="quality_meter"):
+        check_params({"quality_meter": -1}, DEFAULT_MODEL_REPOSITORY, "morphserve")
+
+
 # ------------------------------------------------------------------------- no engine flag written by hand
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

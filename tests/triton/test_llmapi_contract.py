@@ -14,11 +14,13 @@ from serve.triton.input_error import InputError
 from serve.triton.llmapi import (
     LLMAPI_INPUTS,
     PERF_OUTPUTS,
+    QUALITY_OUTPUTS,
     OutputOptions,
     check_parameters,
     engine_to_llmapi,
     is_stop_request,
     llmapi_to_engine,
+    perf_metric_arrays,
 )
 from serve.triton.llmapi_config import FrontSettings, ModelYamlError, overlay_model_yaml, parse_model_yaml
 from serve.triton.model_params import engine_config_kwargs
@@ -50,6 +52,9 @@ UPSTREAM_OUTPUTS = {
     "acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens": ("TYPE_INT32", "1"),
     "total_draft_tokens": ("TYPE_INT32", "1"),
 }
+# This server's own quality outputs (docs/quality.md), declared by both models beside upstream's.
+OUR_OUTPUTS = {"quantized_layer_tokens": ("TYPE_INT32", "1"), "kv_8bit_tokens": ("TYPE_INT32", "1"),
+               "quality_samples": ("TYPE_INT32", "1"), "quality_agreement": ("TYPE_FP32", "1")}
 FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
@@ -64,10 +69,13 @@ def test_the_model_declares_upstreams_inputs_and_outputs() -> None:
     inputs = _declared("tensorrt_llm", "input")
     assert {k: v for k, v in inputs.items() if k in UPSTREAM_INPUTS} == UPSTREAM_INPUTS
     assert set(inputs) == set(LLMAPI_INPUTS) == {*UPSTREAM_INPUTS, "image_url"}
-    assert _declared("tensorrt_llm", "output") == UPSTREAM_OUTPUTS
+    assert _declared("tensorrt_llm", "output") == {**UPSTREAM_OUTPUTS, **OUR_OUTPUTS}
+    assert tuple(OUR_OUTPUTS) == QUALITY_OUTPUTS
     morph_outputs = _declared("morphserve", "output")
     for name in PERF_OUTPUTS:  # the engine model answers them under the same names and types
         assert morph_outputs[name] == UPSTREAM_OUTPUTS[name], name
+    for name in QUALITY_OUTPUTS:
+        assert morph_outputs[name] == OUR_OUTPUTS[name], name
     assert "max_batch_size: 0" in (DEFAULT_MODEL_REPOSITORY / "tensorrt_llm" / "config.pbtxt").read_text()
 
 
@@ -166,6 +174,25 @@ def test_engine_outputs_map_back() -> None:
     plain = engine_to_llmapi({"text_output": outs["text_output"]}, "x", OutputOptions(finish_reason=True), declared)
     assert plain["finish_reason"].tolist() == [b"None"]  # unfinished, as upstream says it
     assert set(engine_to_llmapi(outs, "x", OutputOptions(), declared)) == {"text_output"}
+
+
+def test_quality_outputs_are_the_requests_counts_with_their_declared_types() -> None:
+    """The engine model's arrays from a request's RequestMetrics: the counts under RequestMetrics' names with the
+    declared types, the agreement only once sampled; the LLM-API model passes them on with the perf metrics."""
+    from serve.engine.outputs import RequestMetrics
+
+    sampled = perf_metric_arrays(RequestMetrics(1.0, quantized_layer_tokens=6, kv_8bit_tokens=2, quality_samples=4,
+                                                quality_agreed=3), final=True)
+    assert {n: (a.tolist(), a.dtype) for n, a in sampled.items() if n in QUALITY_OUTPUTS} == {
+        "quantized_layer_tokens": ([6], np.int32), "kv_8bit_tokens": ([2], np.int32),
+        "quality_samples": ([4], np.int32), "quality_agreement": ([0.75], np.float32)}
+    unsampled = perf_metric_arrays(RequestMetrics(1.0, quantized_layer_tokens=6), final=False)
+    assert "quality_agreement" not in unsampled and unsampled["quality_samples"].tolist() == [0]
+    declared = frozenset({*UPSTREAM_OUTPUTS, *OUR_OUTPUTS})
+    got = engine_to_llmapi({"text_output": np.array([b"x"], dtype=np.object_), **sampled}, "x",
+                           OutputOptions(perf_metrics=True), declared)
+    assert got["quality_agreement"].tolist() == [0.75] and got["quantized_layer_tokens"].tolist() == [6]
+    assert not set(engine_to_llmapi(sampled, "x", OutputOptions(), declared)) & set(QUALITY_OUTPUTS)
 
 
 def test_model_yaml_round_trip() -> None:

@@ -299,6 +299,41 @@ def test_refused_inputs_are_named(server, body: dict, named: str) -> None:
 
 
 @pytest.mark.slow
+def test_quality_outputs_of_both_engine_models(tmp_path: Path) -> None:
+    """An 8-bit KV cache with the quality meter sampling every step (morph_mode default hosts it): both models answer
+    the quality outputs with the perf metrics, every output token read 8-bit KV, the meter sampled the request and its
+    agreement is a share; a request without the flag gets none of them, and a gRPC request naming one output gets
+    that one alone."""
+    from serve.triton.llmapi import QUALITY_OUTPUTS
+
+    params = {**PARAMS, "morph_mode": "default", "kv_cache_dtype": "int8", "quality_meter": 1000, "speculation": "off"}
+    with running_server(params, tmp_path) as srv:
+        status, body = _generate(srv, {"text_input": PROMPT, "sampling_param_max_tokens": 8, "return_finish_reason": True,
+                                       "sampling_param_return_perf_metrics": True})
+        assert status == 200 and body["finish_reason"] == "length", body
+        assert body["kv_8bit_tokens"] == 8 and 0 <= body["quantized_layer_tokens"] <= 8
+        assert 0 < body["quality_samples"] <= 8 and 0.0 <= body["quality_agreement"] <= 1.0
+        status, body = _generate(srv, {"text_input": PROMPT, "max_tokens": 6, "ignore_eos": True,
+                                       "return_perf_metrics": True}, model="morphserve")
+        assert status == 200, body
+        assert body["kv_8bit_tokens"] == body["num_output_tokens"] == 6 and body["quality_samples"] > 0, body
+        status, plain = _generate(srv, {"text_input": PROMPT, "max_tokens": 6}, model="morphserve")
+        assert status == 200 and not set(plain) & set(QUALITY_OUTPUTS), plain
+        client = grpcclient.InferenceServerClient(srv.grpc_url)
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        try:
+            client.async_stream_infer(MODEL, client_inputs(PROMPT, 4, sampling_param_return_perf_metrics=np.array([True])),
+                                      request_id="q1", outputs=[grpcclient.InferRequestedOutput("quality_samples")])
+            result, error = got.get(timeout=120)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert error is None, error
+        assert result.as_numpy("text_output") is None and result.as_numpy("quality_samples").tolist()[0] > 0
+
+
+@pytest.mark.slow
 def test_unary_model_runs_upstreams_cancel_sequence(tmp_path: Path) -> None:
     """model.yaml triton_config.decoupled: false (upstream's default): unary gRPC calls (ModelInfer), as upstream's
     test_llmapi_cancel.py makes them: a stop for an id not yet used and for a finished request answer CANCELLED, a

@@ -336,3 +336,26 @@ def test_triton_gauges_read_engine_stats(triton_model, tiny) -> None:
     assert value("morphserve_engine_healthy") == 1.0 and stats.as_dict()["num_running"] == 0
     kv = {m.labels["kv_cache_block_type"]: m.value for m in FakeMetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics}
     assert kv["max"] == 32 and kv["tokens_per"] == stats.block_size
+
+
+def test_triton_quality_outputs_ride_with_the_perf_metrics_as_named(triton_model) -> None:
+    """return_perf_metrics: the response carries the request's quality counts too, but only the outputs the request
+    named (answered_outputs), the agreement only once the meter sampled it; without the flag, none of them."""
+    from serve.engine.outputs import RequestMetrics
+
+    named = frozenset({"text_output", "quantized_layer_tokens", "quality_samples", "quality_agreement"})
+    for rid, perf, metrics, want in [
+            ("s", True, RequestMetrics(0.0, quantized_layer_tokens=2, kv_8bit_tokens=2, quality_samples=2, quality_agreed=1),
+             {"text_output": [b"tt"], "quantized_layer_tokens": [2], "quality_samples": [2], "quality_agreement": [0.5]}),
+            ("u", True, RequestMetrics(0.0, quantized_layer_tokens=2),
+             {"text_output": [b"tt"], "quantized_layer_tokens": [2], "quality_samples": [0]}),
+            ("n", False, RequestMetrics(0.0, quantized_layer_tokens=2, quality_samples=2, quality_agreed=1),
+             {"text_output": [b"tt"]})]:
+        sent = triton_model.admit(rid, arrival=0.0)
+        flight = triton_model._inflight[rid]
+        flight.perf_metrics, flight.outputs = perf, named
+        final = out(rid, 2, FinishReason.LENGTH)
+        final.metrics = metrics
+        triton_model._handle(final, 1.0)
+        (response, flags), = sent.sent
+        assert {t.name(): t[1].tolist() for t in response.tensors} == want, rid
