@@ -12,14 +12,14 @@ Rules (dynamic modes):
   ``k = ceil(deficit_blocks / blocks_per_layer_chunk[precision])``, capped by
   ``max_layers_per_step`` and by the room left under ``max_quantized_fraction``.
   New layers are taken in swap (LIS) order and go to ``ladder[0]``. When no room
-  is left, layers already at rung ``i`` move to rung ``i + 1`` (e.g. int8 -> int4),
-  again in swap order, the mildest rung first; the gain per layer is then the
+  is left, layers already at ladder index ``i`` move to ladder index ``i + 1`` (e.g. int8 -> int4),
+  again in swap order, the mildest ladder step first; the gain per layer is then the
   difference of the two chunks. After a quantize step the streak restarts, so two
   steps are always at least ``persist_iters`` calls apart.
 * Restore. Calm = no pressure, nothing waiting, KV usage below ``kv_low`` and TTFT
   within SLO. After ``restore_persist_s`` seconds of unbroken calm, the most
   recent transition (last of ``Telemetry.quantized_layers``; LIFO) is undone: the
-  layer goes one rung back on the ladder (int4 -> int8) or to full precision, and
+  layer goes one step back on the ladder (int4 -> int8) or to full precision, and
   to full precision, but only if its KV chunk is entirely free
   (``pending_restore_chunk_free``) and shrinking the pool by that chunk would not
   push KV usage above ``kv_high`` (which would re-trigger pressure at once). One
@@ -28,7 +28,7 @@ Rules (dynamic modes):
 Cost-aware modes (``PolicyConfig.cost_aware`` with measured ``StepCosts``; ``policy/cost_rule.py``):
 
 * the ladder is the mode's precisions ordered by measured slowdown per freed block, fixed at the first
-  decision (a restore must find the rung a layer came from);
+  decision (a restore must find the ladder step a layer came from);
 * a quantize step under memory pressure (a block deficit: waiting prompts short of blocks, KV above
   ``kv_high``) is sized as above, then taken only if the decode throughput with the admitted requests
   and the slower steps beats the throughput without them; under compute pressure alone only a
@@ -111,7 +111,7 @@ class MorphController:
             self._ladder = None
 
     def ladder(self, t: Telemetry) -> tuple[str, ...]:
-        """The rungs in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
+        """The ladder steps in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
         if self._ladder is None:
             assert self.costs is not None
             self._ladder = cost_rule.cost_ladder(self.config.ladder, self.costs, t.blocks_per_layer_chunk) \
@@ -237,7 +237,7 @@ class MorphController:
         if not candidates:
             return MorphDecision.nothing(
                 f"pressure ({'; '.join(triggers)}) but nothing left to quantize: "
-                f"{len(precision_of)}/{self.max_quantized_layers} layers at the last rung; "
+                f"{len(precision_of)}/{self.max_quantized_layers} layers at the last ladder step; "
                 f"preemption is the fallback {describe(t)}"
             )
         # with the KV rung each freed slot becomes kv_blocks_per_freed_slot 8-bit blocks under pressure
@@ -266,7 +266,7 @@ class MorphController:
         if self.costs is None or not t.quantized_layers:
             return False
         precision = t.quantized_layers[-1][1]
-        return cost_rule.layer_is_slower(t, self.costs, precision, self._milder_rung(precision, t))
+        return cost_rule.layer_is_slower(t, self.costs, precision, self._milder_precision(precision, t))
 
     def _maybe_restore(self, t: Telemetry) -> MorphDecision:
         c = self.config
@@ -298,7 +298,7 @@ class MorphController:
             return MorphDecision.nothing(
                 f"calm for {calm_for:.2f} s but layer {layer}'s KV chunk is still in use; restore waits {describe(t)}"
             )
-        target = self._milder_rung(precision, t)
+        target = self._milder_precision(precision, t)
         chunk = t.blocks_per_layer_chunk.get(precision, 0) - (t.blocks_per_layer_chunk.get(target, 0) if target else 0)
         remaining = t.kv_blocks_total - chunk
         projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
@@ -337,12 +337,12 @@ class MorphController:
                                          f"waits for it {describe(t)}")
         self._calm_since = t.now_s
         self.floor.restored(t.now_s)
-        target = self._milder_rung(precision, t)
+        target = self._milder_precision(precision, t)
         return MorphDecision("restore", (layer,), target, f"{floor.reason} -> restore layer {layer} ({precision}) to "
                                                           f"{target or 'full precision'} (LIFO) {describe(t)}")
 
-    def _milder_rung(self, precision: str, t: Telemetry) -> str | None:
-        """The rung a restore returns to: one step back on the ladder, or full precision (None)."""
+    def _milder_precision(self, precision: str, t: Telemetry) -> str | None:
+        """The ladder step a restore returns to: one step back on the ladder, or full precision (None)."""
         ladder = self.ladder(t)
         if precision in ladder and ladder.index(precision) > 0:
             return ladder[ladder.index(precision) - 1]

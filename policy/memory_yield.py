@@ -7,7 +7,7 @@ MorphServe's usual trade turns the bytes a quantized layer frees into KV cache. 
   operator asked for bytes (``yield_request_bytes``) the engine has not yielded yet. The shortfall is
   covered, in this order, by (1) the newest transition's KV chunk when every block of it is free (nothing
   is recomputed, no request loses anything), then (2) layers moved down the ladder as a quantize step
-  moves them (fresh layers to the mildest rung in swap order, then one rung down), sized to the
+  moves them (fresh layers to the mildest ladder step in swap order, then one ladder step down), sized to the
   shortfall. Unlike a KV quantize step a yield may use every layer: the alternative is another tenant's
   out-of-memory error. It acts at once, without persistence: the reading is a fact, not a noisy signal.
 * **Reclaim** the newest yielded transition (LIFO, one per decision) when, after taking its bytes back,
@@ -101,7 +101,7 @@ class YieldRule:
                     gain = self._chunk_bytes(t, target, milder)
                     break
         if not candidates or gain <= 0:
-            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last rung and "
+            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last ladder step and "
                                          f"no free KV chunk is on top: nothing left to give back {describe}")
         k = min(len(candidates), math.ceil(short / gain))
         return MorphDecision("yield", tuple(candidates[:k]), target,

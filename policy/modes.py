@@ -42,7 +42,7 @@ class PolicyConfig:
 
     ``ladder`` lists precisions from mildest to most aggressive: layers are first
     quantized to ``ladder[0]``; once ``max_quantized_fraction`` is reached, already
-    quantized layers move one rung down (e.g. int8 -> int4) in swap order.
+    quantized layers move one ladder step down (e.g. int8 -> int4) in swap order.
     """
 
     mode: str = "default"
@@ -185,7 +185,7 @@ class PolicyConfig:
 def resolve_kv_rung(policy: PolicyConfig, device_type: str, computes_fp32: bool, kv_cache_dtype: str) -> PolicyConfig:
     """``policy`` with ``kv_rung="auto"`` made concrete for an engine on ``device_type``: int8 on a CPU engine
     computing in fp32 over a full-precision KV cache (``kv_cache_dtype`` auto) in a dynamic mode, the configuration
-    measured (docs/morphing.md "KV-cache precision"); None elsewhere: on CUDA the fp8 rung has not run on a GPU yet
+    measured (docs/morphing.md "KV-cache precision"); None elsewhere: on CUDA the fp8 KV rung has not run on a GPU yet
     (``kv_rung=fp8`` asks for it), and a static 8-bit cache has nothing to convert. Other values pass unchanged."""
     if policy.kv_rung != "auto":
         return policy

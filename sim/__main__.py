@@ -30,7 +30,7 @@ from sim.clock import VirtualClock
 from sim.executor import SimExecutor
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
-from sim.speculation import DRAFT_RUNGS, ModelledSpeculation, SimSpeculation, default_rung
+from sim.speculation import DRAFT_PRECISIONS, ModelledSpeculation, SimSpeculation, default_draft_precision
 from sim.target import Target, table_target
 from workload.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
 from workload.items import build_workload
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculation-k", type=int, default=SpeculationConfig.max_k, metavar="K",
                    help="the longest draft: auto picks k in 1..K by the controller's predicted gain, always drafts "
                         f"min({SpeculationConfig.always_k}, K) (default: %(default)s, the engine's)")
-    g.add_argument("--speculation-rung", choices=DRAFT_RUNGS, default=None,
-                   help="the draft's rung for full-precision layers: int8 / int4 weight-only (A100's tables) or fp8 "
+    g.add_argument("--speculation-rung", choices=DRAFT_PRECISIONS, default=None,
+                   help="the draft precision for full-precision layers: int8 / int4 weight-only (A100's tables) or fp8 "
                         "(H100, H200, L40S); default: int8 where the tables have it, else fp8")
     for action in p._actions:  # --model means a config here (and an engine on --system local)
         if action.dest == "model":
@@ -113,7 +113,7 @@ class Planner:
         self.speculation: ModelledSpeculation | None = None
         if args.speculation_acceptance is not None:
             self.speculation = ModelledSpeculation(args.speculation_acceptance, args.speculation_k,
-                                                   args.speculation_rung or default_rung(self.target.layer_nbytes[0]))
+                                                   args.speculation_rung or default_draft_precision(self.target.layer_nbytes[0]))
 
     def modelled(self, config_speculation: str) -> ModelledSpeculation | None:
         """What the plan assumes about self-speculative decoding; None: not modelled (not asked for, or off)."""
@@ -184,7 +184,9 @@ def speculation_summary(modelled: ModelledSpeculation, with_: dict, without: dic
     """The plan's "speculation" block: what was assumed, how often it drafted, TPOT without and with it."""
     counts = with_["plan"].get("speculation_counts", {})
     iters = counts.get("decode_iterations", 0)
-    return {"modelled": True, **dataclasses.asdict(modelled), "mode": counts.get("mode"),
+    # "rung": the plan JSON's public key for the draft precision
+    return {"modelled": True, "acceptance": modelled.acceptance, "k": modelled.k, "rung": modelled.precision,
+            "mode": counts.get("mode"),
             "drafting_share_of_decode_iterations": round(counts.get("drafting_iterations", 0) / iters, 4) if iters else None,
             "tpot_ms": {"without": {k: _ms(v) for k, v in without["tpot_s"].items()},
                         "with": {k: _ms(v) for k, v in with_["tpot_s"].items()}},
@@ -195,7 +197,7 @@ def speculation_summary(modelled: ModelledSpeculation, with_: dict, without: dic
 
 def speculation_table(results: dict[str, dict]) -> str:
     """Per mode: the modelled TPOT without and with self-speculative decoding (the last run of each mode)."""
-    lines = ["| mode | speculation | acceptance | k | rung | mean TPOT without (ms) | mean TPOT with (ms) | "
+    lines = ["| mode | speculation | acceptance | k | draft precision | mean TPOT without (ms) | mean TPOT with (ms) | "
              "P95 TPOT without (ms) | P95 TPOT with (ms) | drafting iterations |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for spec, r in results.items():
         s = r["plan"].get("speculation") or {}

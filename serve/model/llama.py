@@ -225,7 +225,7 @@ class LlamaModel:
                 head: LinearOp | None = None) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None). ``layers`` / ``head``: run
         these decoder layers and LM head instead of the model's own (a speculative draft: the same weights at a
-        lower rung, writing its K/V into the same cache)."""
+        lower precision, writing its K/V into the same cache)."""
         layers = self.layers if layers is None else layers
         h = self.embedding.weight_rows(batch.input_ids)
         where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is not None, self.prompt_attention is None)

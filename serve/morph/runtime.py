@@ -394,7 +394,7 @@ class MorphRuntime(ResourceManagerBase):
 
     def extra_reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
         """The KV blocks this mode can still add: a dynamic mode quantizing every layer it may to its deepest
-        rung; a static mode has added them all already."""
+        ladder step; a static mode has added them all already."""
         if self.config.strategy != "dynamic":
             return 0, f"layers fixed in mode {self.config.mode}"
         deepest = self.config.ladder[-1]

@@ -194,7 +194,7 @@ def test_default_levels_are_the_ladders_of_the_modes() -> None:
         if mode.strategy == "dynamic":
             cap = f"{mode.max_quantized_fraction * 100:g}"
             assert f"{mode.ladder[0]}@{cap}" in lv.default_levels(), mode.mode
-            assert all(f"{rung}@{cap}" in lv.default_levels() for rung in mode.ladder[1:]), mode.mode
+            assert all(f"{step}@{cap}" in lv.default_levels() for step in mode.ladder[1:]), mode.mode
 
 
 def test_level_precisions_are_the_ladders_precisions_a_level_checkpoint_can_hold() -> None:
@@ -235,7 +235,7 @@ def test_layers_and_reaching_modes_follow_the_controller() -> None:
     assert modes("int4@25") == ["accuracy", "default", "performance"]  # accuracy: its cap, all moved to int4
     assert modes("int4@12") == ["default", "performance"]             # accuracy holds int4 only at its cap
     assert modes("int8@25") == modes("int8@12") == modes("int4@12+int8@25") == ["accuracy"]
-    assert modes("int8@12+int4@25") == []                             # the milder rung sits ahead in swap order
+    assert modes("int8@12+int4@25") == []                             # the milder ladder step sits ahead in swap order
     assert modes("int4@50") == ["default", "performance"] and modes("int4@75") == ["performance"]
     assert modes("int4@100") == ["static-int4"] and modes("int8@100") == ["static-int8"] and modes("int4@90") == []
     assert lv.reaching_modes({0: "int4"}, order) == []                # not a prefix of the swap order

@@ -198,7 +198,7 @@ def test_cost_aware_default_measures_this_gpu_and_serves_a_burst(model):
                        loaded=model, clock=clock)
     costs = morph(engine).costs
     assert costs is not None and costs.device == torch.cuda.get_device_name(CUDA), costs
-    assert set(costs.precisions) == {FULL, *morph(engine).bank.precisions}  # every rung the mode can take
+    assert set(costs.precisions) == {FULL, *morph(engine).bank.precisions}  # every ladder step the mode can take
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for i in range(10):
         engine.add_request([(7 * i + j) % 250 + 1 for j in range(60)], params)

@@ -96,7 +96,7 @@ def test_the_ladder_comes_from_the_measured_costs() -> None:
     assert cost_ladder(("int8", "int4"), costs(int4=1.7, int8=1.1), chunks) == ("int8", "int4")  # int8 first
     assert cost_ladder(("int8", "int4"), costs(int4=0.7, int8=0.9), chunks) == ("int4",)  # int4 dominates
     assert cost_ladder(("int8", "int4"), costs(int4=1.2, int8=1.2), chunks) == ("int4",)  # same cost, more blocks
-    # a mode whose ladder lists both rungs quantizes new layers to the cheaper one
+    # a mode whose ladder lists both ladder steps quantizes new layers to the cheaper one
     c = ctl(costs(int4=1.7, int8=1.02), ladder=("int8", "int4"), max_layers_per_step=8)
     d = step(c, FakeEngine(), usage=0.5, num_running=2, num_waiting=2, blocks_needed_waiting=600)
     assert d.action == "quantize" and d.precision == "int8"

@@ -150,7 +150,7 @@ def test_layers_capped_by_step_and_fraction() -> None:
     wants_many = {"num_waiting": 9, "blocks_needed_waiting": 5000}
     assert len(step(ctl, eng, **wants_many).layers) == 2
     assert len(step(ctl, eng, **wants_many).layers) == 2
-    d = step(ctl, eng, **wants_many)  # 4 of 8 quantized = 0.5: no room, single-rung ladder
+    d = step(ctl, eng, **wants_many)  # 4 of 8 quantized = 0.5: no room, single-step ladder
     assert d.action == "none" and "nothing left to quantize" in d.reason
     assert len(eng.quantized) == 4
 
