@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             return round(time.monotonic() - t0, 2)
 
         watch(args.baseline_s)
-        # the operator's control first: yield --manual, then reclaim (a request parameter through the HTTP front)
+        # the operator's control first: yield --manual, then reclaim (a request parameter through the HTTP front end)
         state = control(srv, f"yield {args.manual}")
         events.append({"t_s": now(), "event": "manual_yield", "response": state})
         watch(30, until=reached(lambda s: s["yielded_mib"] * 2**20 >= parse_size(args.manual), timeline))

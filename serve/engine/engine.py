@@ -135,7 +135,7 @@ class LLMEngine:
         (overloaded, draining, unhealthy: serve/engine/lifecycle.py decides); the engine is unaffected.
 
         arrival_time (engine clock): count queueing from the request's arrival (a replay's schedule, a front end's
-        door). slo: its TTFT/TBT targets and tier (unset: slo_ttft_s, slo_tbt_s, default_priority from the config).
+        front end). slo: its TTFT/TBT targets and tier (unset: slo_ttft_s, slo_tbt_s, default_priority from the config).
         timeout_s: its deadline from arrival (default: the config's request_timeout_s)."""
         params = params or SamplingParams()
         arrival = arrival_time if arrival_time is not None else self.clock()

@@ -55,7 +55,7 @@ _DEVICE_MEMORY_HELP = (
     "config.pbtxt's default: on CPU the full-precision weights + 16MiB reserve + a KV pool for ONE request of "
     "max_model_len tokens (the dynamic morph modes act once long requests overlap; SmolLM2-135M fp32: ~940MiB), on "
     "CUDA 0.9 of the device; with auto, a num_kv_blocks or kv_cache_memory parameter fixes the KV pool instead")
-_QUEUE_TIMEOUT_HELP = ("a request without its first token this many seconds after arrival at the HTTP door (or at "
+_QUEUE_TIMEOUT_HELP = ("a request without its first token this many seconds after arrival at the HTTP front end (or at "
                        "the model, over gRPC) is shed: 503 + Retry-After \"overloaded ... retry later\" (default: 30, "
                        "config.pbtxt's; 0: no queue deadline)")
 _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(OPENABLE)}); closed by default: only inference, health, metadata and statistics "
                         "are open (docs/hardening.md)")
     p.add_argument("--grpc-max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="the gRPC front refuses larger messages at the transport (RESOURCE_EXHAUSTED) before reading "
+                   help="the gRPC front end refuses larger messages at the transport (RESOURCE_EXHAUSTED) before reading "
                         "them")
     p.add_argument("--drain-timeout", type=int, default=30,
                    help="seconds tritonserver lets in-flight requests finish after SIGTERM (--exit-timeout-secs)")
@@ -178,11 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-backoff", type=float, default=1.0,
                    help="seconds before the first restart; doubles with each restart in the window up to 30")
     p.add_argument("--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="the HTTP front refuses larger request bodies with 413 before reading them")
+                   help="the HTTP front end refuses larger request bodies with 413 before reading them")
     p.add_argument("--http-max-json-depth", type=int, default=DEFAULT_MAX_JSON_DEPTH,
-                   help="the HTTP front refuses JSON bodies nested deeper with 400 before tritonserver sees them")
+                   help="the HTTP front end refuses JSON bodies nested deeper with 400 before tritonserver sees them")
     p.add_argument("--http-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="connections the HTTP front keeps open at once; one more is answered 503 + Retry-After and "
+                   help="connections the HTTP front end keeps open at once; one more is answered 503 + Retry-After and "
                         "closed")
     p.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a connection has to send a complete request head (after opening, or after its last "

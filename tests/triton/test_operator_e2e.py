@@ -78,7 +78,7 @@ def wait_for(cond, what: str, timeout: float = 90.0) -> None:
 
 
 def stream(srv: TritonServer, i: int, started: threading.Event, out: dict[int, Any]) -> None:
-    """One client streaming over HTTP (through the door, whose requests all carry Triton request id "")."""
+    """One client streaming over HTTP (through the front end, whose requests all carry Triton request id "")."""
     try:
         c = generate_http(f"Client {i}: count slowly: 1, 2,", url=srv.http_url, stream=True, max_tokens=TOKENS,
                           ignore_eos=True, temperature=0.0, timeout=300, on_text=lambda _t: started.set())

@@ -334,7 +334,7 @@ def test_bad_input_answered_with_clear_error(triton_server: TritonServer, case: 
     ("body", "expected"),
     [
         ({"max_tokens": 4}, "text_input"),
-        ({"text_input": "hi", "max_tokens": "four"}, "max_tokens must be an integer"),  # the HTTP front's type check
+        ({"text_input": "hi", "max_tokens": "four"}, "max_tokens must be an integer"),  # the HTTP front end's type check
         ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"text_input": "hi", "max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens_limit"),
         ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature"),

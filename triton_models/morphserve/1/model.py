@@ -2,11 +2,11 @@
 
 The engine decides each request's life (admission bound, shedding on arrival, the queue deadline, timeout_s,
 cancellation, draining: serve/engine/lifecycle.py) and says how a request ended as an ErrorKind; this file maps
-kinds to Triton's error codes and the message tag the HTTP door and gRPC clients read (serve/triton/errors.py).
+kinds to Triton's error codes and the message tag the HTTP front end and gRPC clients read (serve/triton/errors.py).
 
 Threads in this stub process:
-- Triton's execute() thread: validates each request, hands it to the engine with its arrival (the HTTP door's,
-  when it came through the door), returns.
+- Triton's execute() thread: validates each request, hands it to the engine with its arrival (the HTTP front end's,
+  when it came through the front end), returns.
 - the engine loop thread (``engine.start_background()``): runs steps; its per-request callback only
   enqueues ``(RequestOutput, timestamp)`` so the loop never waits on IPC to the server.
 - ``morphserve-responder``: drains that queue and sends responses through each request's
@@ -49,7 +49,7 @@ from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.operator_auth import from_env  # noqa: E402
 from serve.request_tracker import OVERLOADED, RequestTracker, TrackedRequest  # noqa: E402
-from serve.triton.controls import cancel_target, door_arrival  # noqa: E402
+from serve.triton.controls import cancel_target, front_end_arrival  # noqa: E402
 from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
 from serve.triton.llmapi import perf_metric_arrays  # noqa: E402
 from serve.triton.llmapi_config import ModelYamlError, parse_model_yaml  # noqa: E402
@@ -245,8 +245,8 @@ class TritonPythonModel:
                 self._cancel_inner_request(target)
                 sender.send(flags=FINAL)
                 return
-            door = door_arrival(parameters)
-            waited = 0.0 if door is None else max(0.0, time.monotonic() - door)  # at the HTTP door and in Triton
+            front_end = front_end_arrival(parameters)
+            waited = 0.0 if front_end is None else max(0.0, time.monotonic() - front_end)  # at the HTTP front end and in Triton
             get_input = lambda name: _input_array(request, name)  # noqa: E731
             parsed = parse_request(get_input, self.max_tokens_limit, self.default_max_tokens,
                                    parameters=parameters, limits=self.limits)
