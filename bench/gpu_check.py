@@ -206,7 +206,7 @@ def memory_yield(model) -> dict:
             m.complete_ready(wait=True)
 
     m = e.resource_manager(MorphRuntime)
-    want = 8 * m.blocks_per_layer_chunk[m.config.ladder[0]] * e.ledger.slot_bytes
+    want = 8 * m.blocks_per_layer_extent[m.config.ladder[0]] * e.ledger.slot_bytes
     before = used()
     e.request_memory_yield(want)
     settle()

@@ -9,19 +9,19 @@ Rules (dynamic modes):
 
 * Quantize. Pressure must be seen on ``persist_iters`` consecutive calls. The
   step then covers the block deficit, as in the paper's released code:
-  ``k = ceil(deficit_blocks / blocks_per_layer_chunk[precision])``, capped by
+  ``k = ceil(deficit_blocks / blocks_per_layer_extent[precision])``, capped by
   ``max_layers_per_step`` and by the room left under ``max_quantized_fraction``.
   New layers are taken in swap (LIS) order and go to ``ladder[0]``. When no room
   is left, layers already at ladder index ``i`` move to ladder index ``i + 1`` (e.g. int8 -> int4),
   again in swap order, the mildest ladder step first; the gain per layer is then the
-  difference of the two chunks. After a quantize step the streak restarts, so two
+  difference of the two extents. After a quantize step the streak restarts, so two
   steps are always at least ``persist_iters`` calls apart.
 * Restore. Calm = no pressure, nothing waiting, KV usage below ``kv_low`` and TTFT
   within SLO. After ``restore_persist_s`` seconds of unbroken calm, the most
   recent transition (last of ``Telemetry.quantized_layers``; LIFO) is undone: the
   layer goes one step back on the ladder (int4 -> int8) or to full precision, and
-  to full precision, but only if its KV chunk is entirely free
-  (``pending_restore_chunk_free``) and shrinking the pool by that chunk would not
+  to full precision, but only if its KV extent is entirely free
+  (``pending_restore_extent_free``) and shrinking the pool by that extent would not
   push KV usage above ``kv_high`` (which would re-trigger pressure at once). One
   layer per decision; the calm period restarts after each restore.
 
@@ -43,7 +43,7 @@ The quality floor (``PolicyConfig.quality_floor``, off by default; policy/qualit
 meter's reading comes in the telemetry. While its lower bound on top-1 agreement is under the floor, no quantizing
 step is taken (under pressure, and to cover a deficit before preempting: the scheduler then preempts); when it has
 stayed under for ``quality_restore_s`` (and the measured agreement is under the floor too), the newest transition is
-restored first, under pressure or not, as soon as its KV chunk is free. Every reason carries the reading.
+restored first, under pressure or not, as soon as its KV extent is free. Every reason carries the reading.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class MorphController:
         """The ladder steps in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
         if self._ladder is None:
             assert self.costs is not None
-            self._ladder = cost_rule.cost_ladder(self.config.ladder, self.costs, t.blocks_per_layer_chunk) \
+            self._ladder = cost_rule.cost_ladder(self.config.ladder, self.costs, t.blocks_per_layer_extent) \
                 or self.config.ladder
         return self._ladder
 
@@ -219,19 +219,19 @@ class MorphController:
                                          f"{floor.reason} {describe(t)}")
         ladder = self.ladder(t)
         precision_of = t.precision_of
-        chunk = t.blocks_per_layer_chunk
+        extent = t.blocks_per_layer_extent
         room = self.max_quantized_layers - len(precision_of)
         candidates: list[int] = []
         target, milder, gain, what = ladder[0], "full", 0, ""
         if room > 0:
             candidates = [layer for layer in self.swap_order if layer not in precision_of][:room]
-            gain = chunk.get(target, 0)
+            gain = extent.get(target, 0)
             what = f"{room} layer(s) left under max_quantized_fraction {c.max_quantized_fraction}"
         else:
             for milder, target in zip(ladder, ladder[1:]):
                 candidates = [layer for layer in self.swap_order if precision_of.get(layer) == milder]
                 if candidates:
-                    gain = chunk.get(target, 0) - chunk.get(milder, 0)
+                    gain = extent.get(target, 0) - extent.get(milder, 0)
                     what = f"max_quantized_fraction reached, {len(candidates)} layer(s) at {milder} can go to {target}"
                     break
         if not candidates:
@@ -294,13 +294,13 @@ class MorphController:
         if calm_for < persist:
             return MorphDecision.nothing(f"calm for {calm_for:.2f} s < {persist_name} {persist} s {describe(t)}")
         layer, precision = t.quantized_layers[-1]
-        if not t.pending_restore_chunk_free:
+        if not t.pending_restore_extent_free:
             return MorphDecision.nothing(
-                f"calm for {calm_for:.2f} s but layer {layer}'s KV chunk is still in use; restore waits {describe(t)}"
+                f"calm for {calm_for:.2f} s but layer {layer}'s KV extent is still in use; restore waits {describe(t)}"
             )
         target = self._milder_precision(precision, t)
-        chunk = t.blocks_per_layer_chunk.get(precision, 0) - (t.blocks_per_layer_chunk.get(target, 0) if target else 0)
-        remaining = t.kv_blocks_total - chunk
+        extent = t.blocks_per_layer_extent.get(precision, 0) - (t.blocks_per_layer_extent.get(target, 0) if target else 0)
+        remaining = t.kv_blocks_total - extent
         projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
         if projected > c.kv_high:
             return MorphDecision.nothing(
@@ -310,8 +310,8 @@ class MorphController:
         self._calm_since = t.now_s
         return MorphDecision(
             "restore", (layer,), target,
-            f"calm for {calm_for:.2f} s >= {persist} s, layer {layer} ({precision}) chunk free "
-            f"-> restore it to {target or 'full precision'} (LIFO), pool shrinks by {chunk} blocks to "
+            f"calm for {calm_for:.2f} s >= {persist} s, layer {layer} ({precision}) extent free "
+            f"-> restore it to {target or 'full precision'} (LIFO), pool shrinks by {extent} blocks to "
             f"{projected:.1%} usage {describe(t)}",
         )
 
@@ -327,13 +327,13 @@ class MorphController:
                                    floor=self.floor.holds(t.quality, bool(t.quantized_layers) or t.quality is not None))
 
     def _floor_restore(self, t: Telemetry, floor: FloorVerdict) -> MorphDecision:
-        """The quality floor restores the newest transition first (LIFO), once its KV chunk is free."""
+        """The quality floor restores the newest transition first (LIFO), once its KV extent is free."""
         layer, precision = t.quantized_layers[-1]
         if t.top_is_yielded:
             return MorphDecision.nothing(f"{floor.reason}; but the newest transition gave its bytes back: reclaim "
                                          f"decides when they return {describe(t)}")
-        if not t.pending_restore_chunk_free:
-            return MorphDecision.nothing(f"{floor.reason}; layer {layer}'s KV chunk is still in use, the restore "
+        if not t.pending_restore_extent_free:
+            return MorphDecision.nothing(f"{floor.reason}; layer {layer}'s KV extent is still in use, the restore "
                                          f"waits for it {describe(t)}")
         self._calm_since = t.now_s
         self.floor.restored(t.now_s)

@@ -45,18 +45,18 @@ class Verdict:
     reason: str
 
 
-def cost_ladder(candidates: Sequence[str], costs: StepCosts, chunks: Mapping[str, int]) -> tuple[str, ...]:
+def cost_ladder(candidates: Sequence[str], costs: StepCosts, extents: Mapping[str, int]) -> tuple[str, ...]:
     """The mode's precisions ordered by measured slowdown per freed KV block, deeper ladder steps only if smaller."""
-    usable = [p for p in candidates if p in costs.layer_s and chunks.get(p, 0) > 0]
+    usable = [p for p in candidates if p in costs.layer_s and extents.get(p, 0) > 0]
     decode = [n for n in costs.token_counts if n <= DECODE_TOKENS_MAX] or list(costs.token_counts)
 
     def score(p: str) -> tuple[float, int]:
-        per_block = sum(costs.slowdown_s(p, n) for n in decode) / len(decode) / chunks[p]
-        return per_block, -chunks[p]
+        per_block = sum(costs.slowdown_s(p, n) for n in decode) / len(decode) / extents[p]
+        return per_block, -extents[p]
 
     ladder: list[str] = []
     for p in sorted(usable, key=score):
-        if all(chunks[p] > chunks[q] for q in ladder):
+        if all(extents[p] > extents[q] for q in ladder):
             ladder.append(p)
     return tuple(ladder)
 

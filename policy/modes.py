@@ -79,7 +79,7 @@ class PolicyConfig:
     """Seconds the reclaim condition must hold unbroken before each reclaim (one transition, LIFO)."""
     kv_rung: str | None = None
     """The KV-precision rung (``policy/kv_rung.py``, dynamic modes on a full-precision KV cache): under KV pressure
-    free full-precision KV slots (the base pool's and the chunks layer swaps add) become 8-bit blocks of this format
+    free full-precision KV slots (the base pool's and the extents layer swaps add) become 8-bit blocks of this format
     (int8; fp8 on CUDA) before any layer is swapped, and turn back when calm (``kv_low``, ``restore_persist_s``).
     ``auto`` (the ``default`` mode): int8 where it is verified, a CPU engine computing in fp32 over a full-precision
     cache, and no rung elsewhere (:func:`resolve_kv_rung`). None: no rung."""

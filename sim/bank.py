@@ -94,7 +94,7 @@ class SimKV:
     def physical_slot(self, logical_block: int) -> int:
         return self.block_map[logical_block]
 
-    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
+    def quantize_blocks(self, sources: list[int], targets: list[int]) -> None:
         if sources and self.clock is not None and self.d2d > 0:
             self.clock.advance(len(sources) * (self.full.layout.block_bytes + self.q8.layout.block_bytes) / self.d2d)
 

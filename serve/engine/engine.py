@@ -180,7 +180,7 @@ class LLMEngine:
         with self._admission:
             handed = self._handoff.drain()
         for seq in handed:
-            if seq.request_id in self._requests and not self.grammars.park(seq):  # not aborted meanwhile
+            if seq.request_id in self._requests and not self.grammars.defer(seq):  # not aborted meanwhile
                 self.scheduler.add(seq)
         for seq in self.grammars.ready():
             self.scheduler.add(seq)
@@ -354,10 +354,10 @@ class LLMEngine:
                     return
                 self._admit_handoff()
                 idle = not (self.scheduler.has_work() or self.grammars.has_failures())
-                settled = self.resources.is_settled() and not len(self.grammars)  # grammar waiters' deadlines tick
-            if idle:  # unsettled morph state or requests waiting for a grammar: tick so that calm restores / expiry run
-                woke = self._handoff.work.wait(None if settled else 0.05)
-                if settled or woke:
+                at_rest = self.resources.is_at_rest() and not len(self.grammars)  # grammar waiters' deadlines tick
+            if idle:  # a manager not at rest or requests waiting for a grammar: tick so that calm restores / expiry run
+                woke = self._handoff.work.wait(None if at_rest else 0.05)
+                if at_rest or woke:
                     continue
             try:
                 self.step()

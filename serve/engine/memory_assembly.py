@@ -98,8 +98,8 @@ def build_memory(config: EngineConfig, device: MemoryDevice, policy: PolicyConfi
     # On CUDA only a VMM-built arena can give segments back; built when the operator armed yield (memory_floor).
     arena, bank = device.place(arena_plan, morphing, releasable=morphing is not None and budget.releasable)
     rung = kv_rung_layout(config, device, policy)
-    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every KV slot (the base
-    # pool's and the layer chunks': the rung converts both); the chunks' blocks lie in disjoint bytes
+    # the rung's extents take logical ids above everything else: at most the 8-bit blocks of every KV slot (the base
+    # pool's and the layer extents': the rung converts both); the extents' blocks lie in disjoint bytes
     rung_ids = 0 if rung is None else -(-arena_plan.max_blocks * slot // rung.block_bytes) + 1
     pool = BlockPool(arena_plan.base_blocks, max_blocks=arena_plan.max_blocks + rung_ids,
                      kv_format=config.kv_cache_dtype)

@@ -29,7 +29,7 @@ from serve.triton.http_body import (
 )
 from serve.triton.http_front import FrontOptions
 from serve.triton.install import TritonLaunchError
-from serve.triton.llmapi_config import FrontSettings
+from serve.triton.llmapi_config import BlsSettings
 from serve.triton.model_params import validate_params
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
@@ -241,7 +241,7 @@ def check_params(params: dict[str, object], repository: Path, model_name: str) -
     if not cfg.is_file():
         return  # the server (or write_repository) reports the missing model
     merged = read_config_parameters(fill_config_parameters(cfg.read_text(), params))
-    if "engine_dir" in merged:  # a MorphServe engine model (not a BLS front)
+    if "engine_dir" in merged:  # a MorphServe engine model (not a BLS bls)
         validate_params(merged)
 
 
@@ -254,11 +254,11 @@ def curl_example(srv: TritonServer) -> str:
     return f"curl -s -X POST http://{srv.http_url}/v2/models/{srv.model_name}/generate -d '{body}'"
 
 
-def llmapi_settings(args: argparse.Namespace) -> FrontSettings | None:
+def llmapi_settings(args: argparse.Namespace) -> BlsSettings | None:
     """The tensorrt_llm model's settings the flags make over its model.yaml's; None when no flag is given."""
     if args.llmapi_decoupled is None and args.stop_by_request_id is None:
         return None
-    base = llmapi_config_of(Path(args.model_repository) / LLMAPI_MODEL_NAME).front
+    base = llmapi_config_of(Path(args.model_repository) / LLMAPI_MODEL_NAME).bls
     return dataclasses.replace(base, **{k: v == "true" for k, v in (("decoupled", args.llmapi_decoupled),
                                                                   ("stop_by_request_id", args.stop_by_request_id))
                                         if v is not None})

@@ -12,7 +12,7 @@ Upstream's meanings kept here:
 - ``return_finish_reason`` / ``return_stop_reason`` / ``return_cumulative_logprob`` add those outputs, one
   string / number per answer ("None" while unfinished, as upstream); ``sampling_param_return_perf_metrics`` adds
   the request's perf metrics (times in ns of CLOCK_MONOTONIC, upstream's steady clock; KV blocks; speculation);
-- ``stop`` = true with a request id ends the in-flight request of that id (the front model does it).
+- ``stop`` = true with a request id ends the in-flight request of that id (the BLS model does it).
 
 Where this server differs, it says so: outputs carry their declared types (upstream fills its numeric outputs with
 decimal strings); a request for something the engine lacks (``sampling_param_best_of`` > 1, LoRA, a logits
@@ -104,7 +104,7 @@ def check_parameters(parameters: Mapping[str, Any], internal: frozenset[str]) ->
 
 def llmapi_to_engine(get_input: InputGetter) -> tuple[dict[str, np.ndarray], OutputOptions]:
     """An LLM-API request -> the engine model's input arrays (upstream's defaults made explicit) and the output
-    options the front model applies. InputError names a bad or refused input."""
+    options the BLS model applies. InputError names a bad or refused input."""
     for name, (asks, why) in REFUSED.items():
         arr = get_input(name)
         if arr is not None and asks(arr):
@@ -179,7 +179,7 @@ def _text(value: str) -> np.ndarray:
 def engine_to_llmapi(outs: Mapping[str, np.ndarray], text: str, options: OutputOptions,
                      declared: frozenset[str]) -> dict[str, np.ndarray]:
     """One engine-model response (its output arrays) -> the LLM-API outputs the request asked for. ``text``: what
-    ``text_output`` carries (the front model accumulates it when streaming); ``declared``: the outputs the
+    ``text_output`` carries (the BLS model accumulates it when streaming); ``declared``: the outputs the
     tensorrt_llm model's config declares."""
     reason = _first_text(outs.get("finish_reason"))
     result: dict[str, np.ndarray] = {"text_output": _text(text)}

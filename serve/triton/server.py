@@ -38,7 +38,7 @@ from serve.triton.install import (
     make_backend_dir,
     server_env,
 )
-from serve.triton.llmapi_config import FrontSettings
+from serve.triton.llmapi_config import BlsSettings
 from serve.triton.operator_port import post_control
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
@@ -126,7 +126,7 @@ class TritonServer:
         grpc_front: bool = True,
         client_apis: Sequence[str] = (),
         grpc_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        llmapi: FrontSettings | None = None,
+        llmapi: BlsSettings | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name

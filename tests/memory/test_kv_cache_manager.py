@@ -114,7 +114,7 @@ def test_the_shortfall_hook_covers_what_it_can_and_is_not_asked_again_in_a_step_
     def hook(blocks: int) -> None:
         asked.append(blocks)
         if n := grow.pop(0):
-            pool.add_chunk(f"c{len(asked)}", n)
+            pool.add_extent(f"c{len(asked)}", n)
 
     kv = KVCacheManager(pool, 4, on_shortfall=hook)
     kv.begin_step()
@@ -138,7 +138,7 @@ def three_decodes_each_short_of_a_block(scheduler: Scheduler, clock: SchedulerCl
 def growing_hook(pool: BlockPool, sizes: list[int], asked: list[int]):
     def hook(blocks: int) -> None:
         asked.append(blocks)
-        pool.add_chunk(f"chunk{len(asked)}", sizes.pop(0))
+        pool.add_extent(f"extent{len(asked)}", sizes.pop(0))
     return hook
 
 

@@ -83,14 +83,14 @@ def test_clear_cache_forgets_every_prefix_and_bumps_the_epoch():
     pool.check_invariants()
 
 
-def test_cached_blocks_do_not_pin_a_kv_chunk():
+def test_cached_blocks_do_not_pin_a_kv_extent():
     pool = BlockPool(2, max_blocks=6)
-    pool.add_chunk("layer-3", 2)
+    pool.add_extent("layer-3", 2)
     a = pool.allocate(4)
     pool.register(a[3], H[3])
     pool.free(a)
-    assert pool.num_cached == 1 and pool.chunk_is_free("layer-3")
-    pool.remove_chunk("layer-3")                      # the cached block in it is evicted with it
+    assert pool.num_cached == 1 and pool.extent_is_free("layer-3")
+    pool.remove_extent("layer-3")                      # the cached block in it is evicted with it
     assert (pool.num_blocks, pool.num_free, pool.num_cached) == (2, 2, 0) and pool.lookup([H[3]]) == []
     pool.check_invariants()
 

@@ -100,7 +100,7 @@ def test_nvml_reports_the_device_memory():
 
 
 def test_morphing_engine_in_bfloat16_keeps_device_memory_flat(model):
-    """Swaps and restores under load on the GPU: exact accounting, chunk blocks in the layer's own bytes,
+    """Swaps and restores under load on the GPU: exact accounting, extent blocks in the layer's own bytes,
     and no allocation beyond the arena (torch's allocated bytes do not move while KV capacity grows)."""
     clock = FakeClock()
     engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=16, block_size=16,

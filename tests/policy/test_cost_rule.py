@@ -12,7 +12,7 @@ from policy import MorphController, PolicyConfig, StepCosts
 from policy.cost_rule import cost_ladder, requests_admitted
 from serve.model import step_costs as sc
 from tests.morph_support import morph
-from tests.policy.test_policy import CHUNK, SWAP_ORDER, FakeEngine, step
+from tests.policy.test_policy import EXTENT, SWAP_ORDER, FakeEngine, step
 from workload.repeats import cell, spread, summarize_runs
 from workload.replay import parse_mode
 
@@ -65,7 +65,7 @@ def test_slow_machine_under_memory_pressure_quantizes_the_fewest_layers_that_cov
         d = step(ctl(SLOW_INT4, max_layers_per_step=8), eng2, usage=0.5, num_running=2, num_waiting=4,
                  blocks_needed_waiting=free + deficit)
         assert d.action == "quantize", d.reason
-        assert len(d.layers) == math.ceil(deficit / CHUNK["int4"]), (deficit, d.reason)
+        assert len(d.layers) == math.ceil(deficit / EXTENT["int4"]), (deficit, d.reason)
         assert d.layers == SWAP_ORDER[:len(d.layers)] and "pays" in d.reason
     assert not eng.quantized and c.costs is SLOW_INT4
 
@@ -92,10 +92,10 @@ def test_quantize_before_preempt_always_pays() -> None:
 
 
 def test_the_ladder_comes_from_the_measured_costs() -> None:
-    chunks = {"int8": 50, "int4": 75}
-    assert cost_ladder(("int8", "int4"), costs(int4=1.7, int8=1.1), chunks) == ("int8", "int4")  # int8 first
-    assert cost_ladder(("int8", "int4"), costs(int4=0.7, int8=0.9), chunks) == ("int4",)  # int4 dominates
-    assert cost_ladder(("int8", "int4"), costs(int4=1.2, int8=1.2), chunks) == ("int4",)  # same cost, more blocks
+    extents = {"int8": 50, "int4": 75}
+    assert cost_ladder(("int8", "int4"), costs(int4=1.7, int8=1.1), extents) == ("int8", "int4")  # int8 first
+    assert cost_ladder(("int8", "int4"), costs(int4=0.7, int8=0.9), extents) == ("int4",)  # int4 dominates
+    assert cost_ladder(("int8", "int4"), costs(int4=1.2, int8=1.2), extents) == ("int4",)  # same cost, more blocks
     # a mode whose ladder lists both ladder steps quantizes new layers to the cheaper one
     c = ctl(costs(int4=1.7, int8=1.02), ladder=("int8", "int4"), max_layers_per_step=8)
     d = step(c, FakeEngine(), usage=0.5, num_running=2, num_waiting=2, blocks_needed_waiting=600)
@@ -213,7 +213,7 @@ def test_h200_costs_from_gpu_check_quantize_only_where_the_kernels_win() -> None
              "int4": (86.1, 654.5, 2203.5, 34564)}
     counts = (1, 8, 32, 512)
     h200 = StepCosts("NVIDIA H200", counts, {p: tuple(n / v / 16 for n, v in zip(counts, row)) for p, row in tok_s.items()})
-    assert cost_ladder(("int8", "int4"), h200, CHUNK) == ("int4",)
+    assert cost_ladder(("int8", "int4"), h200, EXTENT) == ("int4",)
     small = {**QUEUEING, "num_running": 1}
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=1).action == "none"
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=512).action == "quantize"

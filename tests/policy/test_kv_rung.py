@@ -33,15 +33,15 @@ def test_no_free_slot_or_a_cheaper_layer_swap_means_no_conversion():
     rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
     d = rule.decide(_t(used=99, free_slots=0))
     assert d.action == "none" and "no free full-precision slot" in d.reason
-    # a layer swap that frees a huge chunk is cheaper per block than 8-bit KV (an absurd layer, to show the weighing)
-    d = rule.decide(_t(used=90, free_slots=10, layer_chunk_blocks=10**9, layer_precision="int8"))
+    # a layer swap that frees a huge extent is cheaper per block than 8-bit KV (an absurd layer, to show the weighing)
+    d = rule.decide(_t(used=90, free_slots=10, layer_extent_blocks=10**9, layer_precision="int8"))
     assert d.action == "none" and "layer swap to int8 costs less" in d.reason
-    rung, layer = rule.price_per_block(_t(used=90, free_slots=10, layer_chunk_blocks=56), 10)
+    rung, layer = rule.price_per_block(_t(used=90, free_slots=10, layer_extent_blocks=56), 10)
     assert rung < layer / 10  # at the stated prices the rung is far cheaper than an int4 swap of 56 blocks
     assert KV_PRICE_PCT["int8"] < LAYER_PRICE_PCT["int4"]
 
 
-def test_calm_reverts_the_newest_free_chunk_after_calm_s_lifo():
+def test_calm_reverts_the_newest_free_extent_after_calm_s_lifo():
     rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
     calm = dict(total=130, free_slots=0, blocks8=40, top_blocks=40, top_slots=10)
     d = rule.decide(_t(used=20, now=0.0, top_free=False, **calm))
@@ -93,7 +93,7 @@ def test_a_shortfall_takes_free_slots_then_running_blocks_and_a_cheaper_swap_kee
     assert (d.action, d.slots, d.blocks) == ("convert", 2, 3) and "shortfall of 12" in d.reason  # 12 - 5.5 -> 3
     d = rule.for_shortfall(_t(used=100, total=100, free_slots=0, cold_blocks=30), 3)
     assert (d.slots, d.blocks) == (0, 2)
-    d = rule.decide(_t(used=100, free_slots=0, cold_blocks=40, layer_chunk_blocks=10**9, layer_precision="int8"))
+    d = rule.decide(_t(used=100, free_slots=0, cold_blocks=40, layer_extent_blocks=10**9, layer_precision="int8"))
     assert d.action == "none" and "layer swap to int8 costs less" in d.reason
 
 

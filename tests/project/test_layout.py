@@ -1,4 +1,4 @@
-"""The house stays the way it is drawn: every import of every module follows the allowed arrows.
+"""The layout stays as docs/architecture.md draws it: every import of every module follows the allowed arrows.
 
 Rooms and arrows (README "Layout"): policy is pure (stdlib only) and everyone may use it; serve.model is the
 bottom of the runtime; serve.memory and serve.morph sit above it; serve.engine above those; serve.triton

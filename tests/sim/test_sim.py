@@ -138,7 +138,7 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
                                         policy_overrides={"cost_aware": False, "kv_rung": None}), target, VirtualClock())
         assert sim.ledger.as_dict() == real.ledger.as_dict()
         assert (sim.pool.num_blocks, sim.pool.max_blocks) == (real.pool.num_blocks, real.pool.max_blocks)
-        assert morph(sim).blocks_per_layer_chunk == morph(real).blocks_per_layer_chunk
+        assert morph(sim).blocks_per_layer_extent == morph(real).blocks_per_layer_extent
         assert sim.reachable_blocks == real.reachable_blocks
     finally:
         real.shutdown()
@@ -146,7 +146,7 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
 
 def _telemetry(**kw) -> Telemetry:
     base = dict(now_s=10.0, kv_blocks_total=1000, kv_blocks_used=950, num_layers=32, num_running=40, num_waiting=12,
-                oldest_wait_s=0.4, blocks_needed_waiting=300, quantized_layers=(), blocks_per_layer_chunk={"int4": 34})
+                oldest_wait_s=0.4, blocks_needed_waiting=300, quantized_layers=(), blocks_per_layer_extent={"int4": 34})
     return Telemetry(**{**base, **kw})
 
 

@@ -30,7 +30,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
 from serve.triton.install import TritonLaunchError  # noqa: E402
-from serve.triton.llmapi_config import FrontSettings  # noqa: E402
+from serve.triton.llmapi_config import BlsSettings  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.repository import write_repository  # noqa: E402
 from serve.triton.server import TritonServer, free_port  # noqa: E402
@@ -305,7 +305,7 @@ def test_unary_model_runs_upstreams_cancel_sequence(tmp_path: Path) -> None:
     request after them answers as the first; streaming is refused; a model.yaml with an unknown key is refused before
     the server starts, naming it (the models' own load reads it with the same parser: test_llmapi_contract.py)."""
     srv = TritonServer(params=PARAMS, log_path=tmp_path / "unary.log", also_load=[MODEL],
-                       llmapi=FrontSettings(decoupled=False))
+                       llmapi=BlsSettings(decoupled=False))
     srv.start()
     try:
         srv.wait_ready(timeout=300)

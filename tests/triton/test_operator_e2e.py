@@ -116,7 +116,7 @@ def test_a_client_cannot_cancel_others_or_yield_memory_and_the_operator_can(serv
     assert metric(server, "morphserve_layers_quantized") == 0 and metric(server, "morphserve_swaps_total") == 0
     assert metric(server, "morphserve_memory_yielded_bytes") == 0 and metric(server, "morphserve_memory_yields_total") == 0
 
-    # the operator port can: a yield gives bytes back (a KV chunk or a quantized layer's), reclaim takes them back
+    # the operator port can: a yield gives bytes back (a KV extent or a quantized layer's), reclaim takes them back
     answer = post_control(server.operator_port, "memory_yield", {"size": "1MiB"})
     assert answer["status"] == "ok" and answer["memory_yield"]["yield_request_bytes"] == 2**20, answer
     wait_for(lambda: metric(server, "morphserve_memory_yielded_bytes") >= 2**20, "the yield")

@@ -120,7 +120,7 @@ def test_written_repository_serves_outside_the_checkout(tmp_path: Path, capsys: 
     written = parse_model_yaml((repo / "tensorrt_llm" / "1" / "model.yaml").read_text(),
                                tuple(f.name for f in dataclasses.fields(EngineConfig)))
     assert written.engine["morph_mode"] == "default" and written.engine["policy_overrides"] == {"kv_high": 0.7}
-    assert written.engine["max_model_len"] == 256 and written.front.decoupled
+    assert written.engine["max_model_len"] == 256 and written.bls.decoupled
     assert params["llmapi_config"] == "../tensorrt_llm/1/model.yaml"
     srv.start()
     try:
