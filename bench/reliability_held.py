@@ -1,7 +1,7 @@
-"""The rows of issue 44's probe that held on a800527 ("Held: ..."), rerun by ``bench.reliability_probe``: deep JSON,
+"""The rows of the Reliability III probe (docs/hardening.md) that held, rerun by ``bench.reliability_probe``: deep JSON,
 JSON type errors, sampling extremes, malformed gRPC tensors, a mutation fuzz, disconnects, ``timeout_s``, 200
 streams at the defaults, and (destructive, so last) SIGKILL of tritonserver and SIGTERM of the launcher. Each
-function returns one row: what was sent, what came back, and ``held`` (the issue's expectation met)."""
+function returns one row: what was sent, what came back, and ``held`` (the expectation met)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ other errors, hangs), peak resident memory of the server's process group, and th
 the load (KV blocks used, waiting requests, quantized layers, engine health), which must return to 0 /
 0 / 0 / 1.
 
-Resident memory over time (issue 36): the process group's RSS is sampled every ``--rss-every-s`` seconds
+Resident memory over time: the process group's RSS is sampled every ``--rss-every-s`` seconds
 during the load (``rss_samples``, [seconds, MiB]); ``rss_second_half`` gives the growth over the run's second
 half (the last sample minus the one at the midpoint) and the spread (max - min) there, and ``flat`` says
 whether that growth is within ``--rss-flat-mib`` (the pass mark, 16 MiB): after warm-up a server under steady

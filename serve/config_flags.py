@@ -1,4 +1,4 @@
-"""EngineConfig fields as command-line flags, in one place (issue 33).
+"""EngineConfig fields as command-line flags, in one place.
 
 Every entry point that exposes engine settings (``python -m serve.triton``, ``python -m serve.dynamo``,
 ``python -m bench.replay``, ``python -m serve.generate``) adds them with :func:`add_engine_flags` and reads them

@@ -1,4 +1,4 @@
-"""The operator's controls of a running engine, off the data plane (issue 43): one vocabulary for every operator
+"""The operator's controls of a running engine, off the data plane: one vocabulary for every operator
 surface. The Triton model's operator port (serve/triton/operator_port.py, loopback only) and the Dynamo worker's
 system port both serve ``POST /engine/control/<name>`` with these names and JSON bodies; no inference request can
 reach them.

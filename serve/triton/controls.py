@@ -1,5 +1,5 @@
 """Request parameters that are not inputs of the model: what may travel with an inference request, who may set
-it, and what the inference port refuses (issue 44: no client can act for another or for the operator).
+it, and what the inference port refuses (no client can act for another or for the operator).
 
 - ``morphserve_cancel`` (internal): the BLS models (``tensorrt_llm_bls``, ``ensemble``) pass their client's
   cancellation on to the engine model, since the Python backend of Triton 2.51 cannot cancel a BLS request. Its

@@ -1,5 +1,5 @@
 """The project's gRPC front end on the client gRPC port: Triton's GRPCInferenceService forwarded, bounded in message size
-and closed to the APIs clients may not use (issue 44, findings 4 and 9).
+and closed to the APIs clients may not use (docs/hardening.md, Reliability III, findings 4 and 9).
 
 Triton 2.51 accepts gRPC messages up to 2 GB (its server sets the size itself; no flag bounds it): a 100 MB input
 was received and copied (0.7-2 s) before the model refused it, and tritonserver's resident memory grew 41 -> 440 MiB

@@ -76,7 +76,7 @@ class GrpcBackend:
         self._stubs: list[Any] = []
         self._channels: list[Any] = []
         self._next = itertools.count()
-        # by model name and resolved version; bounded, since both come from the client's URL (issue 44, finding 8)
+        # by model name and resolved version; bounded, since both come from the client's URL (Reliability III finding 8)
         self._specs: OrderedDict[tuple[str, str], ModelSpec] = OrderedDict()
 
     def _stub(self) -> Any:

@@ -1,4 +1,4 @@
-"""The HTTP front end's bounds on connections (issue 44, finding 7: 200 slow-header and 100 slow-body connections were all
+"""The HTTP front end's bounds on connections (Reliability III finding 7: 200 slow-header and 100 slow-body connections were all
 still open after 60 s; nothing bounded them but the file-descriptor limit).
 
 - **Connections**: at most ``max_connections`` open at once; one more is answered at once with 503 + Retry-After

@@ -88,7 +88,7 @@ def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
 
 def _utf8_len_over(value: str, limit: int) -> int | None:
     """The UTF-8 size of ``value`` when it is over ``limit`` bytes, else None; a string of more than ``limit``
-    characters is over without being encoded (issue 44, finding 11: refusals must be cheap)."""
+    characters is over without being encoded (Reliability III finding 11: refusals must be cheap)."""
     if len(value) > limit:
         return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
     if value.isascii() or 4 * len(value) <= limit:

@@ -2,7 +2,7 @@
 parses and validates, regex outputs match fully, the mask changes nothing but forbidden tokens (greedy picks the
 unconstrained argmax wherever the grammar allows it), bad guides are refused (malformed ones before admission, those
 the grammar engine refuses or cannot compile in time as the request's end, kind invalid input), guides compile off
-the admission path (issue 44, finding 3), and guided requests keep their grammar state through preemption,
+the admission path (Reliability III finding 3), and guided requests keep their grammar state through preemption,
 sampling, penalties and prefix caching."""
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def test_bad_guides_are_refused_before_admission(engine, guided, match) -> None:
 
 @pytest.mark.parametrize("guided, match", [
     ({"type": "regex", "guide": "([a-z"}, "invalid regex guide: .*Unclosed"),
-    ({"type": "json_schema", "guide": '{"$ref": "#"}'}, "accepts no text"),     # issue 44: these answered 500
+    ({"type": "json_schema", "guide": '{"$ref": "#"}'}, "accepts no text"),     # these once answered 500
     ({"type": "ebnf_grammar", "guide": "root ::= root"}, "accepts no text"),
 ])
 def test_guides_the_grammar_engine_refuses_end_the_request_as_invalid_input(engine, guided, match) -> None:

@@ -1,4 +1,4 @@
-"""Yield and reclaim (issue 36): the pure rule, the runtime with real memory, and the VMM segment arithmetic.
+"""Yield and reclaim: the pure rule, the runtime with real memory, and the VMM segment arithmetic.
 
 The engine tests use a fake pressure source (a number the test sets) and real components otherwise: the
 arena's pages really go back to the kernel (the process's VmRSS falls), the ledger stays exact, and running

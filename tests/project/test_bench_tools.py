@@ -1,4 +1,4 @@
-"""bench/ a newcomer can read (issue 43): every tool with a command line has a row in docs/bench-tools.md (what it
+"""bench/ a newcomer can read: every tool with a command line has a row in docs/bench-tools.md (what it
 answers, its command) and a smoke test that the row names and that really runs or imports the tool."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The documentation stays true to the code (issue 32). Fast: no server, no model.
+"""The documentation stays true to the code. Fast: no server, no model.
 
 - README.md: at most 400 lines; every `make` target it names exists in the Makefile; every `--flag` it gives a
   `python -m X` command (or a make variable that carries flags, such as WORKER_ARGS) exists in X's argument

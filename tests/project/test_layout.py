@@ -186,7 +186,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_in_a_circle() -> None:
-    """Lazy (function-level) imports count: a circle hidden inside a function is still a circle (issue 33)."""
+    """Lazy (function-level) imports count: a circle hidden inside a function is still a circle."""
     assert import_circles(import_graph()) == []
 
 
@@ -197,7 +197,7 @@ def test_the_circle_check_finds_a_planted_circle() -> None:
 
 MAX_LINES = 450
 LONG_FILE_REASON = "(Over ~450 lines on purpose:"
-"""A module may be longer only when its docstring says why, starting with these words (issue 33)."""
+"""A module may be longer only when its docstring says why, starting with these words."""
 
 
 def long_files_without_reason(paths: list[Path]) -> list[str]:
@@ -228,7 +228,7 @@ TEST_ROOMS = {"policy", "model", "process", "memory", "morph", "engine", "triton
 
 
 def test_tests_live_in_the_room_of_what_they_test() -> None:
-    """tests/<room>/test_*.py (issue 33): a test file at the top or in an unknown folder is out of place."""
+    """tests/<room>/test_*.py: a test file at the top or in an unknown folder is out of place."""
     tests = REPO_ROOT / "tests"
     misplaced = [str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
                  if "__pycache__" not in p.parts and (len(p.relative_to(tests).parts) != 2 or p.parent.name not in TEST_ROOMS)]

@@ -1,6 +1,6 @@
-"""The fuzz run (issue 44): hypothesis over the input parser and the HTTP and gRPC front ends of a real server, bounded (a
+"""The fuzz run: hypothesis over the input parser and the HTTP and gRPC front ends of a real server, bounded (a
 few hundred examples, derandomized so CI sees the same ones), asserting zero 5xx for client-caused errors; the
-bodies that answered 500 before issue 44 (the probe's and this fuzz's own, run against the code before it) are kept in
+bodies that once answered 500 (the Reliability III probe's and this fuzz's own) are kept in
 fuzz_500_corpus.jsonl and replayed first.
 
 A client-caused error is anything the client sent: every body here is answered 200 or 4xx (503 / 504 only as load

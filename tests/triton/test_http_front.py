@@ -426,7 +426,7 @@ def test_tritonserver_down_is_503_not_a_refused_connection() -> None:
     asyncio.run(main())
 
 
-# ---- issue 44: closed APIs, bounded connections, cheap refusals ------------------------------------------------------
+# ---- Reliability III: closed APIs, bounded connections, cheap refusals ------------------------------------------------
 
 def test_apis_closed_to_clients_are_refused_before_tritonserver_sees_them() -> None:
     """Finding 4: shared memory, logging, trace and the repository answer 403 at the front end, unknown paths 404; the

@@ -1,4 +1,4 @@
-"""Issue 44, finding 10: a killed launcher leaves no model process behind. SIGKILL of ``python -m serve.triton`` with
+"""Reliability III finding 10: a killed launcher leaves no model process behind. SIGKILL of ``python -m serve.triton`` with
 live streams used to leave the morphserve model's Python-backend stub running, reparented to init (2.4 GB resident,
 two threads at ~100 % CPU, SIGTERM ignored, still there 8 minutes later). Against the real launcher: after its SIGKILL
 with 8 live streams no process of it is alive 20 s later (the model's watchdog, serve/triton/stale.py); after a

@@ -1,9 +1,9 @@
-"""No client of the inference ports can act for another client or for the operator (issue 44, findings 1 and 2),
+"""No client of the inference ports can act for another client or for the operator (Reliability III findings 1 and 2),
 against a real tritonserver in the shipped dynamic morph mode: while four clients stream, a client that sends
 ``morphserve_cancel`` (empty, or a well-formed id it made up) or ``morphserve_memory`` over HTTP or gRPC is
 refused 400 with a clear error; the four streams finish in full, every layer stays at full precision and nothing
-is given back. The operator port (loopback only) yields and reclaims (issue 43, "operator controls off the data
-plane")."""
+is given back. The operator port (loopback only) yields and reclaims (operator controls off the data
+plane)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 44 ("Reliability III"), findings 3-9 and 11, against a real tritonserver behind the project's front ends: what an
+"""Reliability III (docs/hardening.md), findings 3-9 and 11, against a real tritonserver behind the project's front ends: what an
 anonymous client sends cannot stall admission, reach a closed API, crash a request into a 500, hold a connection, grow
 a cache or push a 100 MB message through the transport. Each test names the finding it guards and fails on the code
 before it (docs/hardening.md, "Reliability III", says how each was shown to fail). Findings 1-2: test_operator_e2e.py;
