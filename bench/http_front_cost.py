@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def measure(args: argparse.Namespace, front: int, direct: int, grpc_port: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": args.requests, "stream_tokens": args.stream_tokens}
     cf, cd = _conn(front), _conn(direct)
-    front_ends: dict[str, Callable[[], float]] = {"front": lambda: timed_generate(cf), "direct": lambda: timed_generate(cd)}
+    front_ends: dict[str, Callable[[], float]] = {"front": lambda: timed_generate(cf),
+                                                  "direct": lambda: timed_generate(cd)}
     if grpc_port is not None:
         front_ends["grpc_direct"] = grpc_generate(grpc_port)
     for _ in range(5):  # warm-up (model spec cache, connections, engine)
@@ -206,7 +207,8 @@ def measure(args: argparse.Namespace, front: int, direct: int, grpc_port: int | 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.http_front_cost", description=__doc__.split("\n")[0])
-    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="the server's engine directory or model (default: %(default)s)")
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL,
+                   help="the server's engine directory or model (default: %(default)s)")
     p.add_argument("--requests", type=int, default=100, help="non-streaming requests per front end")
     p.add_argument("--stream-requests", type=int, default=6, help="streaming requests per front end")
     p.add_argument("--stream-tokens", type=int, default=32)

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="the server's engine directory or model (default: %(default)s)")
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL,
+                   help="the server's engine directory or model (default: %(default)s)")
     add_engine_flags(p, SERVER_FIELDS, defaults={"morph_mode": "default", "num_threads": 2, "max_num_waiting": 16},
                      help_suffix=" (the server's parameter {field})")
     p.add_argument("--idle-timeout-s", type=float, default=300.0)

@@ -1,4 +1,5 @@
-"""Self-speculative decoding: greedy decode tok/s with speculation off / always / auto, acceptance per draft precision and k.
+"""Self-speculative decoding: greedy decode tok/s with speculation off / always / auto, acceptance per draft precision
+and k.
 
   .venv/bin/python -m bench.speculation [--batches 1,4,8] [--new 48] [--repeats 3] [--cells int8:1,int8:2,...]
                                         [--json PATH]
@@ -71,7 +72,8 @@ def force(engine: LLMEngine, precision: str, k: int, fast: bool) -> None:
     manager = engine.resource_manager(SpeculationManager)
     assert manager is not None
     c = manager.controller
-    c.config = dataclasses.replace(c.config, mode="always", precisions=(precision,), always_k=k, max_k=max(k, c.config.max_k))
+    c.config = dataclasses.replace(c.config, mode="always", precisions=(precision,), always_k=k,
+                                   max_k=max(k, c.config.max_k))
     engine.executor.match_kernels = not fast
 
 
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=48, help="new tokens per request (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved (default: %(default)s)")
     p.add_argument("--cells", default="int8:1,int8:2,int8:3,int8:4,int4:2,int8:3:fast",
-                   help="forced drafts PRECISION:K[:fast], comma-separated; fast: verify with the kernels the verify's row "
+                   help="forced drafts PRECISION:K[:fast], comma-separated; fast: verify with the kernels the verify's "
+                        "row "
                         "count picks instead of the plain step's (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)

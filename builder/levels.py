@@ -180,7 +180,8 @@ def plan_levels(names: list[str], swap_order: list[int],
         key = tuple(sorted(layer_precisions.items()))
         empty = [str(s) for s in level.segments if layers_at(s.percent, len(swap_order)) <= 0]
         if not layer_precisions or empty:
-            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
+            skipped.append({"level": name,
+                            "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
         elif key in seen:
             skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
         else:

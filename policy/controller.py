@@ -199,7 +199,8 @@ class MorphController:
         if c.critical_decodes_high is not None and t.critical_decodes_unscheduled >= c.critical_decodes_high:
             triggers.append(f"{t.critical_decodes_unscheduled} critical decode(s) left out of the last batch "
                             f">= {c.critical_decodes_high}")
-        if c.ttft_slack_low_s is not None and t.min_ttft_slack_s is not None and t.min_ttft_slack_s < c.ttft_slack_low_s:
+        if (c.ttft_slack_low_s is not None and t.min_ttft_slack_s is not None
+                and t.min_ttft_slack_s < c.ttft_slack_low_s):
             triggers.append(f"a waiting request's TTFT target is {t.min_ttft_slack_s * 1e3:.0f} ms away "
                             f"< {c.ttft_slack_low_s * 1e3:.0f} ms")
         return triggers, (max(deficit, 1) if triggers else 0)
@@ -280,7 +281,8 @@ class MorphController:
             not_calm.append(f"ttft_p95 {t.ttft_p95_s:.3f} s > SLO {c.ttft_slo_s} s")
         if not_calm:
             self._calm_since = None
-            return MorphDecision.nothing(f"no pressure, not calm enough to restore ({'; '.join(not_calm)}) {describe(t)}")
+            return MorphDecision.nothing(f"no pressure, not calm enough to restore ({'; '.join(not_calm)}) "
+                                         f"{describe(t)}")
         if self._calm_since is None:
             self._calm_since = t.now_s
         if not t.quantized_layers:
@@ -299,7 +301,8 @@ class MorphController:
                 f"calm for {calm_for:.2f} s but layer {layer}'s KV extent is still in use; restore waits {describe(t)}"
             )
         target = self._milder_precision(precision, t)
-        extent = t.blocks_per_layer_extent.get(precision, 0) - (t.blocks_per_layer_extent.get(target, 0) if target else 0)
+        extent = t.blocks_per_layer_extent.get(precision, 0) - (t.blocks_per_layer_extent.get(target, 0) if target
+                                                                else 0)
         remaining = t.kv_blocks_total - extent
         projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
         if projected > c.kv_high:

@@ -101,14 +101,16 @@ class YieldRule:
                     gain = self._extent_bytes(t, target, milder)
                     break
         if not candidates or gain <= 0:
-            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last ladder step and "
+            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last ladder step "
+                                         "and "
                                          f"no free KV extent is on top: nothing left to give back {describe}")
         k = min(len(candidates), math.ceil(short / gain))
         return MorphDecision("yield", tuple(candidates[:k]), target,
                              f"yield: {why}; short {mib(short)}, {mib(gain)} per layer -> move {k} layer(s) to "
                              f"{target} and give the bytes back {describe}")
 
-    def _reclaim(self, t: Telemetry, ladder: Sequence[str], describe_t: Callable[[Telemetry], str]) -> MorphDecision | None:
+    def _reclaim(self, t: Telemetry, ladder: Sequence[str],
+                 describe_t: Callable[[Telemetry], str]) -> MorphDecision | None:
         if not (t.quantized_layers and (t.top_is_yielded or t.yielded_layers)):
             self._reclaimable_since = None
             return None

@@ -9,9 +9,9 @@ tokens, and the rest of the step, the LM head, at the same counts; interpolated 
 
 * a plain decode step of B sequences: ``sum_i layer(p_i, B) + rest(B)`` (``p_i``: layer i's precision now);
 * one draft step: ``sum_i layer(d_i, B) + rest(B) * layer(r, B) / layer(full, B)``, where ``d_i`` is the ladder step
-  below ``p_i`` (the chosen draft precision ``r`` for a full-precision layer) and the draft's LM head is quantized to ``r``:
-  its cost is the measured head's scaled by the draft precision's measured ratio on a decoder layer (the head is one more
-  linear; no separate head measurement exists);
+  below ``p_i`` (the chosen draft precision ``r`` for a full-precision layer) and the draft's LM head is quantized to
+  ``r``: its cost is the measured head's scaled by the draft precision's measured ratio on a decoder layer (the head is
+  one more linear; no separate head measurement exists);
 * verification: one plain step of ``B * (k + 1)`` tokens;
 * tokens per speculative step: ``B * E`` with ``E = (1 - a^(k+1)) / (1 - a)``, ``a`` the acceptance rate of a
   draft token at that precision.
@@ -33,12 +33,12 @@ Rules:
 * ``always``: draft ``always_k`` tokens at the first draft precision whenever the two rules above allow.
 * ``auto``: the (precision, k) with the best predicted gain; on when that gain reaches ``on_gain``, and while on, off
   only below ``off_gain`` (hysteresis). Off for acceptance alone (the gain would pass at acceptance 1), a probe
-  drafts once every ``probe_every`` iterations so the estimate can recover. A draft precision whose acceptance, or a step kind
-  (draft, verify) whose cost, was never measured is probed at once: the first measurement replaces the prior
+  drafts once every ``probe_every`` iterations so the estimate can recover. A draft precision whose acceptance, or a
+  step kind (draft, verify) whose cost, was never measured is probed at once: the first measurement replaces the prior
   (``prior_acceptance``, a correction of 1.0), later ones move the running estimate, so the decision rests on this
-  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them. No draft
-  before one plain decode step was measured: the draft and verify factors are measured relative to the machine
-  factor, which a plain step sets.
+  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them. No draft before
+  one plain decode step was measured: the draft and verify factors are measured relative to the machine factor, which a
+  plain step sets.
 """
 
 from __future__ import annotations
@@ -81,13 +81,15 @@ class SpeculationConfig:
     off_gain: float = 1.0     # auto: while drafting, stop below this
     kv_high: float = 0.90     # no draft at or above this KV usage
     kv_calm: float = 0.80     # ... until usage is below this again
-    prior_acceptance: float = 0.8  # a draft precision's acceptance before any draft was verified (replaced as drafts are)
+    prior_acceptance: float = 0.8  # a draft precision's acceptance before any draft was verified (replaced as drafts
+                                   # are)
     acceptance_weight: float = 0.05  # weight of one verification in the running acceptance (per draft token)
     correction_window: int = 9       # a cost correction is the median of this many latest measured ratios
     probe_every: int = 64
-    probe_gain: float = 1.05  # a never-measured draft precision or batch bucket is probed once when the gain at acceptance 1
-                              # predicted with its unmeasured (1.0) factors reaches this; lower explores buckets the
-                              # uncorrected model writes off (0.8 on the 2026-12-05 replay cost P95 TTFT: not default)
+    probe_gain: float = 1.05  # a never-measured draft precision or batch bucket is probed once when the gain at
+                              # acceptance 1 predicted with its unmeasured (1.0) factors reaches this; lower explores
+                              # buckets the uncorrected model writes off (0.8 on the 2026-12-05 replay cost P95 TTFT:
+                              # not default)
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATION_MODES:
@@ -148,7 +150,8 @@ def batch_bucket(batch: int) -> int:
 class _Estimates:
     acceptance: dict[str, float] = field(default_factory=dict)
     correction: dict[tuple[str, int], float] = field(default_factory=dict)  # (step kind, batch bucket) -> factor
-    measured: set = field(default_factory=set)  # precisions and (step kind, bucket)s seen at least once (priors replaced)
+    measured: set = field(default_factory=set)  # precisions and (step kind, bucket)s seen at least once (priors
+                                                # replaced)
     ratios: dict[tuple[str, int], deque] = field(default_factory=dict)  # latest measured / predicted ratios
 
 
@@ -237,7 +240,8 @@ class SpeculationController:
         b, ps = t.batch_size, t.layer_precisions
         a = self.acceptance(precision) if acceptance is None else acceptance
         plain = self.plain_s(ps, b) / b
-        spec = (k * self.draft_s(ps, precision, b) + self.verify_s(ps, b * (k + 1), batch=b)) / (b * expected_tokens(a, k))
+        spec = (k * self.draft_s(ps, precision, b)
+                + self.verify_s(ps, b * (k + 1), batch=b)) / (b * expected_tokens(a, k))
         return plain / spec
 
     # ---- the decision ----------------------------------------------------------------------------------
@@ -269,7 +273,8 @@ class SpeculationController:
             return SpeculationDecision.plain(f"no draft length fits the free blocks and token budget {sig}")
         if cfg.mode == "always":
             k = max(k for k in fits if k <= cfg.always_k)
-            return SpeculationDecision(True, k, cfg.precisions[0], f"speculation always: k {k} at {cfg.precisions[0]} {sig}")
+            return SpeculationDecision(True, k, cfg.precisions[0],
+                                       f"speculation always: k {k} at {cfg.precisions[0]} {sig}")
         if self.costs is None or not self.costs.rest_s:
             return SpeculationDecision.plain(f"no measured step costs (with the LM head's) to decide on {sig}")
         usable = [r for r in cfg.precisions if r in self.costs.layer_s]
@@ -280,7 +285,8 @@ class SpeculationController:
         best = max(((self.gain(t, r, k), r, k) for r in usable for k in fits), key=lambda x: x[0])
         gain, precision, k = best
         need = cfg.off_gain if self.on else cfg.on_gain
-        what = (f"k {k} at {precision}: predicted x{gain:.2f} (acceptance {self.acceptance(precision):.2f}, corrections "
+        what = (f"k {k} at {precision}: predicted x{gain:.2f} (acceptance {self.acceptance(precision):.2f}, "
+                "corrections "
                 + ", ".join(f"{n} {self.correction(n, t.batch_size):.2f}" for n in STEP_KINDS)
                 + f" at batch {batch_bucket(t.batch_size)}+)")
         if gain >= need:

@@ -28,7 +28,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "dtype": "model dtype",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "fixed KV pool size in blocks (overrides --kv-cache-memory)",
-    "kv_cache_memory": "KV pool size when no memory budget is given; set, it also keeps device_memory=auto off the pool",
+    "kv_cache_memory": "KV pool size when no memory budget is given; set, it also keeps device_memory=auto off the "
+                       "pool",
     "kv_cache_dtype": "KV-cache storage: auto (the model dtype), int8 (int8 codes + per token-head scales, ~3.75x "
                       "the KV tokens of fp32 in the same memory) or fp8 (e4m3 codes + scales, CUDA only)",
     "max_num_seqs": "most sequences in one batch",

@@ -11,17 +11,17 @@ per token on average.
 * **A drafting iteration** of B sequences, sequence i drafting ``k_i`` tokens (the decision's k, capped by what it
   may still emit), costs
   ``draft = sum over j < max k_i`` of one forward of the sequences still drafting (decode rows at context
-  ``n_i + j``), every layer one ladder step below its precision now (``precision_below``) and the LM head at the draft precision, plus
-  ``verify =`` one forward of ``sum (k_i + 1)`` decode rows (contexts ``n_i .. n_i + k_i``) at the precisions now,
-  and yields ``sum E(a, k_i)`` tokens on average, ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` (``expected_tokens``). The
-  engine loop here emits one token per sequence per iteration, so the iteration is charged
+  ``n_i + j``), every layer one ladder step below its precision now (``precision_below``) and the LM head at the draft
+  precision, plus ``verify =`` one forward of ``sum (k_i + 1)`` decode rows (contexts ``n_i .. n_i + k_i``) at the
+  precisions now, and yields ``sum E(a, k_i)`` tokens on average, ``E(a, k) = (1 - a^(k+1)) / (1 - a)``
+  (``expected_tokens``). The engine loop here emits one token per sequence per iteration, so the iteration is charged
   ``(draft + verify) * B / sum E(a, k_i)``: every token costs what a token costs on average while drafting.
 * **Not modelled**: the draft's KV blocks (the telemetry counts the free ones; none are taken), the spread of the
   accepted tokens around their mean (token gaps come out even), acceptance that drifts.
 
 The draft precision: the int8 or int4 weight-only GEMM rows where the tables have them (A100), fp8 where they do not
-(H100, H200, L40S: the 8-bit draft such a GPU runs). The controller's ladder names its 8-bit precision ``int8``; with fp8
-it is handed the fp8 rows under that name.
+(H100, H200, L40S: the 8-bit draft such a GPU runs). The controller's ladder names its 8-bit precision ``int8``; with
+fp8 it is handed the fp8 rows under that name.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def controller_precision(precision: str) -> str:
 
 
 def draft_precisions(precisions: Sequence[str], precision: str) -> list[str]:
-    """Each layer's precision in the draft: one ladder step below the one it serves at (policy.speculation.precision_below)."""
+    """Each layer's precision in the draft: one ladder step below the one it serves at
+    (policy.speculation.precision_below)."""
     below = [precision_below(p, controller_precision(precision)) for p in precisions]
     return ["fp8" if precision == "fp8" and d == "int8" else d for d in below]
 
@@ -93,7 +94,8 @@ def draft_s(model: StepTimes, contexts: Sequence[int], ks: Sequence[int], precis
     total = 0.0
     for j in range(max(ks, default=0)):
         rows = [n + j for n, k in zip(contexts, ks) if k > j]
-        total += model.step_s(BatchShape(decode_kv_lens=rows, sampled=len(rows), decode_kv8=kv8), layers, head=precision)
+        total += model.step_s(BatchShape(decode_kv_lens=rows, sampled=len(rows), decode_kv8=kv8), layers,
+                              head=precision)
     return total
 
 

@@ -77,7 +77,8 @@ def yield_request_bytes(body: Any) -> int:
         try:
             return parse_size(body["size"])
         except (ValueError, OverflowError):  # OverflowError: more digits than a float holds
-            raise ControlError(f'memory_yield "size" must be a size such as "512MiB", got {body["size"][:64]!r}') from None
+            raise ControlError('memory_yield "size" must be a size such as "512MiB", got '
+                               f'{body["size"][:64]!r}') from None
     value = body["bytes"]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ControlError(f'memory_yield "bytes" must be an integer >= 0, got {value!r}')

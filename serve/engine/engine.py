@@ -69,7 +69,7 @@ class LLMEngine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
-            # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
+            # thread's OpenMP team stays the only one in the process (why: serve/process/omp_threads.py).
             parts = on_short_lived_thread(lambda: build_parts(config, TorchDevice(config, loaded), self.clock),
                                           name="morphserve-load")
         self.faults = FaultTracker(MAX_STEP_FAILURES)
@@ -88,7 +88,7 @@ class LLMEngine:
         self.last_num_scheduled = self.last_num_context = 0  # the last iteration's batch: sequences, prefill chunks
         self.last_step_error: str | None = None
         self._step_listeners: list[Callable[[], None]] = []
-        self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)  # deadlines
+        self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)
         self.start_rate = self.lifecycle.start_rate
 
     def _assemble(self, config: EngineConfig, parts: EngineParts) -> None:
@@ -197,8 +197,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self._handoff) + len(self.grammars)
 
     def abort_request(self, request_id: str) -> bool:
-        """Cancel a request (final output: abort, kind cancelled); its KV blocks are freed before this returns.
-        False if it is unknown/finished."""
+        """Cancel a request (final output: abort, kind cancelled), KV blocks freed at once; False if unknown/ended."""
         with self._lock:
             self._admit_handoff()
             seq = self._requests.get(request_id)
@@ -383,7 +382,8 @@ class LLMEngine:
             self.abort_request(rid)
 
     # ---- convenience -----------------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
         """Run prompts to completion in this thread; returns {"text", "token_ids", "finish_reason"} per prompt."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         collect = OutputCollector()

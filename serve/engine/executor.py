@@ -86,7 +86,8 @@ class TorchExecutor:
         batch = ForwardBatch(input_ids=None, positions=None, slot_mapping=None, num_decodes=len(decodes))  # type: ignore[arg-type]
         if decodes:
             lens = [c.start + 1 for c in decodes]
-            batch.decode_block_tables, batch.decode_ragged = self._block_tables([c.seq.block_ids for c in decodes], lens)
+            batch.decode_block_tables, batch.decode_ragged = self._block_tables([c.seq.block_ids for c in decodes],
+                                                                                lens)
             batch.decode_context_lens = torch.tensor(lens, device=dev)
             for i, c in enumerate(decodes):
                 if c.samples:

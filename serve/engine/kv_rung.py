@@ -1,7 +1,8 @@
 """The KV-precision rung: a resource manager ahead of the morph runtime that answers KV pressure by writing new
-blocks in 8 bits, before any layer is quantized (``PolicyConfig.kv_rung``; its rule is policy/kv_rung.py). It lives beside the seam it plugs into
-(serve/resource_seam.py) and is appended ahead of the morph runtime in serve/engine/assembly.py; what it reads of
-the morph runtime (the blocks its next layer swap would add) arrives in its constructor as a ``LayerSwaps``.
+blocks in 8 bits, before any layer is quantized (``PolicyConfig.kv_rung``; its rule is policy/kv_rung.py). It lives
+beside the seam it plugs into (serve/resource_seam.py) and is appended ahead of the morph runtime in
+serve/engine/assembly.py; what it reads of the morph runtime (the blocks its next layer swap would add) arrives in its
+constructor as a ``LayerSwaps``.
 
 How: the cache holds full-precision blocks and, over the same arena bytes, a grid of 8-bit blocks
 (serve/model/kv_cache.py). Converting takes free full-precision blocks out of service (``BlockPool.retire``): the
@@ -69,7 +70,8 @@ class LayerSwaps(Protocol):
 class Conversion:
     owner: str
     retired: list[int]  # full-precision block ids out of service (free slots, and running blocks re-written as 8-bit)
-    blocks_8bit: list[int]  # the 8-bit blocks (physical, in the 8-bit grid) in their bytes, now logical extent ``owner``
+    blocks_8bit: list[int]  # the 8-bit blocks (physical, in the 8-bit grid) in their bytes, now logical extent
+                            # ``owner``
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ class KVPrecisionRung(ResourceManagerBase):
         return KVRungTelemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
             free_full_slots=self.pool.num_free_full,
-            blocks_per_slot=self.slot_bytes / self.block_8bit_bytes, kv_blocks_8bit=self.kv_blocks_8bit, top_free=top_free,
+            blocks_per_slot=self.slot_bytes / self.block_8bit_bytes, kv_blocks_8bit=self.kv_blocks_8bit,
+            top_free=top_free,
             top_blocks=len(top.blocks_8bit) if top else 0, top_slots=len(top.retired) if top else 0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting() if scheduler is not None else 0,
             layer_extent_blocks=layer_blocks, layer_precision=self.layer_precision)
@@ -189,9 +192,9 @@ class KVPrecisionRung(ResourceManagerBase):
             self._revert(decision.reason)
 
     def _convert(self, slots: int, cold: list[int], scheduler: SchedulerView | None, reason: str) -> None:
-        """Retire the ``slots`` highest free full-precision blocks and the running blocks ``cold`` and add the 8-bit blocks in
-        their bytes as an extent; each cold block's KV is re-written (quantized) into the extent's first blocks, its
-        holder repointed there and its hold moved (serve/memory/block_pool.py ``move_holds``)."""
+        """Retire the ``slots`` highest free full-precision blocks and the running blocks ``cold`` and add the 8-bit
+        blocks in their bytes as an extent; each cold block's KV is re-written (quantized) into the extent's first
+        blocks, its holder repointed there and its hold moved (serve/memory/block_pool.py ``move_holds``)."""
         ids = self.pool.free_full_ids()[-slots:] if slots > 0 else []
         physical = [self.kv.physical_slot(i) for i in ids + cold]
         blocks_8bit = blocks_8bit_in(runs(physical), self.slot_bytes, self.block_8bit_bytes)
@@ -224,7 +227,8 @@ class KVPrecisionRung(ResourceManagerBase):
         self.pool.unretire(top.retired)
         self.conversions.pop()
         self.reverts_total += 1
-        log.info("kv_revert", slots=len(top.retired), blocks_8bit=len(top.blocks_8bit), kv_blocks_total=self.pool.num_blocks,
+        log.info("kv_revert", slots=len(top.retired), blocks_8bit=len(top.blocks_8bit),
+                 kv_blocks_total=self.pool.num_blocks,
                  reason=reason)
 
     def extra_reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:

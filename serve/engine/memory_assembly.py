@@ -1,7 +1,8 @@
 """The engine's memory for every mode and every device: the memory knobs resolved into a budget
-(serve/engine/memory_budget.py), the arena's arithmetic from it (serve/memory/sizing.py), the KV pool (the KV-precision rung's ids above everything), the device's arena, layer bank
-and KV cache, and the base pool mapped. The server's device allocates (serve/engine/torch_device.py); the planner's
-counts bytes (sim/device.py); the arithmetic between is this module's, once.
+(serve/engine/memory_budget.py), the arena's arithmetic from it (serve/memory/sizing.py), the KV pool (the KV-precision
+rung's ids above everything), the device's arena, layer bank and KV cache, and the base pool mapped. The server's device
+allocates (serve/engine/torch_device.py); the planner's counts bytes (sim/device.py); the arithmetic between is this
+module's, once.
 
 Arena layout (slots of one KV block each, in the configured ``kv_cache_dtype``: at full precision, or 8-bit codes
 with their scales, about a quarter of an fp32 block; serve/model/kv_format.py; see serve/memory/arena.py):

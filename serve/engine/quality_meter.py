@@ -161,7 +161,8 @@ class QualityMeter(ResourceManagerBase):
             self.tokens_kv_8bit += n
             served.seq.served_kv_8bit_tokens += n
 
-    # ---- one sample ---------------------------------------------------------------------------------------------------
+    # ---- one sample
+    # ---------------------------------------------------------------------------------------------------
     def _sample(self, chunk: ScheduledChunk, served_row: torch.Tensor) -> None:
         t0 = self.clock()
         context = chunk.seq.token_ids[: chunk.start + chunk.num_tokens]

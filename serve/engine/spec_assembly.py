@@ -4,8 +4,8 @@ the controller, the resource manager and the speculative executor around the tor
 ``speculation`` off builds none of it (the torch executor as before). ``auto`` needs the step costs measured on this
 machine with the LM head's in the engine directory (``make build-engines`` writes them): without them it logs why
 and builds nothing (a model loaded from a GGUF file or a Hugging Face directory, or an engine built on another
-machine); it never measures at start. ``always`` drafts without a cost model. The first draft precision (int8) is built here, at start; the
-others on first use (serve/morph/draft.py).
+machine); it never measures at start. ``always`` drafts without a cost model. The first draft precision (int8) is built
+here, at start; the others on first use (serve/morph/draft.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def wrap_executor(config: EngineConfig, model: LlamaModel, executor: TorchExecut
     source, origin = draft_source(model, bank, plan, weights, config)
     controller = SpeculationController(SpeculationConfig(mode=config.speculation, precisions=DRAFT_PRECISIONS), costs)
     drafts = DraftBank(model, source, config.int4_group_size)
-    drafts.prepare(DRAFT_PRECISIONS[0])  # the first draft precision's draft built now, not inside the first (timed) draft step
+    drafts.prepare(DRAFT_PRECISIONS[0])  # the first draft precision's draft built now, not inside the first (timed)
+                                         # draft step
     manager = SpeculationManager(controller, drafts, config.max_num_batched_tokens, max_model_len, clock)
     log.info("speculation", mode=config.speculation, built=True, drafts_from=origin, costs=where)
     return SpeculativeExecutor(executor, manager, tuple(cfg.eos_token_ids), seed=config.seed + 1), manager

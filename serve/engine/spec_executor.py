@@ -91,7 +91,8 @@ class SpeculativeExecutor:
         self._observe(plan, t1 - t0, t2 - t1)
         out = []
         for c, d, q in zip(plan.chunks, drafts, probs):
-            settle = (lambda seq, precision, n: lambda a: self.manager.settle(seq, precision, n, a))(c.seq, plan.decision.precision, len(d))
+            settle = (lambda seq, precision,
+                      n: lambda a: self.manager.settle(seq, precision, n, a))(c.seq, plan.decision.precision, len(d))
             out.append(DraftedChunk(c.seq, c.start, c.num_tokens, draft=d, draft_probs=q,
                                     precision=plan.decision.precision or "", settle=settle))
         return logits, out
@@ -114,7 +115,8 @@ class SpeculativeExecutor:
                     probs[i].append(q)
         return drafts, probs
 
-    def _draft_token(self, logits: torch.Tensor, chunk: ScheduledChunk, so_far: list[int]) -> tuple[int, torch.Tensor | None]:
+    def _draft_token(self, logits: torch.Tensor, chunk: ScheduledChunk,
+                     so_far: list[int]) -> tuple[int, torch.Tensor | None]:
         """The draft's next token: processed as the target's row will be (penalties, bans, min_tokens on the
         sequence's tokens plus the draft so far), then argmax (greedy) or sampled from q (q returned)."""
         seq, p = chunk.seq, chunk.seq.params

@@ -21,8 +21,8 @@ evicted as usual. Under ``preserve`` the tag never changes: cached blocks serve 
 KV of running requests already does.
 
 ``events`` (optional, ``CacheEvents``) hears every registration's end (``removed``), every change of the root
-(``root_changed``) and every reset (``cleared``, with the new root); registrations themselves are reported by the KV-cache manager,
-which knows their tokens. Dynamo's KV-aware router is fed from them (serve/dynamo/kv_events.py).
+(``root_changed``) and every reset (``cleared``, with the new root); registrations themselves are reported by the
+KV-cache manager, which knows their tokens. Dynamo's KV-aware router is fed from them (serve/dynamo/kv_events.py).
 """
 
 from __future__ import annotations
@@ -332,7 +332,8 @@ class BlockPool:
         if extent is self.extents[0]:
             raise BlockPoolError("the base extent cannot be removed")
         if extent is not self.extents[-1]:
-            raise BlockPoolError(f"extents leave in LIFO order: {owner!r} is not the newest ({self.extents[-1].owner!r})")
+            raise BlockPoolError(f"extents leave in LIFO order: {owner!r} is not the newest "
+                                 f"({self.extents[-1].owner!r})")
         if not self.extent_is_free(owner):
             raise BlockPoolError(f"extent {owner!r} still has blocks in use (or retired)")
         self.extents.pop()

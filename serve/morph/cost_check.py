@@ -1,12 +1,12 @@
 """A serving engine's check of its step-cost table against its own machine, and the correction (policy/cost_drift.py).
 
 A resource manager of the engine (serve/resource_seam.py), after the levers that read the table: it counts the
-iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the full-precision layer's
-linears at 1 and 8 tokens, three repeats, a few milliseconds, under the conditions check of
-policy/measurement.py. The rule compares it with the table; when quiet probes say the table is off, the whole
-table is measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
-speculation controller take it), written back to the per-machine cache, and the kernel crossovers are measured
-again and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
+iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the
+full-precision layer's linears at 1 and 8 tokens, three repeats, a few milliseconds, under the conditions check of
+policy/measurement.py. The rule compares it with the table; when quiet probes say the table is off, the whole table is
+measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the speculation
+controller take it), written back to the per-machine cache, and the kernel crossovers are measured again and made
+current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
 
 ``remeasure()`` does the correction at once (the operator's ``remeasure_costs`` control). Its stats fill
 ``EngineStats.step_cost_probes`` / ``step_cost_corrections`` (metrics ``morphserve_step_cost_*_total``).

@@ -60,8 +60,8 @@ class DraftBank:
         return self._layers[key]
 
     def layers(self, precision: str) -> list[DecoderLayer]:
-        """The draft's decoder layers for ``precision``: each one ladder step below the precision it serves at now (read from
-        the model every call: morphing may have moved a layer since the last draft)."""
+        """The draft's decoder layers for ``precision``: each one ladder step below the precision it serves at now (read
+        from the model every call: morphing may have moved a layer since the last draft)."""
         out = []
         for i, served in enumerate(self.model.layers):
             p = precision_below(served.precision, precision)

@@ -1,16 +1,15 @@
 """Executes the MorphServe controller's decisions: layer swaps and KV pool resizing, with exact accounting.
 
-At every iteration boundary: finish swaps whose copies are ready (install the layer, resize the pool),
-build a Telemetry snapshot, ask the controller, start the copies it asks for. Quantizing layer p puts the
-variant at the tail of p's arena region and adds the slots in front of it (where the milder variant's bytes
-were) to the KV pool as an extent owned by that transition; undoing a transition first removes its extent
-(only when entirely free, LIFO), keeps the variant in staging and copies the milder variant back into the
-region. One copy is in flight at a time. In-flight requests keep their KV cache: weight-only quantization
-does not change the KV layout.
+At every iteration boundary: finish swaps whose copies are ready (install the layer, resize the pool), build a Telemetry
+snapshot, ask the controller, start the copies it asks for. Quantizing layer p puts the variant at the tail of p's arena
+region and adds the slots in front of it (where the milder variant's bytes were) to the KV pool as an extent owned by
+that transition; undoing a transition first removes its extent (only when entirely free, LIFO), keeps the variant in
+staging and copies the milder variant back into the region. One copy is in flight at a time. In-flight requests keep
+their KV cache: weight-only quantization does not change the KV layout.
 
-Yield (policy/memory_yield.py) runs the same copies, but a yielded transition's freed slots go back to the
-system (``Arena.release``) instead of into the pool, or the newest transition's free KV extent leaves the
-pool and is released as it stands; reclaim recommits the slots and undoes the transition as a restore does.
+Yield (policy/memory_yield.py) runs the same copies, but a yielded transition's freed slots go back to the system
+(``Arena.release``) instead of into the pool, or the newest transition's free KV extent leaves the pool and is released
+as it stands; reclaim recommits the slots and undoes the transition as a restore does.
 """
 
 from __future__ import annotations
@@ -52,12 +51,8 @@ class MorphRuntime(ResourceManagerBase):
         self.last_step_tokens = 0  # tokens in the last batch (after_schedule); the cost rule reads it
         self.step_token_budget = step_token_budget
         self.kv_blocks_per_freed_slot = kv_blocks_per_freed_slot
-        self.bank = bank
-        self.pool = pool
-        self.ledger = ledger
-        self.kv = kv
-        self.block_size = block_size
-        self.clock = clock
+        self.bank, self.pool, self.ledger, self.kv = bank, pool, ledger, kv
+        self.block_size, self.clock = block_size, clock
         self.stack: list[Transition] = []
         self.pending: list[PendingSwap] = []
         # Transitions accepted but not started: one copy is in flight at a time (one staging range), so a
@@ -86,7 +81,8 @@ class MorphRuntime(ResourceManagerBase):
             latest[tr.layer] = (i, tr.to_precision)
         # restores and reclaims left the stack when they started
         accepted = [(p.kind, p.layer, p.target) for p in self.pending if p.kind in ("quantize", "yield")]
-        for j, (kind, layer, target) in enumerate(accepted + [(k, layer, target) for k, layer, target, _ in self.queued]):
+        queued = [(k, layer, target) for k, layer, target, _ in self.queued]
+        for j, (kind, layer, target) in enumerate(accepted + queued):
             if kind in ("quantize", "yield"):
                 latest[layer] = (len(self.stack) + j, target)
             elif target == FULL:
@@ -102,21 +98,22 @@ class MorphRuntime(ResourceManagerBase):
         mem = query_device_memory(self.bank.device)
         critical_unscheduled, ttft_slack = scheduler.slo_signals(now)
         self.last_free = free = self.pressure.free(now) if self.pressure is not None else None
+        idle = not self.pending and not self.queued
         return Telemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-            num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(), num_waiting=scheduler.num_waiting(),
-            oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
+            num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(),
+            num_waiting=scheduler.num_waiting(), oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
             critical_decodes_unscheduled=critical_unscheduled, min_ttft_slack_s=ttft_slack,
             step_tokens=self.last_step_tokens, step_token_budget=self.step_token_budget, block_tokens=self.block_size,
             ttft_p95_s=self._ttfts.percentile(now, 95), tbt_p99_s=self._gaps.percentile(now, 99),
-            device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
-            quantized_layers=self.quantized_layers(), pending_restore_extent_free=top_free and not self.pending and not self.queued,
-            blocks_per_layer_extent=self.blocks_per_layer_extent, kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot,
-            memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
-            yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
-            top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
-            yielded_layers=self._yielded_layers(),
+            device_mem_used_bytes=mem.used_bytes if mem else None,
+            device_mem_total_bytes=mem.total_bytes if mem else None, quantized_layers=self.quantized_layers(),
+            pending_restore_extent_free=top_free and idle, blocks_per_layer_extent=self.blocks_per_layer_extent,
+            kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot, memory_free_bytes=free.free_bytes if free else None,
+            memory_source=free.source if free else "", yield_request_bytes=self.yield_request,
+            yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
+            top_is_yielded=top is not None and top.yielded and idle, yielded_layers=self._yielded_layers(),
             block_bytes=self.ledger.slot_bytes, quality=self.quality.reading() if self.quality is not None else None)
 
     # ---- the iteration boundary: the engine loop's resource-manager seam (serve/resource_seam.py) ------------
@@ -214,7 +211,8 @@ class MorphRuntime(ResourceManagerBase):
         """Copy the variant from the host bank into staging (asynchronously); installed at a later boundary."""
         before = self.bank.precision_of(layer)
         if self.bank.slots(layer, target) > self.bank.slots(layer, before):
-            self._event("swap_skipped", layer=layer, to_precision=target, reason=f"{target} is not smaller than {before}")
+            self._event("swap_skipped", layer=layer, to_precision=target,
+                        reason=f"{target} is not smaller than {before}")
             return False
         job = self.bank.copy_async(self.bank.host[layer][target], self.bank.staging)
         self.pending.append(PendingSwap(kind, layer, target, job, reason, self.clock()))
@@ -247,7 +245,8 @@ class MorphRuntime(ResourceManagerBase):
         self.bank.install(layer, staged)  # serves from staging while the region is rewritten
         self.ledger.layer_slots[layer] = self.bank.slots(layer, target)
         job = self.bank.copy_async(self.bank.host[layer][target], self.bank.tail(layer, target))
-        self.pending.append(PendingSwap("reclaim" if top.yielded else "restore", layer, target, job, reason, self.clock()))
+        self.pending.append(PendingSwap("reclaim" if top.yielded else "restore", layer, target, job, reason,
+                                        self.clock()))
         return True
 
     def complete_ready(self, wait: bool) -> None:
@@ -334,7 +333,7 @@ class MorphRuntime(ResourceManagerBase):
             return 0
         free_before = self.pool.num_free
         wanted = free_before + blocks
-        self.queued = collections.deque(q for q in self.queued if q[0] in ("quantize", "yield"))  # no restore under pressure
+        self.queued = collections.deque(q for q in self.queued if q[0] in ("quantize", "yield"))  # no restore now
         self.complete_ready(wait=True)
         while (left := wanted - self.pool.num_free) > 0:
             decision = self.controller.cover_deficit(self.telemetry(self.clock(), scheduler), left)
@@ -433,7 +432,8 @@ class MorphRuntime(ResourceManagerBase):
     def is_at_rest(self) -> bool:
         """Nothing in flight, every layer at full precision and no outside memory to watch (the state an
         idle engine sleeps in; otherwise it keeps ticking so the controller can restore, yield or reclaim)."""
-        watching = (self.config.memory_floor_bytes is not None and self.pressure is not None) or bool(self.yield_request)
+        watching = ((self.config.memory_floor_bytes is not None and self.pressure is not None)
+                    or bool(self.yield_request))
         return not self.pending and not self.queued and not self.stack and not watching
 
     def _extent_removable(self, owner: str) -> bool:

@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    p.add_argument("--log-level", default="warning", help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
+    p.add_argument("--log-level", default="warning",
+                   help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     p.add_argument(
         "--allow-repository-api",
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(OPENABLE)}); closed by default: only inference, health, metadata and statistics "
                         "are open (docs/hardening.md)")
     p.add_argument("--grpc-max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="the gRPC front end refuses larger messages at the transport (RESOURCE_EXHAUSTED) before reading "
+                   help="the gRPC front end refuses larger messages at the transport (RESOURCE_EXHAUSTED) before "
+                        "reading "
                         "them")
     p.add_argument("--drain-timeout", type=int, default=30,
                    help="seconds tritonserver lets in-flight requests finish after SIGTERM (--exit-timeout-secs)")
@@ -227,7 +229,8 @@ def params_from_args(args: argparse.Namespace) -> dict[str, object]:
         try:
             merged = json.loads(str(base)) if str(base).strip() else {}
         except json.JSONDecodeError:
-            raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into it") from None
+            raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into "
+                             "it") from None
         if not isinstance(merged, dict):
             raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into it")
         params["policy"] = json.dumps({**merged, **overrides})

@@ -33,7 +33,8 @@ class FrontEnds:
 
     def internal_ports(self) -> list[int]:
         """tritonserver's own ports behind the front ends."""
-        return [p for p, front_end in ((self.triton_http_port, self.http), (self.triton_grpc_port, self.grpc)) if front_end]
+        return [p for p, front_end in ((self.triton_http_port, self.http), (self.triton_grpc_port, self.grpc))
+                if front_end]
 
     def running_ports(self) -> list[int]:
         """Client ports a running front end holds (not busy for a restarted tritonserver)."""

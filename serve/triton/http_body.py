@@ -150,8 +150,8 @@ _VERSION = re.compile(r"[0-9]{1,18}")
 
 def resolve_version(version: str) -> str:
     """A URL's model version as Triton resolves it: "" (the model's policy) or an integer, in canonical form. Triton
-    2.51 reads "1.<anything>" as version 1, and the front end kept a spec per spelling (Reliability III finding 8: ~12 KB per
-    distinct string); any other spelling is 400."""
+    2.51 reads "1.<anything>" as version 1, and the front end kept a spec per spelling (Reliability III finding 8: ~12
+    KB per distinct string); any other spelling is 400."""
     if version == "":
         return ""
     if not _VERSION.fullmatch(version):

@@ -1,5 +1,5 @@
-"""The HTTP front end's bounds on connections (Reliability III finding 7: 200 slow-header and 100 slow-body connections were all
-still open after 60 s; nothing bounded them but the file-descriptor limit).
+"""The HTTP front end's bounds on connections (Reliability III finding 7: 200 slow-header and 100 slow-body connections
+were all still open after 60 s; nothing bounded them but the file-descriptor limit).
 
 - **Connections**: at most ``max_connections`` open at once; one more is answered at once with 503 + Retry-After
   and closed (:class:`BoundedSite`, the listening socket of the front end), so a flood of idle connections cannot take

@@ -138,7 +138,8 @@ def llmapi_to_engine(get_input: InputGetter) -> tuple[dict[str, np.ndarray], Out
         out["temperature"] = np.array([1.0], dtype=np.float32)
     out.setdefault("max_tokens", np.array([DEFAULT_MAX_TOKENS], dtype=np.int32))
     out.setdefault("exclude_input_in_output", np.array([False]))
-    options = OutputOptions(stream=_flag(get_input, "streaming"), finish_reason=_flag(get_input, "return_finish_reason"),
+    options = OutputOptions(stream=_flag(get_input, "streaming"),
+                            finish_reason=_flag(get_input, "return_finish_reason"),
                             stop_reason=_flag(get_input, "return_stop_reason"),
                             cumulative_logprob=_flag(get_input, "return_cumulative_logprob"),
                             perf_metrics="return_perf_metrics" in out and bool(out["return_perf_metrics"][0]))
@@ -164,7 +165,8 @@ def _check_ranges(out: Mapping[str, np.ndarray]) -> None:
             continue
         v = float(out[target][0])
         if not (low <= v <= high) or math.isnan(v) or (math.isinf(v) and target != "top_k"):
-            bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}" if math.isfinite(low) else "finite"
+            bound = (f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}" if math.isfinite(low)
+                     else "finite")
             raise InputError(f"{_LLMAPI_NAME[target]} must be {bound}, got {v:g}")
 
 
@@ -205,7 +207,8 @@ def _first_text(arr: np.ndarray | None) -> str:
     return v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
 
 
-PERF_DTYPES = {name: np.int64 if name.endswith("_ns") else np.float32 if name in ("kv_cache_hit_rate", "acceptance_rate")
+PERF_DTYPES = {name: np.int64 if name.endswith("_ns") else np.float32 if name
+               in ("kv_cache_hit_rate", "acceptance_rate")
                else np.int32 for name in PERF_OUTPUTS}
 """Each perf-metric output's declared type (upstream's config.pbtxt)."""
 

@@ -233,7 +233,8 @@ def write_repository(dest: Path, overrides: Mapping[str, object], src: Path = DE
                 text = "".join(ln for ln in text.splitlines(keepends=True) if CHECKOUT_FALLBACK_MARK not in ln)
             out.write_text(text)
             written.append(out)
-    unused = sorted(set(filled) - {k for n in models for k in read_config_parameters((src / n / "config.pbtxt").read_text())})
+    unused = sorted(set(filled)
+                    - {k for n in models for k in read_config_parameters((src / n / "config.pbtxt").read_text())})
     if unused:
         raise TritonLaunchError(f"unknown model parameter(s) {unused}")
     if LLMAPI_MODEL_NAME in models:

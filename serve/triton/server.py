@@ -89,9 +89,9 @@ class TritonServer:
     can then load a Python model that runs as this user). Ports busy before start fail at once.
     ``exit_timeout_s`` is how long tritonserver drains in-flight requests after SIGTERM.
 
-    ``http_port`` and ``grpc_port`` are the project's front ends (serve/triton/front_ends.py: bounded bodies and messages,
-    typed inputs, closed APIs; ``front_options``, ``grpc_max_message_bytes`` set their limits); tritonserver's own
-    servers listen on internal loopback ports behind them (``http_front`` / ``grpc_front=False``: Triton's own).
+    ``http_port`` and ``grpc_port`` are the project's front ends (serve/triton/front_ends.py: bounded bodies and
+    messages, typed inputs, closed APIs; ``front_options``, ``grpc_max_message_bytes`` set their limits); tritonserver's
+    own servers listen on internal loopback ports behind them (``http_front`` / ``grpc_front=False``: Triton's own).
 
     ``operator_port`` (a free one by default) is where the model serves the operator's controls (memory yield,
     drain; serve/triton/operator_port.py), loopback only, when its config.pbtxt declares an ``operator_port``
@@ -368,7 +368,8 @@ class TritonServer:
     def is_ready(self) -> bool:
         """Server ready and the model ready (one pair of HTTP probes)."""
         base = f"http://{self.triton_http_url}"
-        if (self.front_ends.http and self.front_ends.http_front is None) or (self.front_ends.grpc and self.front_ends.grpc_front is None):
+        if (self.front_ends.http and self.front_ends.http_front is None) or (self.front_ends.grpc
+                                                                             and self.front_ends.grpc_front is None):
             return False
         return self._get(f"{base}/v2/health/ready") == 200 and all(
             self._get(f"{base}/v2/models/{name}/ready") == 200 for name in (self.model_name, *self.also_load))

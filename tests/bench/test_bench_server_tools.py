@@ -70,7 +70,8 @@ def test_triton_overhead_times_every_path(server: TritonServer) -> None:
     assert set(rows) == set(triton_overhead.PATHS)
     assert all(len(v) == 1 and 0 < v[0][0] <= v[0][1] for v in rows.values())
     table = triton_overhead.to_markdown(rows)
-    assert "| overhead of the Triton path |" in table and "| overhead of the BLS hop (ensemble vs morphserve) |" in table
+    assert ("| overhead of the Triton path |" in table
+            and "| overhead of the BLS hop (ensemble vs morphserve) |" in table)
 
 
 def _wait(server: TritonServer, pgid: int, t0: float, test, timeout_s: float = 120.0) -> dict:

@@ -43,7 +43,8 @@ def _chat(e: LLMEngine, text: str) -> str:
 
 
 def _schema_params(schema: dict, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=kw.pop("max_tokens", 160), guided_decoding={"type": "json_schema", "guide": schema}, **kw)
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 160),
+                          guided_decoding={"type": "json_schema", "guide": schema}, **kw)
 
 
 def test_every_output_of_24_schemas_parses_and_validates(engine) -> None:
@@ -102,8 +103,8 @@ def test_regex_outputs_match_fully(engine) -> None:
 
 def test_choice_json_and_grammar_kinds(engine) -> None:
     prompt = _chat(engine, "Is the sky blue? Answer yes or no.")
-    out = engine.generate([prompt], SamplingParams(max_tokens=8, guided_decoding={"type": "choice",
-                                                                                    "guide": ["yes", "no", "maybe"]}))[0]
+    guide = {"type": "choice", "guide": ["yes", "no", "maybe"]}
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, guided_decoding=guide))[0]
     assert out["text"] in ("yes", "no", "maybe") and out["finish_reason"] == "stop"
     # any JSON: a 135M model asked for "a person" rambles past 200 tokens (still JSON so far); one key it ends
     out = engine.generate([_chat(engine, "Give the capital of France as JSON with one key.")],
@@ -212,8 +213,8 @@ def test_a_guide_that_reaches_a_dead_end_ends_as_invalid_input(engine) -> None:
     """A grammar that allows a first token but nothing after it: the request ends as its own input's fault
     (GuideViolation, invalid input) instead of sampling from no token at all (an engine error, HTTP 500)."""
     grammar = 'root ::= "Yes" tail\ntail ::= tail'
-    out = engine.generate(["Say yes."], SamplingParams(max_tokens=8, guided_decoding={"type": "ebnf_grammar",
-                                                                                       "guide": grammar}))[0]
+    guide = {"type": "ebnf_grammar", "guide": grammar}
+    out = engine.generate(["Say yes."], SamplingParams(max_tokens=8, guided_decoding=guide))[0]
     assert out["error_kind"] == ErrorKind.INVALID_INPUT.value and "allows no token after" in out["error"], out
     assert out["text"] == "Yes"
 
@@ -377,7 +378,8 @@ def test_guided_requests_under_slai_with_layers_swapped_mid_request(smollm) -> N
             if out.finished:
                 r["finish_reason"] = out.finish_reason.value
 
-        rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema in picks]
+        rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema
+                in picks]
         while len(e.grammars):  # the swaps below must land mid-request: first let every grammar compile
             e.has_unfinished_requests()
             e.grammars.wait(0.1)

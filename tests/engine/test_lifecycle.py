@@ -197,7 +197,8 @@ def test_cancellation_and_failures_carry_their_kind(tiny) -> None:
 
 
 def test_error_kinds_of_plain_exceptions() -> None:
-    assert error_kind(ValueError("x")) is ErrorKind.INVALID_INPUT and error_kind(TypeError("x")) is ErrorKind.INVALID_INPUT
+    assert (error_kind(ValueError("x")) is ErrorKind.INVALID_INPUT
+            and error_kind(TypeError("x")) is ErrorKind.INVALID_INPUT)
     assert error_kind(RuntimeError("overloaded: retry later")) is ErrorKind.INTERNAL  # words decide nothing
     assert error_kind(DeadlineExceeded("x")) is ErrorKind.DEADLINE_EXCEEDED and retry_after_of(KeyError()) is None
 

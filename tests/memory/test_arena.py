@@ -173,7 +173,8 @@ def test_a_request_no_configuration_of_the_mode_can_hold_is_refused_with_the_rea
     e = LLMEngine(EngineConfig(num_kv_blocks=20, block_size=4, morph_mode="default", max_model_len=2048),
                   loaded=long_ctx, clock=FakeClock())
     too_big = e.reachable_blocks * 4 + 4 - 8  # prompt + 8 new tokens = one block more than the mode can reach
-    with pytest.raises(ValueError, match=r"can never hold more than \d+ in morph mode 'default' \(20 base \+ 1 layers at int4"):
+    with pytest.raises(ValueError,
+                       match=r"can never hold more than \d+ in morph mode 'default' \(20 base \+ 1 layers at int4"):
         e.add_request(list(range(10, 10 + too_big)), SamplingParams(max_tokens=8, ignore_eos=True))
     assert not e.has_unfinished_requests()
 
@@ -221,7 +222,8 @@ def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_w
         errors = []
         for _ in range(3):
             done = []
-            e.add_request([5, 6, 7], SamplingParams(max_tokens=2), callback=lambda o: done.append(o) if o.finished else None)
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=2), callback=lambda o: done.append(o) if o.finished
+                          else None)
             for _ in range(500):
                 if done:
                     break

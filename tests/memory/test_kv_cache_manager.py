@@ -2,7 +2,8 @@
 the shortfall a scheduler actually meets: exact block ids, holds and prefix-hit counts; the shortfall hook
 asked before a preemption, with FCFS's whole-pass deficit and with the deficit SLAI meets; a failing hook.
 (SLAI engines that preempt with morphing off and serve the same workload without preemption when morphing,
-as FCFS does: tests/memory/test_arena.py; random load under both schedulers with morphing: tests/morph/test_morph.py.)"""
+as FCFS does: tests/memory/test_arena.py; random load under both schedulers with morphing:
+tests/morph/test_morph.py.)"""
 
 from __future__ import annotations
 

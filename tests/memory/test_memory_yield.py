@@ -35,7 +35,8 @@ def telemetry(now: float, *, free: int | None, quantized=(), top_yielded=False, 
 
 
 def controller(**kw) -> MorphController:
-    policy = PolicyConfig.for_mode("accuracy", cost_aware=False, memory_floor_bytes=1000 * MiB, **kw)  # ladder int8, int4
+    # ladder int8, int4
+    policy = PolicyConfig.for_mode("accuracy", cost_aware=False, memory_floor_bytes=1000 * MiB, **kw)
     return MorphController(policy, (5, 2, 7, 0, 3, 6, 1, 4))
 
 

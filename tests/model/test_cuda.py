@@ -105,7 +105,8 @@ def test_morphing_engine_in_bfloat16_keeps_device_memory_flat(model):
     clock = FakeClock()
     engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=16, block_size=16,
                                     max_num_batched_tokens=256, max_num_seqs=16, morph_mode="performance",
-                                    policy_overrides={"persist_iters": 1, "restore_persist_s": 1.0, "cost_aware": False}),
+                                    policy_overrides={"persist_iters": 1, "restore_persist_s": 1.0,
+                                                      "cost_aware": False}),
                        loaded=model, clock=clock)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
@@ -134,7 +135,8 @@ def test_swap_mid_decode_on_the_gpu_keeps_state(model):
         return LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
                                       morph_mode="performance",
                                       policy_overrides={"kv_high": 1.0, "queue_delay_high_s": 1e9,
-                                                        "restore_persist_s": 1e9, "cost_aware": False}), loaded=model, clock=FakeClock())
+                                                        "restore_persist_s": 1e9, "cost_aware": False}), loaded=model,
+                         clock=FakeClock())
 
     precision = "int4" if _capability() >= (8, 0) else "int8"
 

@@ -154,7 +154,8 @@ def test_measure_and_the_per_machine_cache(tiny, tmp_path, monkeypatch) -> None:
     try:
         layers, shape, head = cost_inputs(e.model, morph(e).bank)
         measured = sc.measure(layers, shape, e.model.device, e.model.dtype, head=head, token_counts=(1, 8), repeats=1)
-        assert set(measured.layer_s) == {"full", "int8", "int4"} and all(v > 0 for r in measured.layer_s.values() for v in r)
+        assert (set(measured.layer_s) == {"full", "int8", "int4"}
+                and all(v > 0 for r in measured.layer_s.values() for v in r))
         key = sc.machine_key(e.model.device, e.model.dtype, shape)
         assert key["device"] == sc.device_name(torch.device("cpu")) and key["layer_shape"] == list(shape)
         sc.store(sc.cache_path(), key, measured)
@@ -212,7 +213,8 @@ def test_h200_costs_from_gpu_check_quantize_only_where_the_kernels_win() -> None
     tok_s = {"full": (106.0, 823.6, 1750.3, 26330), "int8": (72.2, 596.1, 2209.2, 33866),
              "int4": (86.1, 654.5, 2203.5, 34564)}
     counts = (1, 8, 32, 512)
-    h200 = StepCosts("NVIDIA H200", counts, {p: tuple(n / v / 16 for n, v in zip(counts, row)) for p, row in tok_s.items()})
+    h200 = StepCosts("NVIDIA H200", counts,
+                     {p: tuple(n / v / 16 for n, v in zip(counts, row)) for p, row in tok_s.items()})
     assert cost_ladder(("int8", "int4"), h200, EXTENT) == ("int4",)
     small = {**QUEUEING, "num_running": 1}
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=1).action == "none"
@@ -228,8 +230,8 @@ def test_bench_triton_reports_the_median_run() -> None:
 
 
 @pytest.mark.parametrize("fake, swaps", [(SLOW_INT4, False), (FAST_INT4, True)])
-def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_say_it_helps(tiny, tmp_path, monkeypatch,
-                                                                                       fake, swaps) -> None:
+def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_say_it_helps(
+        tiny, tmp_path, monkeypatch, fake, swaps) -> None:
     """A real engine reading (fake) costs from its per-machine cache: requests queue on the sequence cap with
     KV blocks free; slow int4 never swaps, fast int4 does."""
     from serve.config import EngineConfig

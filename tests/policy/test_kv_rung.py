@@ -11,7 +11,8 @@ from policy.kv_rung import KV_PRICE_PCT, LAYER_PRICE_PCT, KVRungRule, KVRungTele
 
 def _t(used: int, total: int = 100, free_slots: int = 10, now: float = 0.0, **kw) -> KVRungTelemetry:
     return KVRungTelemetry(now_s=now, kv_blocks_total=total, kv_blocks_used=used, free_full_slots=free_slots,
-                           blocks_per_slot=3.75, kv_blocks_8bit=kw.pop("blocks8", 0), top_free=kw.pop("top_free", False),
+                           blocks_per_slot=3.75, kv_blocks_8bit=kw.pop("blocks8", 0),
+                           top_free=kw.pop("top_free", False),
                            **kw)
 
 
@@ -69,8 +70,8 @@ def test_the_policy_field_is_validated():
 
 def test_without_free_slots_it_rewrites_just_the_running_blocks_the_pressure_needs():
     """No free slot left: cold running blocks, each gaining 2.75 blocks, only as many as bring usage back to the middle
-    of the band (0.725 here: 100 used need 138 blocks, 38 more = 14 blocks) or cover the waiting prompts, never more than
-    there are; none when there is none."""
+    of the band (0.725 here: 100 used need 138 blocks, 38 more = 14 blocks) or cover the waiting prompts, never more
+    than there are; none when there is none."""
     rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
     d = rule.decide(_t(used=100, total=100, free_slots=0, cold_blocks=40))
     assert d.action == "convert" and (d.slots, d.blocks) == (0, 14) and "14 cold block(s) of running" in d.reason

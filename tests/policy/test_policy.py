@@ -347,7 +347,8 @@ def test_controller_and_telemetry_validation() -> None:
     with pytest.raises(ValueError, match="kv_blocks_used"):
         Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=11, num_layers=4)
     with pytest.raises(ValueError, match="twice"):
-        Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=1, num_layers=4, quantized_layers=((1, "int4"), (1, "int8")))
+        Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=1, num_layers=4,
+                  quantized_layers=((1, "int4"), (1, "int8")))
     with pytest.raises(ValueError):
         MorphDecision("quantize", (), "int4", "x")
     t = Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=4, num_layers=4)

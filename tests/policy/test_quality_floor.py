@@ -28,7 +28,8 @@ def test_off_by_default_pressure_quantizes_whatever_the_reading():
 
 
 def test_no_further_quantizing_step_while_the_lower_bound_is_under_the_floor():
-    ctl, eng = controller(cost_aware=False, persist_iters=1, quality_floor=0.9, max_quantized_fraction=1.0), FakeEngine()
+    ctl, eng = controller(cost_aware=False, persist_iters=1, quality_floor=0.9,
+                          max_quantized_fraction=1.0), FakeEngine()
     assert step(ctl, eng, **HOT).action == "quantize"  # no reading yet: full precision meets the floor
     d = step(ctl, eng, quality=LOW, **HOT)
     assert d.action == "none" and "the quality floor holds" in d.reason

@@ -43,7 +43,8 @@ def test_slo_pressure_can_be_switched_off() -> None:
     cfg = PolicyConfig.for_mode("performance", critical_decodes_high=None, ttft_slack_low_s=None,
                                 queue_delay_high_s=10.0)
     ctl = MorphController(cfg, SWAP_ORDER)
-    assert ctl.decide(telemetry(0.1, num_waiting=1, critical_decodes_unscheduled=9, min_ttft_slack_s=-1.0)).action == "none"
+    assert ctl.decide(telemetry(0.1, num_waiting=1, critical_decodes_unscheduled=9,
+                                min_ttft_slack_s=-1.0)).action == "none"
 
 
 def test_slo_pressure_blocks_restore() -> None:

@@ -60,7 +60,8 @@ def test_every_bench_tool_is_documented_and_smoke_tested() -> None:
 
 
 def test_the_check_finds_an_undocumented_or_untested_tool() -> None:
-    rows = {"bench.swap_cost": " `tests/bench/test_bench_tools.py` ", "bench.quant_decode": " `tests/bench/test_traces.py` ",
+    rows = {"bench.swap_cost": " `tests/bench/test_bench_tools.py` ",
+            "bench.quant_decode": " `tests/bench/test_traces.py` ",
             "bench.peer": " `tests/no_such_test.py` "}
     assert missing_smoke_tests(rows, {"bench.swap_cost", "bench.quant_decode", "bench.peer", "bench.soak"}) == [
         "bench.peer: names a test file that does not exist", "bench.peer: no test named in its row runs it",

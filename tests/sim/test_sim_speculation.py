@@ -47,7 +47,8 @@ class StubSteps:
     def step_s(self, batch: BatchShape, precisions: Sequence[str], head: str = FULL) -> float:
         self.calls.append((list(batch.decode_kv_lens), list(precisions), head))
         rows = len(batch.decode_kv_lens)
-        return rows * (sum(self.LAYER[p] for p in precisions) + self.HEAD[head]) + 1e-6 * sum(batch.decode_kv_lens) + 1e-3
+        return rows * (sum(self.LAYER[p] for p in precisions)
+                       + self.HEAD[head]) + 1e-6 * sum(batch.decode_kv_lens) + 1e-3
 
 
 def test_the_draft_serves_each_layer_one_ladder_step_down() -> None:
@@ -79,7 +80,8 @@ def test_a_drafting_iteration_is_charged_draft_plus_verify_over_the_expected_tok
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"acceptance": 1.5, "k": 3, "precision": "int8"}, "acceptance"),
-    ({"acceptance": 0.9, "k": 0, "precision": "int8"}, "-k"), ({"acceptance": 0.9, "k": 3, "precision": "int2"}, "rung"),
+    ({"acceptance": 0.9, "k": 0, "precision": "int8"}, "-k"),
+    ({"acceptance": 0.9, "k": 3, "precision": "int2"}, "rung"),
 ])
 def test_bad_assumptions_are_refused(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -119,8 +121,8 @@ def _plan(tmp_path: Path, name: str, *extra: str) -> dict:
     return json.loads((tmp_path / name).read_text())
 
 
-def test_a_plan_reports_tpot_without_and_with_speculation_and_says_when_it_does_not_model_it(tmp_path: Path,
-                                                                                               capsys) -> None:
+def test_a_plan_reports_tpot_without_and_with_speculation_and_says_when_it_does_not_model_it(
+        tmp_path: Path, capsys) -> None:
     plain = _plan(tmp_path, "plain.json")
     assert plain["plan"]["speculation"]["modelled"] is False
     assert "--speculation-acceptance" in plain["plan"]["speculation"]["why"]

@@ -86,7 +86,8 @@ SPEC = ModelSpec("morphserve", "", 0, {n: InputSpec(n, *_DT[k]) for n, k in MORP
 @FUZZ
 @given(bodies)
 def test_the_front_end_parses_any_body_into_a_request_or_a_400(body: dict[str, Any]) -> None:
-    """The HTTP front end's checks (JSON, types, ranges, text, limits): a gRPC request or FrontError(400), nothing else."""
+    """The HTTP front end's checks (JSON, types, ranges, text, limits): a gRPC request or FrontError(400), nothing
+    else."""
     try:
         build_request(SPEC, "", load_json(_raw(body), 32, check_text=False))
     except FrontError as e:

@@ -113,8 +113,8 @@ def test_request_tensors_follow_the_model_config() -> None:
 
 
 def test_reserved_triton_parameters_are_400_at_the_front_end() -> None:
-    """tritonserver refuses every triton_* request parameter but one, and answered that refusal 500 through the front end
-    (found by test_fuzz_e2e: {"text_input": "", "triton_x": ""}); the front end refuses them 400 itself."""
+    """tritonserver refuses every triton_* request parameter but one, and answered that refusal 500 through the front
+    end (found by test_fuzz_e2e: {"text_input": "", "triton_x": ""}); the front end refuses them 400 itself."""
     with pytest.raises(FrontError, match="'triton_x'.*reserved") as e:
         build_request(MORPHSERVE, "", {"text_input": "x", "triton_x": ""})
     assert e.value.status == 400
@@ -426,7 +426,8 @@ def test_tritonserver_down_is_503_not_a_refused_connection() -> None:
     asyncio.run(main())
 
 
-# ---- Reliability III: closed APIs, bounded connections, cheap refusals ------------------------------------------------
+# ---- Reliability III: closed APIs, bounded connections, cheap refusals
+# ------------------------------------------------
 
 def test_apis_closed_to_clients_are_refused_before_tritonserver_sees_them() -> None:
     """Finding 4: shared memory, logging, trace and the repository answer 403 at the front end, unknown paths 404; the
@@ -465,7 +466,8 @@ def test_connections_over_the_limit_get_503_at_once() -> None:
         extra = socket.create_connection(("127.0.0.1", front.port))
         extra.settimeout(5)
         reply = extra.recv(4096)
-        assert reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply and b"too many open connections" in reply
+        assert (reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply
+                and b"too many open connections" in reply)
         assert extra.recv(4096) == b""  # and closed
         for s in [*held, extra]:
             s.close()

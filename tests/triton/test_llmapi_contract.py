@@ -88,7 +88,8 @@ def test_upstream_defaults_made_explicit() -> None:
 
 
 @pytest.mark.parametrize("given, temperature", [
-    ({"sampling_param_top_k": np.array([1], dtype=np.int32), "sampling_param_temperature": np.array([0.8], np.float32)}, 0.0),
+    ({"sampling_param_top_k": np.array([1], dtype=np.int32), "sampling_param_temperature": np.array([0.8], np.float32)},
+     0.0),
     ({"sampling_param_top_k": np.array([40], dtype=np.int32)}, 1.0),
     ({"sampling_param_top_p": np.array([0.9], dtype=np.float32)}, 1.0),
     ({"sampling_param_top_p": np.array([0.0], dtype=np.float32)}, 0.0),
@@ -107,7 +108,8 @@ def test_inputs_map_to_the_engine_models() -> None:
         sampling_param_max_tokens=np.array([7], dtype=np.int32), sampling_param_seed=np.array([5], dtype=np.uint64),
         sampling_param_stop=np.array([b"\n", b"stop"], dtype=np.object_), streaming=np.array([True]),
         sampling_param_exclude_input_from_output=np.array([True]), return_cumulative_logprob=np.array([True]),
-        sampling_param_return_perf_metrics=np.array([True]), sampling_param_presence_penalty=np.array([0.5], np.float32),
+        sampling_param_return_perf_metrics=np.array([True]),
+        sampling_param_presence_penalty=np.array([0.5], np.float32),
         return_finish_reason=np.array([True]), return_stop_reason=np.array([True])))
     assert arrays["max_tokens"].tolist() == [7] and arrays["seed"].tolist() == [5]
     assert arrays["stop"].tolist() == [b"\n", b"stop"] and arrays["stream"].tolist() == [True]
@@ -170,7 +172,8 @@ def test_engine_outputs_map_back() -> None:
 
 def test_model_yaml_round_trip() -> None:
     engine = {"model": "/m", "max_num_seqs": 8, "enable_prefix_caching": False, "kv_cache_dtype": "int8",
-              "morph_mode": "default", "device_memory": "auto", "speculation": "off", "policy_overrides": {"kv_high": 0.7}}
+              "morph_mode": "default", "device_memory": "auto", "speculation": "off",
+              "policy_overrides": {"kv_high": 0.7}}
     bls = BlsSettings(stop_by_request_id=False, decoupled=False, cancellation_check_period_ms=50)
     text = overlay_model_yaml("", engine, bls)
     assert "max_batch_size: 8" in text and "enable_block_reuse: false" in text and "speculative_config: null" in text

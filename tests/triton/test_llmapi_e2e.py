@@ -255,15 +255,18 @@ def test_perf_metrics_are_the_engines_counts(server) -> None:
     block = after["block_size"]
     assert second["kv_cache_reused_block"] > 0
     assert second["kv_cache_reused_block"] * block == after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    assert second["kv_cache_alloc_total_blocks"] == second["kv_cache_reused_block"] + second["kv_cache_alloc_new_blocks"]
+    assert (second["kv_cache_alloc_total_blocks"]
+            == second["kv_cache_reused_block"] + second["kv_cache_alloc_new_blocks"])
     assert second["kv_cache_hit_rate"] == pytest.approx(
         second["kv_cache_reused_block"] / (second["kv_cache_reused_block"] + second["kv_cache_missed_block"]))
     assert first["kv_cache_reused_block"] == 0 and first["kv_cache_hit_rate"] == 0
-    assert second["total_draft_tokens"] == after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    assert (second["total_draft_tokens"]
+            == after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"])
     assert second["total_accepted_draft_tokens"] == (after["spec_decode_num_accepted_tokens"]
                                                      - before["spec_decode_num_accepted_tokens"])
     assert second["total_draft_tokens"] > 0
-    assert second["acceptance_rate"] == pytest.approx(second["total_accepted_draft_tokens"] / second["total_draft_tokens"])
+    assert second["acceptance_rate"] == pytest.approx(second["total_accepted_draft_tokens"]
+                                                      / second["total_draft_tokens"])
     times = [second[k] for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
                                  "last_token_time_ns")]
     assert 0 < times[0] <= times[1] <= times[2] <= times[3], times
@@ -277,7 +280,8 @@ def test_finish_and_stop_reasons_and_cumulative_logprob(server) -> None:
                                       "sampling_param_exclude_input_from_output": True})
     assert status == 200, body
     assert body["finish_reason"] == "stop" and body["stop_reason"] == "," and body["cumulative_logprob"] < 0
-    status, body = _generate(server, {"text_input": PROMPT, "sampling_param_max_tokens": 3, "return_finish_reason": True,
+    status, body = _generate(server,
+                             {"text_input": PROMPT, "sampling_param_max_tokens": 3, "return_finish_reason": True,
                                       "return_stop_reason": True})
     assert body["finish_reason"] == "length" and body["stop_reason"] == "None"
 

@@ -114,7 +114,8 @@ def test_a_client_cannot_cancel_others_or_yield_memory_and_the_operator_can(serv
         th.join(timeout=300)
     assert results == {i: (TOKENS, "length") for i in range(4)}  # every other client's stream finished in full
     assert metric(server, "morphserve_layers_quantized") == 0 and metric(server, "morphserve_swaps_total") == 0
-    assert metric(server, "morphserve_memory_yielded_bytes") == 0 and metric(server, "morphserve_memory_yields_total") == 0
+    assert (metric(server, "morphserve_memory_yielded_bytes") == 0
+            and metric(server, "morphserve_memory_yields_total") == 0)
 
     # the operator port can: a yield gives bytes back (a KV extent or a quantized layer's), reclaim takes them back
     answer = post_control(server.operator_port, "memory_yield", {"size": "1MiB"})
@@ -159,7 +160,8 @@ def test_with_the_operator_key_memory_is_released_and_resumed(tmp_path, monkeypa
                 assert status == 401 and "detail" in answer and KEY not in json.dumps(answer), (path, answer)
         after_refusals = stats()
         assert after_refusals["memory_yielded_bytes"] == 0 and not sum(after_refusals["layers_quantized"].values())
-        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200, {"state": "running", "parked_tags": []})
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200,
+                                                                            {"state": "running", "parked_tags": []})
 
         status, answer = operator_request(port, "POST", "/release_memory", {"tags": ["model_weights", "kv_cache"]},
                                           key=KEY, timeout=300)
@@ -181,5 +183,6 @@ def test_with_the_operator_key_memory_is_released_and_resumed(tmp_path, monkeypa
         resumed = stats()
         assert resumed["memory_yielded_bytes"] == 0 and not sum(resumed["layers_quantized"].values())
         assert resumed["memory_held_bytes"] == start["memory_held_bytes"]
-        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200, {"state": "running", "parked_tags": []})
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200,
+                                                                            {"state": "running", "parked_tags": []})
         assert http(srv, body) == (200, before)

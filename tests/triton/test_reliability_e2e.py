@@ -1,8 +1,8 @@
-"""Reliability III (docs/hardening.md), findings 3-9 and 11, against a real tritonserver behind the project's front ends: what an
-anonymous client sends cannot stall admission, reach a closed API, crash a request into a 500, hold a connection, grow
-a cache or push a 100 MB message through the transport. Each test names the finding it guards and fails on the code
-before it (docs/hardening.md, "Reliability III", says how each was shown to fail). Findings 1-2: test_operator_e2e.py;
-10: test_launcher_kill_e2e.py; the fuzz run: test_fuzz_e2e.py."""
+"""Reliability III (docs/hardening.md), findings 3-9 and 11, against a real tritonserver behind the project's front
+ends: what an anonymous client sends cannot stall admission, reach a closed API, crash a request into a 500, hold a
+connection, grow a cache or push a 100 MB message through the transport. Each test names the finding it guards and fails
+on the code before it (docs/hardening.md, "Reliability III", says how each was shown to fail). Findings 1-2:
+test_operator_e2e.py; 10: test_launcher_kill_e2e.py; the fuzz run: test_fuzz_e2e.py."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def _rss_mib(pid: int) -> float:
 
 def test_a_100mb_grpc_input_is_refused_at_the_transport(server: TritonServer) -> None:
     """Finding 9: a 100 MB input was received and copied by tritonserver (RSS 41 -> 440 MiB, kept) before the model
-    refused it. Now the gRPC front end refuses it at the transport (RESOURCE_EXHAUSTED) and tritonserver never sees it."""
+    refused it. Now the gRPC front end refuses it at the transport (RESOURCE_EXHAUSTED) and tritonserver never sees
+    it."""
     import tritonclient.grpc as grpcclient
 
     before = _rss_mib(server.proc.pid)  # type: ignore[union-attr]
@@ -155,7 +156,8 @@ CLIENT_ERRORS: list[tuple[str, bytes | dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize("model, body, says", CLIENT_ERRORS, ids=range(len(CLIENT_ERRORS)))
-def test_client_text_and_integers_are_400_with_the_reason(server: TritonServer, model: str, body: Any, says: str) -> None:
+def test_client_text_and_integers_are_400_with_the_reason(server: TritonServer, model: str, body: Any,
+                                                          says: str) -> None:
     """Findings 5 and 6 (and unsatisfiable guides, finding 3): 400 naming the field, never 500 or a wrapped value."""
     status, text = generate(server, body, model)
     assert status == 400 and says in json.loads(text)["error"], (status, text)
@@ -192,7 +194,8 @@ def test_the_spec_cache_is_keyed_by_resolved_version_and_bounded(server: TritonS
     assert {v for m, v in specs} <= {"", "1"} and len(specs) <= SPEC_CACHE_SIZE  # one entry per model and version
 
 
-# ---- finding 7: slow clients ------------------------------------------------------------------------------------------
+# ---- finding 7: slow clients
+# ------------------------------------------------------------------------------------------
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
     """True when the server closed ``sock`` (end of file, or an answer then end of file) within ``seconds``."""

@@ -47,7 +47,8 @@ def _installed_env(root: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(site), str(src)], check=True, cwd=root)
     shutil.rmtree(src)
-    assert (site / "serve" / "model" / "kernels" / "linear_avx2.cpp").is_file(), "installed copies build the CPU kernels"
+    assert (site / "serve" / "model" / "kernels"
+            / "linear_avx2.cpp").is_file(), "installed copies build the CPU kernels"
     third_party = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     (site / "third_party.pth").write_text(third_party + "\n")
     return env_dir / "bin"

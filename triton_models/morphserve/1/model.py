@@ -9,14 +9,12 @@ Threads in this stub process:
   when it came through the front end), returns.
 - the engine loop thread (``engine.start_background()``): runs steps; its per-request callback only
   enqueues ``(RequestOutput, timestamp)`` so the loop never waits on IPC to the server.
-- ``morphserve-responder``: drains that queue and sends responses through each request's
-  ``response_sender`` (one per token group with stream=true, one in all otherwise; the last carries
-  TRITONSERVER_RESPONSE_COMPLETE_FINAL, an error one when the engine ended the request early), hands each
-  output to the request tracker (TTFT, ITL, finish reasons: serve/request_tracker.py, shared with the Dynamo
-  worker), and polls ``request.is_cancelled()`` to abort cancelled requests in the engine at once (which frees
-  their KV blocks).
-- ``morphserve-metrics``: refreshes the gauges from ``engine.stats()`` (which waits for the engine
-  lock, so it must not run on the responder thread).
+- ``morphserve-responder``: drains that queue and sends responses through each request's ``response_sender`` (one per
+  token group with stream=true, one in all otherwise; the last carries TRITONSERVER_RESPONSE_COMPLETE_FINAL, an error
+  one when the engine ended the request early), hands each output to the request tracker (TTFT, ITL, finish reasons:
+  serve/request_tracker.py, shared with the Dynamo worker), and polls ``request.is_cancelled()`` to abort cancelled
+  requests in the engine at once (which frees their KV blocks).
+- ``morphserve-metrics``: refreshes the gauges from ``engine.stats()`` (it takes the engine lock: not the responder).
 - ``morphserve-operator`` (with an ``operator_port``): the operator's controls, loopback only
   (serve/triton/operator_port.py); the inference ports refuse them (serve/triton/controls.py).
 - ``morphserve-watchdog``: ends the process at once when tritonserver is gone (serve/triton/stale.py).
@@ -94,7 +92,8 @@ def _input_array(request: Any, name: str) -> np.ndarray | None:
 
 
 def _response(text: str, num_input: int, num_output: int, finish_reason: str,
-              logprobs: tuple[list[float], float] | None = None, out: Any = None, inflight: _InFlight | None = None) -> Any:
+              logprobs: tuple[list[float], float] | None = None, out: Any = None,
+              inflight: _InFlight | None = None) -> Any:
     """One response; ``logprobs`` = (this response's tokens' log-probabilities, cumulative sum); ``out`` (the
     engine's RequestOutput) and ``inflight`` give the stop reason and perf metrics when the request asked."""
     tensors = [
@@ -207,7 +206,8 @@ class TritonPythonModel:
             return {}
         yaml_path = Path(args.get("model_repository", ".")) / path
         try:
-            engine = parse_model_yaml(yaml_path.read_text(), tuple(f.name for f in dataclasses.fields(config_cls))).engine
+            engine = parse_model_yaml(yaml_path.read_text(),
+                                      tuple(f.name for f in dataclasses.fields(config_cls))).engine
         except OSError as exc:
             raise ValueError(f"llmapi_config {yaml_path}: {exc.strerror or exc}") from None
         except ModelYamlError as exc:
@@ -246,7 +246,7 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 return
             front_end = front_end_arrival(parameters)
-            waited = 0.0 if front_end is None else max(0.0, time.monotonic() - front_end)  # at the HTTP front end and in Triton
+            waited = 0.0 if front_end is None else max(0.0, time.monotonic() - front_end)  # front end + Triton
             get_input = lambda name: _input_array(request, name)  # noqa: E731
             parsed = parse_request(get_input, self.max_tokens_limit, self.default_max_tokens,
                                    parameters=parameters, limits=self.limits)
