@@ -81,8 +81,7 @@ class SpeculationConfig:
     off_gain: float = 1.0     # auto: while drafting, stop below this
     kv_high: float = 0.90     # no draft at or above this KV usage
     kv_calm: float = 0.80     # ... until usage is below this again
-    prior_acceptance: float = 0.8  # a draft precision's acceptance before any draft was verified (replaced as drafts
-                                   # are)
+    prior_acceptance: float = 0.8  # a draft precision's acceptance before any draft is verified (then replaced)
     acceptance_weight: float = 0.05  # weight of one verification in the running acceptance (per draft token)
     correction_window: int = 9       # a cost correction is the median of this many latest measured ratios
     probe_every: int = 64
@@ -150,8 +149,7 @@ def batch_bucket(batch: int) -> int:
 class _Estimates:
     acceptance: dict[str, float] = field(default_factory=dict)
     correction: dict[tuple[str, int], float] = field(default_factory=dict)  # (step kind, batch bucket) -> factor
-    measured: set = field(default_factory=set)  # precisions and (step kind, bucket)s seen at least once (priors
-                                                # replaced)
+    measured: set = field(default_factory=set)  # precisions and (step kind, bucket)s measured (priors replaced)
     ratios: dict[tuple[str, int], deque] = field(default_factory=dict)  # latest measured / predicted ratios
 
 

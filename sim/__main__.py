@@ -142,8 +142,7 @@ class Planner:
         config = engine_config(args, spec)
         if speculation is not None:
             config = dataclasses.replace(config, speculation=speculation)
-        if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is left unset (the clock is
-                                    # virtual)
+        if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is unset (virtual clock)
             low, high = config.slai_thetas("cuda")
             config = dataclasses.replace(config, slai_theta_low=low, slai_theta_high=high)
         engine = build_engine(config, self.target, clock, modelled)

@@ -70,8 +70,7 @@ class LayerSwaps(Protocol):
 class Conversion:
     owner: str
     retired: list[int]  # full-precision block ids out of service (free slots, and running blocks re-written as 8-bit)
-    blocks_8bit: list[int]  # the 8-bit blocks (physical, in the 8-bit grid) in their bytes, now logical extent
-                            # ``owner``
+    blocks_8bit: list[int]  # the 8-bit blocks (physical, in the 8-bit grid) in their bytes: extent ``owner``
 
 
 @dataclass(frozen=True)

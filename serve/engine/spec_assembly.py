@@ -64,8 +64,7 @@ def wrap_executor(config: EngineConfig, model: LlamaModel, executor: TorchExecut
     source, origin = draft_source(model, bank, plan, weights, config)
     controller = SpeculationController(SpeculationConfig(mode=config.speculation, precisions=DRAFT_PRECISIONS), costs)
     drafts = DraftBank(model, source, config.int4_group_size)
-    drafts.prepare(DRAFT_PRECISIONS[0])  # the first draft precision's draft built now, not inside the first (timed)
-                                         # draft step
+    drafts.prepare(DRAFT_PRECISIONS[0])  # built now, not inside the first (timed) draft step
     manager = SpeculationManager(controller, drafts, config.max_num_batched_tokens, max_model_len, clock)
     log.info("speculation", mode=config.speculation, built=True, drafts_from=origin, costs=where)
     return SpeculativeExecutor(executor, manager, tuple(cfg.eos_token_ids), seed=config.seed + 1), manager

@@ -117,8 +117,7 @@ class GrpcFront:
     async def _serve(self) -> None:
         import grpc  # noqa: PLC0415
 
-        # the backend answers the model's outputs: no bound beyond what this front end lets in; the client side is
-        # bounded
+        # the backend answers the model's outputs: no bound beyond what this front end lets in (the client side's)
         channel = grpc.aio.insecure_channel(self.backend_url, options=[("grpc.max_receive_message_length", -1),
                                                                        ("grpc.max_send_message_length", -1)])
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.max_message_bytes),

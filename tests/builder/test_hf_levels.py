@@ -58,8 +58,7 @@ def check_level_dir(engine: ed.EngineDir, name: str, rec: dict) -> None:
     assert {int(k): v for k, v in rec["layers"].items()} == plan
     want = {projection_key(i, p): QUANT_ALGO[q] for i, q in plan.items() for p in PROJECTIONS}
     assert hf_quant_config_formats(d) == want, name
-    assert hx.check_checkpoint(d, hx.level_modules(plan)) == rec["quant_algo"]  # modelopt's converter, the engine's
-                                                                                # reading
+    assert hx.check_checkpoint(d, hx.level_modules(plan)) == rec["quant_algo"]  # converter vs our reading
     assert rec["quant_algo"] == ("MIXED_PRECISION" if len(set(plan.values())) > 1 else QUANT_ALGO[plan[min(plan)]])
     files = {Path(f["file"]).name for f in rec["files"]}
     assert files == {"config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors",

@@ -158,8 +158,7 @@ def _hits(e: LLMEngine) -> int:
 
 def test_exact_serves_a_block_only_under_the_configuration_that_computed_it(tiny):
     e = morph_engine(tiny, "performance", blocks=40)             # prefix_cache_across_morph="exact" (default)
-    prompt = [(7 * j) % 500 + 30 for j in range(17)]             # 4 full blocks of 4 looked up (the last token
-                                                                 # computes)
+    prompt = [(7 * j) % 500 + 30 for j in range(17)]             # 4 full blocks of 4 looked up; token 17 computes
     full = e.generate([prompt], GREEDY)[0]["token_ids"]
     cached = e.pool.num_cached
     assert cached > 0

@@ -46,8 +46,7 @@ from serve.model.kernels.isa import Variant
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": the reason when None; "isa": the
-                                # variant
+_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": why None; "isa": the variant
 _variants: dict[str, ModuleType | None] = {}  # variant_ops()
 
 
