@@ -1,5 +1,5 @@
 """History lives in git, not in the code: no Python source (tests included, fixtures aside) and no page of
-docs/architecture.md names an issue by number or keeps a "[Before ...]" story. Dated benchmark reports
+docs/architecture.md names an issue by number or keeps a bracketed before-story. Dated benchmark reports
 (docs/benchmarks/) are records and stay as they are."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ISSUE = re.compile(r"\b[Ii]ssues? " r"\d+|\bBefore " r"issue\b|\[Before\b")
+ISSUE = re.compile(r"\b[Ii]ssues? " r"\d+|\bBefore " r"issue\b|\[" r"Before\b")
 FIXTURES = "tests/fixtures/"
 
 
@@ -31,6 +31,7 @@ def test_no_issue_numbers_or_before_stories_in_code_or_the_architecture_doc() ->
 
 
 def test_a_planted_issue_number_is_found() -> None:
-    planted = "def f() -> int:\n    return 1  # see " + "issue" + " 12\n"
-    assert history_in(Path("planted.py"), planted) == ["planted.py:2: return 1  # see issue 12"]
+    ref = "issue" + " 12"
+    planted = f"def f() -> int:\n    return 1  # see {ref}\n"
+    assert history_in(Path("planted.py"), planted) == [f"planted.py:2: return 1  # see {ref}"]
     assert history_in(Path("x.md"), "text [" + "Before: the old way]") and not history_in(Path("x.md"), "Before a step")
