@@ -208,7 +208,7 @@ def _run_with_swap_at(tiny, swap_step: int | None, layers=(1, 0), precision="int
             assert seq.block_ids == kv_before, "a swap must not touch a sequence's KV blocks"
         sched = e.scheduler.schedule()
         computed.append(sched.num_tokens)
-        logits, sampled = e.executor.execute(sched.extents)
+        logits, sampled = e.executor.execute(sched.chunks)
         e.scheduler.on_executed(sched)
         e._deliver(e._emit(e.appender.append(sampled, logits)))
         step += 1
