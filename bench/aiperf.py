@@ -145,7 +145,8 @@ def run_own(args: argparse.Namespace, reqs: Sequence[PreparedRequest], out: Path
 
 def table(runs: Sequence[Mapping]) -> str:
     """Medians over runs (min-max in brackets) of each client's percentiles, in ms."""
-    lines = ["| metric | stat | own client (gRPC) ms | AIPerf (HTTP SSE) ms | AIPerf / own |", "|---|---|---:|---:|---:|"]
+    lines = ["| metric | stat | own client (gRPC) ms | AIPerf (HTTP SSE) ms | AIPerf / own |",
+             "|---|---|---:|---:|---:|"]
     for key, _, label in METRICS:
         for s in STATS:
             own = [r["own"][key][s] * 1e3 for r in runs if r["own"][key][s] is not None]
@@ -178,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         own = run_own(args, reqs, run_dir, num_layers, desc, retok)
         print(f"run {i + 1}/{args.runs}: AIPerf", file=sys.stderr, flush=True)
         runs.append({"own": own, "aiperf": run_aiperf(args, reqs, run_dir, tokenizer_dir)})
-        (out_dir / "results.json").write_text(json.dumps({"workload": desc, "mode": args.morph_mode, "runs": runs}, indent=1))
+        (out_dir
+         / "results.json").write_text(json.dumps({"workload": desc, "mode": args.morph_mode, "runs": runs}, indent=1))
     command = "python -m bench.aiperf " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     md = (f"# AIPerf vs own client\n\n`{command}`\n\nWorkload: {desc}; mode {args.morph_mode}; {args.runs} runs; "
           f"completed own {[r['own']['completed'] for r in runs]}, AIPerf {[r['aiperf']['completed'] for r in runs]}, "

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default="fcfs:off,slai:off,slai:default",
                    help="comma-separated SCHEDULER:MORPH_MODE pairs (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per (config, rate); medians are reported")
-    p.add_argument("--ttft-target", type=float, default=2.0, help="median TTFT target in seconds (default: %(default)s)")
+    p.add_argument("--ttft-target", type=float, default=2.0,
+                   help="median TTFT target in seconds (default: %(default)s)")
     add_engine_flags(p, ENGINE_FIELDS, aliases={"num_threads": ["--threads"]},
                      defaults={"model": defaults.MODEL, "device_memory": defaults.DEVICE_MEMORY, "num_threads": 1,
                                "max_num_seqs": defaults.ENGINE_DEFAULTS.max_num_seqs,
@@ -102,9 +103,11 @@ def summarize_config(points: dict[float, list[dict]], ttft_target: float) -> dic
     for rate in sorted(points):
         runs = points[rate]
         ttfts = [r["ttft_p50_s"] if r["ttft_p50_s"] is not None else float("inf") for r in runs]
-        median_run = sorted(runs, key=lambda r: r["ttft_p50_s"] if r["ttft_p50_s"] is not None else float("inf"))[len(runs) // 2]
+        median_run = sorted(runs, key=lambda r: r["ttft_p50_s"] if r["ttft_p50_s"] is not None
+                            else float("inf"))[len(runs) // 2]
         tiers_ok = all(b["tbt_p99_met"] for b in median_run["tiers"].values())
-        ok = statistics.median(ttfts) < ttft_target and tiers_ok and median_run["completed"] == median_run["num_requests"]
+        ok = (statistics.median(ttfts) < ttft_target and tiers_ok
+              and median_run["completed"] == median_run["num_requests"])
         per_rate[str(rate)] = {"ttft_p50_s_median": statistics.median(ttfts), "ttft_p50_s_min": min(ttfts),
                                "ttft_p50_s_max": max(ttfts), "median_run": median_run, "pass": ok}
         if ok:
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     engine.shutdown()
                 points[f"{sched}:{mode}"][rate].append(point)
-                tiers = ", ".join(f"tier {t} P99 TBT {b['tbt_p99_s']:.3f}/{b['tbt_slo_s']}" for t, b in point["tiers"].items()
+                tiers = ", ".join(f"tier {t} P99 TBT {b['tbt_p99_s']:.3f}/{b['tbt_slo_s']}" for t, b
+                                  in point["tiers"].items()
                                   if b["tbt_p99_s"] is not None)
                 print(f"rate {rate} rep {rep} {sched}:{mode}: P50 TTFT {point['ttft_p50_s']:.3f} s, {tiers}, "
                       f"preemptions {point['preemptions']}, swaps {point['swaps']}", file=sys.stderr, flush=True)
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def capacity_table(summary: dict, rates: list[float]) -> str:
-    head = "| config | " + " | ".join(f"{r:g} req/s: P50 TTFT s [min-max], tiers met" for r in rates) + " | capacity (req/s) |"
+    head = "| config | " + " | ".join(f"{r:g} req/s: P50 TTFT s [min-max], tiers met" for r
+                                      in rates) + " | capacity (req/s) |"
     lines = [head, "|---|" + "---|" * len(rates) + "---|"]
     for name, s in summary.items():
         cells = []
@@ -167,7 +172,8 @@ def capacity_table(summary: dict, rates: list[float]) -> str:
             p = s["rates"][str(r)]
             cells.append(f"{span(p['ttft_p50_s_median'], p['ttft_p50_s_min'], p['ttft_p50_s_max'], 3)}, "
                          f"{'yes' if p['pass'] else 'no'}")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['capacity_rps'] if s['capacity_rps'] else 'below range'} |")
+        lines.append(f"| {name} | " + " | ".join(cells)
+                     + f" | {s['capacity_rps'] if s['capacity_rps'] else 'below range'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--prefix-cache-across-morph of the workers) (default: %(default)s)")
     g.add_argument("--router-mode", default="least-loaded", help="default router (default: %(default)s)")
     add_engine_flags(g, WORKER_FIELDS, aliases={"num_threads": ["--worker-threads"]},
-                     defaults={"model": EMBEDDED_MODEL, "device_memory": "600MiB", "max_model_len": 512, "num_threads": 1,
+                     defaults={"model": EMBEDDED_MODEL, "device_memory": "600MiB", "max_model_len": 512,
+                               "num_threads": 1,
                                "slo_ttft_s": 2.0},
                      help_suffix=" (every worker's)", help_overrides={
                          "slo_ttft_s": "TTFT SLO in seconds: the workers' controller target and the violation share"})
@@ -108,7 +109,8 @@ class Sampler(threading.Thread):
         last = self.samples[-1] if self.samples else {}
         first = self.samples[0] if self.samples else {}
         return {
-            "max_total_blocks": [max((s[i]["dynamo_component_total_blocks"] for s in self.samples), default=0) for i in workers],
+            "max_total_blocks": [max((s[i]["dynamo_component_total_blocks"] for s in self.samples), default=0) for i
+                                 in workers],
             "base_total_blocks": [first.get(i, {}).get("dynamo_component_total_blocks", 0) for i in workers],
             "swaps": [last.get(i, {}).get("morphserve_swaps_total", 0) for i in workers],
             "restores": [last.get(i, {}).get("morphserve_restores_total", 0) for i in workers],
@@ -209,7 +211,8 @@ def hit_rate(result: dict) -> float | None:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| replicas | morph | router | prefix cache across transitions | runs | completed/errors | prefix hit rate | P50 TTFT (s) | P95 TTFT (s) | "
+    rows = ["| replicas | morph | router | prefix cache across transitions | runs | completed/errors | prefix hit rate "
+            "| P50 TTFT (s) | P95 TTFT (s) | "
             "P99 TTFT (s) | mean ITL (ms) | TTFT > SLO % | req/s | KV blocks per replica: registered -> max "
             "published | swaps | requests per replica |", "|" + "---|" * 15]
     groups: dict[tuple, list[dict]] = {}
@@ -226,7 +229,8 @@ def table(results: list[dict]) -> str:
                     f"{med(lambda r: r['errors']):.0f} | {rate} | {med(lambda r: r['ttft_s']['p50']):.3f} | "
                     f"{med(lambda r: r['ttft_s']['p95']):.3f} | {med(lambda r: r['ttft_s']['p99']):.3f} | "
                     f"{1e3 * med(lambda r: r['itl_s']['avg']):.1f} | "
-                    f"{statistics.median(slo) if slo else float('nan'):.1f} | {med(lambda r: r['throughput_rps']):.3f} | "
+                    f"{statistics.median(slo) if slo else float('nan'):.1f} | {med(lambda r: r['throughput_rps']):.3f} "
+                    "| "
                     f"{kv} (last run) | {[int(x) for x in rs[-1]['workers']['swaps']]} | "
                     f"{[int(x) for x in rs[-1]['workers']['requests']]} |")
     return "\n".join(rows)
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for exe in (args.aiperf, args.python):
         if not Path(exe).exists():
-            print(f"error: {exe} not found (make install-dynamo; AIPerf: a venv with `pip install aiperf`)", file=sys.stderr)
+            print(f"error: {exe} not found (make install-dynamo; AIPerf: a venv with `pip install aiperf`)",
+                  file=sys.stderr)
             return 2
     args.output_dir.mkdir(parents=True, exist_ok=True)
     trace = args.output_dir / "trace.mooncake.jsonl"

@@ -105,7 +105,8 @@ def run(threads: int, quick: bool, model: str = EMBEDDED_MODEL, prefill_tokens: 
             t_full = _timed(lambda: gen(prompts, new))
             t_one = _timed(lambda: gen(prompts, 1))
             res[name] = batch * (new - 1) / max(t_full - t_one, 1e-9)
-        rows.append({"metric": f"decode tok/s, batch {batch}", "ours": res["ours"], "transformers": res["transformers"]})
+        rows.append({"metric": f"decode tok/s, batch {batch}", "ours": res["ours"],
+                     "transformers": res["transformers"]})
 
     prompt = make_prompts(rng, 1, prefill_tokens, vocab)
     res = {"ours": prefill_tokens / min(_timed(lambda: ours_generate(engine, prompt, 1)) for _ in range(2)),
@@ -124,7 +125,8 @@ def run(threads: int, quick: bool, model: str = EMBEDDED_MODEL, prefill_tokens: 
         for i in range(0, n_req, static):
             hf.generate(prompts[i:i + static], max(lens_out[i:i + static]))
     t_hf = _timed(hf_static)
-    rows.append({"metric": f"{n_req} mixed requests, output tok/s", "ours": useful / t_ours, "transformers": useful / t_hf})
+    rows.append({"metric": f"{n_req} mixed requests, output tok/s", "ours": useful / t_ours, "transformers": useful
+                 / t_hf})
 
     bw = gemv_read_gbs()
     wbytes = decode_weight_bytes(engine)
@@ -143,7 +145,8 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {r['metric']} | {r['ours']:.1f} | {r['transformers']:.1f} | {r['ratio']:.2f}x |")
     b = result["bandwidth"]
     lines.append(f"\nBatch-1 decode vs the bandwidth bound: {b['batch1_decode_tok_s']:.1f} tok/s of "
-                 f"{b['bound_tok_s']:.1f} tok/s ({b['fraction_of_bound']:.0%}); GEMV read rate {b['read_gbs']:.1f} GB/s, "
+                 f"{b['bound_tok_s']:.1f} tok/s ({b['fraction_of_bound']:.0%}); GEMV read rate {b['read_gbs']:.1f} "
+                 "GB/s, "
                  f"{b['weight_bytes_per_token'] / 2**20:.0f} MiB of weights read per decode step.")
     return "\n".join(lines)
 
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and requests (a smoke run)")
     add_engine_flags(p, ("model",), defaults={"model": EMBEDDED_MODEL})
-    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill row (default: %(default)s)")
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="prompt length of the prefill row (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     result = run(args.threads, args.quick, args.model, args.prefill_tokens)

@@ -42,7 +42,8 @@ def device_info() -> dict:
             "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(name=props.name, capability=f"sm{props.major}{props.minor}", total_gib=round(props.total_memory / 2**30, 1),
+        info.update(name=props.name, capability=f"sm{props.major}{props.minor}",
+                    total_gib=round(props.total_memory / 2**30, 1),
                     multiprocessors=props.multi_processor_count)
         try:
             info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -60,7 +61,8 @@ def run_cuda_tests(repo: Path, timeout_s: float) -> dict:
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=timeout_s)
         out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        out, rc = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else str(exc.stdout or ""), 124
+        got = exc.stdout
+        out, rc = got.decode(errors="replace") if isinstance(got, bytes) else str(got or ""), 124
     out = "\n".join(ln for ln in out.splitlines() if not ln.startswith('{"'))  # the engines' JSON logs: not the report
     lines = [ln for ln in out.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED")) or " passed" in ln
              or " failed" in ln or "CUDA allocated" in ln]
@@ -85,7 +87,8 @@ def _engine(model, mode: str, **kw):
     from serve.config import EngineConfig  # noqa: PLC0415
     from serve.engine.engine import LLMEngine  # noqa: PLC0415
 
-    return LLMEngine(EngineConfig(device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else None, morph_mode=mode, block_size=16,
+    return LLMEngine(EngineConfig(device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else None, morph_mode=mode,
+                                  block_size=16,
                                   max_num_batched_tokens=kw.pop("budget", 2048), max_num_seqs=kw.pop("seqs", 64),
                                   **kw), loaded=model)
 
@@ -206,7 +209,7 @@ def memory_yield(model) -> dict:
             m.complete_ready(wait=True)
 
     m = e.resource_manager(MorphRuntime)
-    want = 8 * m.blocks_per_layer_chunk[m.config.ladder[0]] * e.ledger.slot_bytes
+    want = 8 * m.blocks_per_layer_extent[m.config.ladder[0]] * e.ledger.slot_bytes
     before = used()
     e.request_memory_yield(want)
     settle()
@@ -261,32 +264,40 @@ def to_markdown(report: dict) -> str:
         lines += ["## Layer step cost per precision: the cost-aware controller's table (serve/model/step_costs.py)", "",
                   report["layer_costs"]["table"], ""]
     if report.get("step_costs"):
-        lines += ["## Whole-model decode and prefill per static mode (random 16-layer Llama, hidden 1024, bf16 activations)", "",
-                  "| precision | decode b1 tok/s | decode b8 | decode b32 | prefill 512 tok/s |", "|---|---:|---:|---:|---:|"]
+        lines += ["## Whole-model decode and prefill per static mode (random 16-layer Llama, hidden 1024, bf16 "
+                  "activations)", "",
+                  "| precision | decode b1 tok/s | decode b8 | decode b32 | prefill 512 tok/s |",
+                  "|---|---:|---:|---:|---:|"]
         lines += [f"| {r['precision']} | {r['decode_b1_tok_s']} | {r['decode_b8_tok_s']} | {r['decode_b32_tok_s']} | "
                   f"{r['prefill_512_tok_s']} |" for r in report["step_costs"]]
         lines.append("")
     if report.get("swap_costs"):
         lines += ["## Swap cost (copy stream + in-place install), medians of 4 layers", "",
-                  "| precision | variant MiB | full MiB | KV blocks gained | swap ms | restore ms |", "|---|---:|---:|---:|---:|---:|"]
+                  "| precision | variant MiB | full MiB | KV blocks gained | swap ms | restore ms |",
+                  "|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['precision']} | {r['variant_mib']} | {r['full_mib']} | {r['kv_blocks_gained']} | "
                   f"{r['swap_ms_median']} | {r['restore_ms_median']} |" for r in report["swap_costs"]]
         lines.append("")
     if report.get("memory_yield"):
         y = report["memory_yield"]
         lines += ["## Yield and reclaim (operator control, 8 layers; docs/memory-yield.md)", "",
-                  f"Arena from VMM segments: {y['vmm_arena']}. Asked {y['asked_mib']} MiB, yielded {y['yielded_mib']} MiB. "
-                  f"Used memory ({y['source']}): {y['used_before_mib']} MiB before, {y['used_yielded_mib']} MiB yielded "
-                  f"(drop {y['drop_mib']} MiB), {y['used_after_reclaim_mib']} MiB after reclaim (back {y['back_mib']} MiB); "
+                  f"Arena from VMM segments: {y['vmm_arena']}. Asked {y['asked_mib']} MiB, yielded {y['yielded_mib']} "
+                  "MiB. "
+                  f"Used memory ({y['source']}): {y['used_before_mib']} MiB before, {y['used_yielded_mib']} MiB "
+                  "yielded "
+                  f"(drop {y['drop_mib']} MiB), {y['used_after_reclaim_mib']} MiB after reclaim (back {y['back_mib']} "
+                  "MiB); "
                   f"layers quantized after reclaim: {y['layers_after'] or 'none'}.", ""]
     if report.get("replay"):
         lines += ["## Bursty replay, off vs default (180-block base pool)", "",
-                  "| mode | completed | TTFT p50 s | TTFT p95 s | TPOT mean s | SLO violations | swaps | max quantized |",
+                  "| mode | completed | TTFT p50 s | TTFT p95 s | TPOT mean s | SLO violations | swaps | max quantized "
+                  "|",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for mode, r in report["replay"].items():
             ttft, tpot, slo, m = r["ttft_s"] or {}, r["tpot_s"] or {}, r["slo"] or {}, r["morph"] or {}
             lines.append(f"| {mode} | {r['completed']}/{r['requests']} | {ttft.get('p50')} | {ttft.get('p95')} | "
-                         f"{tpot.get('mean')} | {slo.get('violation_rate')} | {m.get('swaps')} | {m.get('max_quantized_layers')} |")
+                         f"{tpot.get('mean')} | {slo.get('violation_rate')} | {m.get('swaps')} | "
+                         f"{m.get('max_quantized_layers')} |")
         lines.append("")
     if report.get("levels"):
         lines += gpu_levels.to_markdown(report["levels"])
@@ -301,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("gpu-check"), help="report folder (default: %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="skip the CUDA-marked tests")
     p.add_argument("--tests-timeout", type=float, default=300.0)
-    p.add_argument("--replay-seconds", type=float, default=12.0, help="arrival span of the replay (default: %(default)s)")
+    p.add_argument("--replay-seconds", type=float, default=12.0,
+                   help="arrival span of the replay (default: %(default)s)")
     p.add_argument("--levels-engine-dir", type=Path, default=None,
                    help="engine directory whose unified checkpoints the peer engines load (default: a small random "
                         "model built here with three levels)")

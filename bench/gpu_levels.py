@@ -47,7 +47,7 @@ ids, n = json.loads(sys.argv[2]), int(sys.argv[3])
 llm = LLM(model=sys.argv[1], gpu_memory_utilization=0.4, enforce_eager=True)
 outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
+"""  # noqa: E501 - a script, not prose
 PEERS = {"tensorrt_llm": _TRTLLM, "vllm": _VLLM}
 
 
@@ -145,6 +145,7 @@ def to_markdown(section: dict[str, Any]) -> list[str]:
                 cells.append(f"loaded; same tokens on {got['same_prompts']}/{got['prompts']} "
                              f"(first parting {got['first_parting']})")
             else:
-                cells.append(got["status"] + (f": {got['error'].strip().splitlines()[-1][:160]}" if "error" in got else ""))
+                cells.append(got["status"]
+                             + (f": {got['error'].strip().splitlines()[-1][:160]}" if "error" in got else ""))
         lines.append(f"| {row['checkpoint']} | " + " | ".join(cells) + " |")
     return lines + [""]

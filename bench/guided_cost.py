@@ -153,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=32, max_num_batched_tokens=1024))
     try:
-        result: dict[str, Any] = {"command": "python -m bench.guided_cost " + " ".join(argv or []), "cpu": cpu_description(),
+        result: dict[str, Any] = {"command": "python -m bench.guided_cost " + " ".join(argv or []),
+                                  "cpu": cpu_description(),
                                   "date": time.strftime("%Y-%m-%d"), "schemas": len(schemas)}
         result["throughput"] = [throughput(engine, int(b), args.rounds, args.max_tokens, schemas)
                                 for b in args.batches.split(",")]
         compile_ms = xgrammar_compile_ms(engine, schemas)
         result["xgrammar_compile_ms"] = {"median": statistics.median(compile_ms), "max": max(compile_ms)}
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_prompt(s)}]) for s, _ in schemas]
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": schema_prompt(s)}]) for s, _
+                   in schemas]
         outs = engine.generate(prompts, [_params(schema, args.max_tokens) for _, schema in schemas])
         result["engines"] = engines_side_by_side(engine, [o["token_ids"] for o in outs], schemas)
     finally:
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, figures in result["engines"].items():
         if not isinstance(figures, dict):
             continue
-        print(f"{name}: compile median {figures['compile_ms']['median']:.2f} ms (max {figures['compile_ms']['max']:.2f}), "
+        print(f"{name}: compile median {figures['compile_ms']['median']:.2f} ms (max "
+              f"{figures['compile_ms']['max']:.2f}), "
               f"mask+advance median {figures['mask_us_per_token']['median']:.0f} us/token")
     print(f"cpu: {result['cpu']}")
     if args.out:

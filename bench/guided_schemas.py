@@ -10,7 +10,8 @@ _S = {"type": "string", "maxLength": 24}
 _I = {"type": "integer"}
 
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
-    ("a person", {"type": "object", "properties": {"name": _S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    ("a person",
+     {"type": "object", "properties": {"name": _S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
                   "required": ["name", "age"]}),
     ("a book", {"type": "object", "properties": {"title": _S, "author": _S, "year": {"type": "integer", "minimum": 1450,
                 "maximum": 2030}}, "required": ["title", "author", "year"]}),
@@ -63,7 +64,8 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
                 "type": "object", "properties": {"name": _S, "role": {"enum": ["lead", "dev", "ops"]}},
                 "required": ["name", "role"]}, "minItems": 1, "maxItems": 2}}, "required": ["team", "members"]}),
     ("a sensor", {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
-                  "values": {"type": "array", "items": {"type": "number"}, "maxItems": 3}, "unit": {"enum": ["C", "F"]}},
+                  "values": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+                                                   "unit": {"enum": ["C", "F"]}},
                   "required": ["id", "values", "unit"]}),
 ]
 

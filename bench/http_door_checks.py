@@ -1,4 +1,4 @@
-"""Issue 38's "must show" checks against a running server's client HTTP port (``make serve`` defaults).
+"""The HTTP front end's checks against a running server's client HTTP port (``make serve`` defaults).
 
   .venv/bin/python -m serve.triton --engine-dir smollm2-135m --log-level info 2> launcher.log &
   .venv/bin/python -m bench.http_door_checks --url 127.0.0.1:8000 --metrics 127.0.0.1:8002 \

@@ -1,15 +1,15 @@
-"""What the HTTP front (serve/triton/http_front.py) costs, and how cheap its refusals are.
+"""What the HTTP front end (serve/triton/http_front.py) costs, and how cheap its refusals are.
 
   .venv/bin/python -m bench.http_front_cost [--requests 100] [--stream-tokens 32] [--json out.json]
 
-One server (launched as ``python -m serve.triton`` in its own process, so the front has its own
-interpreter, as in ``make serve``), two doors to the same model: the front on the client port and
-tritonserver's own HTTP server on its internal loopback port. Requests alternate between the doors:
+One server (launched as ``python -m serve.triton`` in its own process, so the front end has its own
+interpreter, as in ``make serve``), two front ends to the same model: the front end on the client port and
+tritonserver's own HTTP server on its internal loopback port. Requests alternate between the front ends:
 
 - non-streaming: p50 latency of ``generate`` with max_tokens 1 (front - direct = the added p50);
-- streaming: p50 of the inter-token gaps of ``generate_stream`` (ignore_eos) through each door, and the
+- streaming: p50 of the inter-token gaps of ``generate_stream`` (ignore_eos) through each front end, and the
   p50 of the end-to-end time divided by the tokens (front - direct = the added cost per streamed token);
-- refusals through the front: p50 client latency of a 78 KB nested body (400), a body over the size limit
+- refusals through the front end: p50 client latency of a 78 KB nested body (400), a body over the size limit
   (413, sent whole) and a JSON type error (400) -- the server time of a refusal is at most this;
 - a flood: one client sends refused requests (65 stop strings of 4 KB) back to back while another
   measures generate p50; the ratio to the p50 without the flood is what one abusive client costs the others.
@@ -74,8 +74,8 @@ def timed_stream(port: int, tokens: int) -> tuple[float, list[float], int]:
 
 
 def grpc_generate(port: int) -> Callable[[], float]:
-    """A timed one-token request over a plain gRPC stream straight to tritonserver (no front): the
-    transport's own share of the door's cost. One stream per request, as the front opens one."""
+    """A timed one-token request over a plain gRPC stream straight to tritonserver (no front end): the
+    transport's own share of the front end's cost. One stream per request, as the front end opens one."""
     import grpc  # noqa: PLC0415
     from tritonclient.grpc import service_pb2_grpc  # noqa: PLC0415
 
@@ -112,7 +112,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int, 
         f"srv = TritonServer(params={{'engine_dir': {args.engine_dir!r}, 'morph_mode': 'off', 'num_threads': 1,"
         f" 'max_model_len': 512, 'queue_timeout_s': 0}}, http_port={http}, grpc_port={grpc}, metrics_port={metrics},"
         f" triton_http_port={internal})\n"
-        "srv.start(); srv.wait_ready(600); print('ready', srv.doors.triton_grpc_port, flush=True)\n"
+        "srv.start(); srv.wait_ready(600); print('ready', srv.front_ends.triton_grpc_port, flush=True)\n"
         "try:\n    sys.stdin.read()\nfinally:\n    srv.stop()\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],  # noqa: S603
@@ -123,7 +123,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int, 
     if "ready" not in line:
         p.kill()
         raise RuntimeError("server did not start")
-    return p, http, internal, int(line.split()[1])  # tritonserver's own gRPC port, behind the gRPC door
+    return p, http, internal, int(line.split()[1])  # tritonserver's own gRPC port, behind the gRPC front end
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,19 +139,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def measure(args: argparse.Namespace, front: int, direct: int, grpc_port: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": args.requests, "stream_tokens": args.stream_tokens}
     cf, cd = _conn(front), _conn(direct)
-    doors: dict[str, Callable[[], float]] = {"front": lambda: timed_generate(cf), "direct": lambda: timed_generate(cd)}
+    front_ends: dict[str, Callable[[], float]] = {"front": lambda: timed_generate(cf),
+                                                  "direct": lambda: timed_generate(cd)}
     if grpc_port is not None:
-        doors["grpc_direct"] = grpc_generate(grpc_port)
+        front_ends["grpc_direct"] = grpc_generate(grpc_port)
     for _ in range(5):  # warm-up (model spec cache, connections, engine)
-        for door in doors.values():
-            door()
-    lat: dict[str, list[float]] = {k: [] for k in doors}
+        for front_end in front_ends.values():
+            front_end()
+    lat: dict[str, list[float]] = {k: [] for k in front_ends}
     for _ in range(args.requests):
-        for name, door in doors.items():
-            lat[name].append(door())
+        for name, front_end in front_ends.items():
+            lat[name].append(front_end())
     out["generate_p50_ms"] = {k: round(p50(v) * 1e3, 3) for k, v in lat.items()}
     out["generate_added_p50_ms"] = round((p50(lat["front"]) - p50(lat["direct"])) * 1e3, 3)
-    if "grpc_direct" in lat:  # what a plain gRPC stream to tritonserver costs over its HTTP, without the front
+    if "grpc_direct" in lat:  # what a plain gRPC stream to tritonserver costs over its HTTP, without the front end
         out["grpc_direct_added_p50_ms"] = round((p50(lat["grpc_direct"]) - p50(lat["direct"])) * 1e3, 3)
 
     gaps: dict[str, list[float]] = {"front": [], "direct": []}
@@ -206,9 +207,10 @@ def measure(args: argparse.Namespace, front: int, direct: int, grpc_port: int | 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.http_front_cost", description=__doc__.split("\n")[0])
-    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="the server's engine directory or model (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=100, help="non-streaming requests per door")
-    p.add_argument("--stream-requests", type=int, default=6, help="streaming requests per door")
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL,
+                   help="the server's engine directory or model (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=100, help="non-streaming requests per front end")
+    p.add_argument("--stream-requests", type=int, default=6, help="streaming requests per front end")
     p.add_argument("--stream-tokens", type=int, default=32)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)

@@ -42,14 +42,16 @@ from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from workload.repeats import cell
 
-AB_SWITCHES = ("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head", "int8_activations",
+AB_SWITCHES = ("fused_norm", "fused_elementwise", "paged_attention", "prompt_attention", "int8_head",
+               "int8_activations",
                "blocked_weights", "blocked_head", "trim_last_layer")
 
 
 class KernelTimer:
     """Seconds and calls per kernel, from the profile hook's call and return events: C functions of our kernel
     extension and torch's SDPA (``c_call`` / ``c_return``), and the Python functions in ``python_functions``
-    (``call`` / ``return`` of their code). Install with ``sys.setprofile(timer)``; remove with ``sys.setprofile(None)``."""
+    (``call`` / ``return`` of their code). Install with ``sys.setprofile(timer)``; remove with
+    ``sys.setprofile(None)``."""
 
     def __init__(self, extension: ModuleType | None, python_functions: dict[CodeType, str]) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
@@ -128,7 +130,8 @@ def breakdown(mode: str, prefix: str, threads: int, model: str = EMBEDDED_MODEL)
     finally:
         engine.shutdown()
     lines = [f"{name}, mode {mode}: {tok_s:.1f} tok/s, {wall:.2f} s wall (unprofiled run; kernel seconds from a "
-             "profiled run of the same workload)", "| function | seconds | share of wall | calls |", "|---|---:|---:|---:|"]
+             "profiled run of the same workload)", "| function | seconds | share of wall | calls |",
+             "|---|---:|---:|---:|"]
     for fn, sec in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {fn} | {sec:.3f} | {100 * sec / wall:.1f} % | {timer.calls[fn]} |")
     rest = wall - sum(timer.seconds.values())
@@ -196,7 +199,8 @@ def ab(mode: str, prefix: str, threads: int, attr: str, rounds: int, model: str 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_breakdown", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_flags(p, ("model", "morph_mode", "num_threads"), aliases={"morph_mode": ["--mode"], "num_threads": ["--threads"]},
+    add_engine_flags(p, ("model", "morph_mode", "num_threads"),
+                     aliases={"morph_mode": ["--mode"], "num_threads": ["--threads"]},
                      defaults={"model": EMBEDDED_MODEL, "morph_mode": "off", "num_threads": 2})
     p.add_argument("--workload", default="32", help="bench.peer workload name prefix: batch-1, 32 or 64")
     p.add_argument("--ab", default=None, choices=AB_SWITCHES,

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ppl = perplexities(args.model, args.signature, args.num_tokens, args.window)
     result = {"model": args.model, "perplexity": ppl,
               "perplexity_cost_pct": {sig: quality_loss_pct(ppl["int8"][sig], ppl["auto"][sig]) for sig in ppl["auto"]},
-              "agreement": agreement(args.model, args.probe_tokens), "capacity": capacity(args.model, args.device_memory)}
+              "agreement": agreement(args.model, args.probe_tokens),
+              "capacity": capacity(args.model, args.device_memory)}
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

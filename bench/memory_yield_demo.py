@@ -59,7 +59,8 @@ def sample(srv: TritonServer, pgid: int, t0: float) -> dict[str, Any]:
     return {"t_s": round(time.monotonic() - t0, 2), "mem_available_mib": round((meminfo_available() or 0) / 2**20),
             "server_rss_mib": round(group_rss_bytes(pgid) / 2**20, 1),
             "yielded_mib": round((metric_value(m, "morphserve_memory_yielded_bytes", model=MODEL) or 0) / 2**20, 1),
-            "outside_free_mib": round((metric_value(m, "morphserve_memory_outside_free_bytes", model=MODEL) or 0) / 2**20),
+            "outside_free_mib": round((metric_value(m, "morphserve_memory_outside_free_bytes", model=MODEL) or 0)
+                                      / 2**20),
             "layers_quantized": int(layers),
             "kv_blocks_total": int(metric_value(m, "morphserve_kv_blocks_total", model=MODEL) or 0)}
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return round(time.monotonic() - t0, 2)
 
         watch(args.baseline_s)
-        # the operator's control first: yield --manual, then reclaim (a request parameter through the HTTP front)
+        # the operator's control first: yield --manual, then reclaim (a request parameter through the HTTP front end)
         state = control(srv, f"yield {args.manual}")
         events.append({"t_s": now(), "event": "manual_yield", "response": state})
         watch(30, until=reached(lambda s: s["yielded_mib"] * 2**20 >= parse_size(args.manual), timeline))
@@ -207,9 +208,11 @@ def summarize(timeline: list[dict], events: list[dict], counts: dict, log_text: 
     back = next((s["t_s"] for s in after if s["yielded_mib"] == 0), None)
     return {
         "manual_yielded_mib": manual_peak["yielded_mib"] if manual_peak else None,
-        "manual_rss_drop_mib": round(manual[0]["server_rss_mib"] - manual_peak["server_rss_mib"], 1) if manual_peak else None,
+        "manual_rss_drop_mib": round(manual[0]["server_rss_mib"] - manual_peak["server_rss_mib"], 1) if manual_peak
+        else None,
         "manual_seconds_to_yield": round(manual_peak["t_s"] - at["manual_yield"], 2) if manual_peak else None,
-        "manual_seconds_to_reclaim": round(at["manual_done"] - at["manual_reclaim"], 2) if "manual_done" in at else None,
+        "manual_seconds_to_reclaim": round(at["manual_done"] - at["manual_reclaim"], 2) if "manual_done" in at
+        else None,
         "server_rss_before_mib": before[-1]["server_rss_mib"] if before else None,
         "server_rss_min_during_mib": min(s["server_rss_mib"] for s in during) if during else None,
         "server_rss_end_mib": timeline[-1]["server_rss_mib"],
@@ -218,7 +221,8 @@ def summarize(timeline: list[dict], events: list[dict], counts: dict, log_text: 
         "seconds_to_first_yield": None if first_yield is None else round(first_yield - start, 2),
         "reclaimed": back is not None, "seconds_to_reclaim_all": None if back is None else round(back - end, 2),
         "requests_ok": counts["ok"], "requests_failed": counts["failed"], "errors": counts.get("errors", [])[:3],
-        "log_yield_events": log_text.count('"event": "yield"'), "log_reclaim_events": log_text.count('"event": "reclaim"'),
+        "log_yield_events": log_text.count('"event": "yield"'),
+        "log_reclaim_events": log_text.count('"event": "reclaim"'),
     }
 
 

@@ -130,7 +130,8 @@ def run_vllm(python: str, hf_dir: Path, wl: dict, runs: int, warm_runs: int, thr
     return json.loads((work / "vllm.json").read_text())
 
 
-def run_llamacpp(python: str, gguf: Path, prompt: list[int], new: int, runs: int, threads: int, work: Path) -> list[float]:
+def run_llamacpp(python: str, gguf: Path, prompt: list[int], new: int, runs: int, threads: int,
+                 work: Path) -> list[float]:
     subprocess.run([python, str(PEERS_DIR / "llamacpp_decode.py"), "--gguf", str(gguf), "--prompt-ids",
                     ",".join(map(str, prompt)), "--new", str(new), "--runs", str(runs), "--threads", str(threads),
                     "--out", str(work / "llamacpp.json")], env=peer_env(), check=True)
@@ -142,7 +143,8 @@ def _ratio(a: list[float] | None, b: list[float] | None) -> str:
 
 
 def to_markdown(r: dict) -> str:
-    lines = ["| workload (fp32, output tok/s, median [min-max]) | prefix caches | ours (mode off) | vLLM CPU | ours / vLLM |",
+    lines = ["| workload (fp32, output tok/s, median [min-max]) | prefix caches | ours (mode off) | vLLM CPU | ours / "
+             "vLLM |",
              "|---|---|---:|---:|---:|"]
     for kind in ("cold", "warm"):
         for name, values in r["ours_fp32"].items():
@@ -173,7 +175,8 @@ def speculation_markdown(r: dict, b1: str) -> list[str]:
         return []
     off = rows["off"]["tok_s"]
     vllm = r.get("vllm", {}).get(b1, {}).get("cold")
-    lines = ["", f"| batch-1 greedy decode, full-precision output ({r['speculation_model']}), tok/s | ours | / ours off "
+    lines = ["",
+             f"| batch-1 greedy decode, full-precision output ({r['speculation_model']}), tok/s | ours | / ours off "
              "| / llama.cpp Q4_1 | / vLLM CPU | outputs equal to off | drafted (accepted) |",
              "|---|---:|---:|---:|---:|---|---:|"]
     for mode, row in rows.items():
@@ -181,7 +184,8 @@ def speculation_markdown(r: dict, b1: str) -> list[str]:
                  else f"no: {row['differing_outputs']} of {row['outputs']} differ")
         drafted = f"{row['draft_tokens']} ({row['accepted_tokens']})" if row["built"] else "not built"
         lines.append(f"| speculation {mode} | {cell(row['tok_s'])} | {_ratio(row['tok_s'], off)} | "
-                     f"{_ratio(row['tok_s'], r.get('llamacpp'))} | {_ratio(row['tok_s'], vllm)} | {equal} | {drafted} |")
+                     f"{_ratio(row['tok_s'], r.get('llamacpp'))} | {_ratio(row['tok_s'], vllm)} | {equal} | "
+                     f"{drafted} |")
     batched = rows.get("auto", {}).get("batched_tok_s", {})
     if batched:
         lines += ["", "| batched workload, ours, tok/s | speculation off | auto | auto / off |", "|---|---:|---:|---:|"]
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                      defaults={"model": EMBEDDED_MODEL, "num_threads": 2},
                      help_overrides={"num_threads": "torch threads of every engine, ours and the peers'"})
     p.add_argument("--vllm-python", default=None, help="python of vLLM's venv (row skipped when absent)")
-    p.add_argument("--llamacpp-python", default=None, help="python of llama-cpp-python's venv (row skipped when absent)")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="python of llama-cpp-python's venv (row skipped when absent)")
     p.add_argument("--runs", type=int, default=3, help="cold runs per workload (prefix caches reset before each)")
     p.add_argument("--warm-runs", type=int, default=3,
                    help="runs per fp32 workload after the cold ones, prefix caches kept (0: none)")

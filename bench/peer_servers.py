@@ -225,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            else run_ours(targs, reqs, run_dir / "ours", tokenizer_dir))
         runs.append(run)
         (out_dir / "results.json").write_text(json.dumps({"workload": desc, "runs": runs}, indent=1))
-    command = "python -m bench.peer_servers " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m bench.peer_servers " + " ".join(shlex.quote(a) for a
+                                                         in (sys.argv[1:] if argv is None else argv))
     md = (f"# Servers under AIPerf: ours vs vLLM\n\n`{command}`\n\nWorkload: {desc}; {len(runs)} runs (each: both "
           f"servers started afresh, vLLM first in runs 1, 3, ..., ours first in runs 2, 4, ...).\n\n"
           f"{table(runs)}\n\n{counts_line(runs)}\n")

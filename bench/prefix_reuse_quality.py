@@ -62,7 +62,8 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
     full = engine.generate([prefix + suffix], greedy)[0]["token_ids"]  # every layer at full precision
     engine.reset_prefix_cache()
     engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at full precision
-    engine.resource_manager(MorphRuntime).apply_now(MorphDecision("quantize", tuple(layers), "int4", "prefix reuse quality"))
+    engine.resource_manager(MorphRuntime).apply_now(MorphDecision("quantize", tuple(layers), "int4",
+                                                                  "prefix reuse quality"))
     hits = engine.stats().prefix_cache_hits
     reused = engine.generate([prefix + suffix], greedy)[0]["token_ids"]
     hit_tokens = engine.stats().prefix_cache_hits - hits
@@ -71,7 +72,8 @@ def token_agreement(engine: Any, prefix: list[int], suffix: list[int], layers: l
     engine.reset_prefix_cache()
     engine.generate([prefix + [suffix[0]]], SamplingParams(max_tokens=1))  # the prefix, cached at int4
     for layer in reversed(layers):  # LIFO back to full precision
-        engine.resource_manager(MorphRuntime).apply_now(MorphDecision("restore", (layer,), None, "prefix reuse quality"))
+        engine.resource_manager(MorphRuntime).apply_now(MorphDecision("restore", (layer,), None,
+                                                                      "prefix reuse quality"))
     back = engine.generate([prefix + suffix], greedy)[0]["token_ids"]  # preserve: full precision on int4 KV
     return {"to_int4": {"preserve_vs_exact": match_rates(recomputed, reused),
                         "exact_vs_full": match_rates(full, recomputed), "preserve_vs_full": match_rates(full, reused)},
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                     "perplexity_exact": round(ppl["int4"], 4), "perplexity_preserve": round(ppl["full_kv_int4"], 4),
                     "perplexity_change_pct": round((ppl["full_kv_int4"] / ppl["int4"] - 1) * 100, 3)},
                 "int4_kv_served_to_full": {
-                    "agreement": {"preserve_vs_exact": aggregate_match(r["to_full"]["preserve_vs_exact"] for r in rows)},
+                    "agreement": {"preserve_vs_exact": aggregate_match(r["to_full"]["preserve_vs_exact"] for r
+                                                                       in rows)},
                     "perplexity_exact": round(ppl["full"], 4), "perplexity_preserve": round(ppl["int4_kv_full"], 4),
                     "perplexity_change_pct": round((ppl["int4_kv_full"] / ppl["full"] - 1) * 100, 3)},
                 "hit_tokens_per_prompt": sum(r["hit_tokens"] for r in rows) / len(rows),

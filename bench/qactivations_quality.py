@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if kernels.ops() is None:
         print("the CPU kernels are unavailable here: int8 activations never run", file=sys.stderr)
         return 2
-    ev = QualityEvaluator(args.model, args.text, num_tokens=args.tokens, window=args.window, num_threads=args.num_threads)
+    ev = QualityEvaluator(args.model, args.text, num_tokens=args.tokens, window=args.window,
+                          num_threads=args.num_threads)
     try:
         n = ev.num_layers
         sigs = {"full precision": "f" * n, "all int8": "8" * n, "all int4": "4" * n}

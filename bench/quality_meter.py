@@ -49,7 +49,8 @@ def build_engine(model: str, layers: int, precision: str, kv_cache_dtype: str, r
                                     num_threads=num_threads, speculation="off"))
     runtime = engine.resource_manager(MorphRuntime)
     assert runtime is not None
-    runtime.apply_now(MorphDecision("quantize", tuple(runtime.controller.swap_order[:layers]), precision, "calibration"))
+    runtime.apply_now(MorphDecision("quantize", tuple(runtime.controller.swap_order[:layers]), precision,
+                                    "calibration"))
     return engine
 
 
@@ -59,7 +60,8 @@ def prompts(engine: LLMEngine, requests: int, prompt_tokens: int) -> list[list[i
     return [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(requests)]
 
 
-def logits_over(engine: LLMEngine, tokens: list[int], first: int, layers: list[Any], kv_cache_dtype: str) -> torch.Tensor:
+def logits_over(engine: LLMEngine, tokens: list[int], first: int, layers: list[Any],
+                kv_cache_dtype: str) -> torch.Tensor:
     """Logits at positions ``first - 1 .. len(tokens) - 2`` (each predicting the next token) of one prefill over
     ``tokens`` with ``layers``, in a scratch cache of ``kv_cache_dtype``."""
     m, bs = engine.model, engine.config.block_size

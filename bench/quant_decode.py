@@ -6,8 +6,8 @@ Each mode gets its own engine (static modes quantize every layer at start, plain
 model is not an engine directory). Decode tok/s at batch B = B * (N - 1) / (time(N new tokens) - time(1
 new token)), so prefill is excluded; prefill tok/s = one 512-token prompt, one new token. Every metric is
 measured ``--repeats`` times with the modes interleaved (this VM is noisy); the median and the min..max
-spread are reported (``median [min-max]``), and each mode's ratio against ``off`` from the medians. The kernel each quantized
-mode ran on (serve.model.kernels) is printed with the results.
+spread are reported (``median [min-max]``), and each mode's ratio against ``off`` from the medians. The kernel each
+quantized mode ran on (serve.model.kernels) is printed with the results.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def to_markdown(result: dict) -> str:
             ratio = f", {r['vs_off'][m]:.2f}x" if r["vs_off"] and m != "off" else ""
             cells.append(span(r["median"][m], *r["spread"][m]) + ratio)
         lines.append(f"| {r['metric']} | " + " | ".join(cells) + " |")
-    lines.append(f"\nmedian [min-max] of {result['repeats']} interleaved runs (x: against off), {result['threads']} threads; "
+    lines.append(f"\nmedian [min-max] of {result['repeats']} interleaved runs (x: against off), {result['threads']} "
+                 "threads; "
                  f"quantized kernels: {result['kernels']}")
     return "\n".join(lines)
 
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill row (default: %(default)s)")
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="prompt length of the prefill row (default: %(default)s)")
     add_engine_flags(p, ("model", "num_threads"), aliases={"num_threads": ["--threads"]},
                      defaults={"model": EMBEDDED_MODEL, "num_threads": 2})
     p.add_argument("--json", type=Path, default=None)

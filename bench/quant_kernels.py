@@ -9,9 +9,9 @@ oneDNN on the plain weights (what they use above it); ``--streamed`` adds the bl
 store (our ``fp32_blocked_linear``, oneDNN on a view of the blocked bytes, and the engine's choice); torch's int8 /
 int4 weight-only
 kernels (bf16 activations); ours as GEMV (``int8_linear`` / ``int4_linear``), the same with int8 activations
-(``int8_linear_q8`` / ``int4_linear_q8``, what quantized layers run by default up to ``SMALL_BATCH`` rows) and ours as dequantize + fp32
-GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats`` rounds of
-the median of 50 calls; the rounds interleave the kernels.
+(``int8_linear_q8`` / ``int4_linear_q8``, what quantized layers run by default up to ``SMALL_BATCH`` rows) and ours as
+dequantize + fp32 GEMM (what the layers do above ``SMALL_BATCH`` rows). Each cell is the median over ``--repeats``
+rounds of the median of 50 calls; the rounds interleave the kernels.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _spread(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, fl
 
 def _candidates(m: int, ops) -> dict[str, list]:
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, list] = {"fp32": [], "oneDNN fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [], "ours int8": [], "ours int4": [],
+    out: dict[str, list] = {"fp32": [], "oneDNN fp32": [], "ours fp32": [], "torch int8": [], "torch int4": [],
+                            "ours int8": [], "ours int4": [],
                             "ours int8 q8": [], "ours int4 q8": [], "ours int4 dequant+GEMM": []}
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.05
@@ -84,7 +85,8 @@ def run(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tupl
 
 def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str, tuple[float, float, float]]]:
     """The embedded model's LM head (49152 x 576): our fp32 kernel on the plain weight, the engine's fp32 head (the
-    weight in oneDNN's blocked layout, ``DenseLinear.blocked``) and the head's exact int8 blocks (serve/model/lm_head.py)."""
+    weight in oneDNN's blocked layout, ``DenseLinear.blocked``) and the head's exact int8 blocks
+    (serve/model/lm_head.py)."""
     from serve.model.lm_head import int8_blocks  # noqa: PLC0415
     from serve.model.loader import load_model  # noqa: PLC0415
 
@@ -112,7 +114,8 @@ def head_rows(rows: list[int], threads: int, repeats: int) -> dict[int, dict[str
     return result
 
 
-def streamed_rows(rows: list[int], threads: int, repeats: int, layers: int = 30) -> dict[int, dict[str, tuple[float, float, float]]]:
+def streamed_rows(rows: list[int], threads: int, repeats: int,
+                  layers: int = 30) -> dict[int, dict[str, tuple[float, float, float]]]:
     """fp32 projections of ``layers`` decoder layers with distinct weights (420 MB at 30: far beyond any cache),
     run one layer after the other as a forward step does, so every weight comes from memory: per-layer time
     of our kernel, oneDNN and MKL on the plain weights, and of our blocked-layout kernel, oneDNN on the blocked
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--head", action="store_true",
-                   help="time the embedded model's LM head (fp32 plain and blocked vs its int8 blocks) instead of a decoder layer")
+                   help="time the embedded model's LM head (fp32 plain and blocked vs its int8 blocks) instead of a "
+                        "decoder layer")
     p.add_argument("--streamed", action="store_true",
                    help="fp32 only, 30 layers of distinct weights run in turn so every weight is read from memory "
                         "(as in a forward step) instead of the cache-hot single layer")
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|" + "---:|" * len(names))
     for m, cells in result.items():
         print(f"| {m} | " + " | ".join(span(*cells[n], 0) for n in names) + " |")
-    print(f"\nmicroseconds per {'LM head' if args.head else 'decoder layer'}, median [min-max] of {args.repeats}; {args.threads} threads; "
+    print(f"\nmicroseconds per {'LM head' if args.head else 'decoder layer'}, median [min-max] of {args.repeats}; "
+          f"{args.threads} threads; "
           f"{kernels.describe()}")
     return 0
 

@@ -19,7 +19,7 @@ TRITONSERVER, ENGINE_STUB, COMPILE_WORKER = "bin/tritonserver", "/morphserve/1/m
 
 @dataclass
 class Target:
-    """A running server: ``host:port`` of each door, and the pid whose process tree holds tritonserver (the
+    """A running server: ``host:port`` of each front end, and the pid whose process tree holds tritonserver (the
     launcher's; in a test, the test process's own)."""
 
     http: str

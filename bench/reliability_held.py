@@ -1,7 +1,7 @@
-"""The rows of issue 44's probe that held on a800527 ("Held: ..."), rerun by ``bench.reliability_probe``: deep JSON,
+"""The rows of the Reliability III probe (docs/hardening.md) that held, rerun by ``bench.reliability_probe``: deep JSON,
 JSON type errors, sampling extremes, malformed gRPC tensors, a mutation fuzz, disconnects, ``timeout_s``, 200
 streams at the defaults, and (destructive, so last) SIGKILL of tritonserver and SIGTERM of the launcher. Each
-function returns one row: what was sent, what came back, and ``held`` (the issue's expectation met)."""
+function returns one row: what was sent, what came back, and ``held`` (the expectation met)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import http_door_checks as doors
+from bench import http_door_checks as checks
 from bench.reliability_common import (
     ENGINE_STUB,
     TRITONSERVER,
@@ -54,7 +54,7 @@ EXTREMES: list[dict[str, Any]] = [
 
 
 def deep(t: Target) -> dict[str, Any]:
-    out = doors.deep_bodies(t.http, t.log)
+    out = checks.deep_bodies(t.http, t.log)
     return {"sent": "8 bodies nested 15,600-500,000 levels (78 KB - 1.2 MB) while 4 ordinary requests ran",
             "got": f"statuses {sorted(r['status'] for r in out['refused'])}, max "
                    f"{max(r['ms'] for r in out['refused'])} ms; ordinary answers {out['ordinary_answers']}",
@@ -190,13 +190,13 @@ def disconnect(t: Target, n: int = 6) -> dict[str, Any]:
 
 
 def timeout(t: Target) -> dict[str, Any]:
-    out = doors.timeout(t.http)
+    out = checks.timeout(t.http)
     return {"sent": "200 tokens with timeout_s 0.5", "got": f"{out['status']} {out['error'][:60]}",
             "held": out["status"] == 504}
 
 
 def load(t: Target, n: int = 200, max_tokens: int = 192) -> dict[str, Any]:
-    out = doors.load(t.http, n, 140, max_tokens)
+    out = checks.load(t.http, n, 140, max_tokens)
     back = wait_until(lambda: gauge(t, "morphserve_kv_blocks_used") == 0, 60, 0.5)
     answered, refused = out["outcomes"].get("answer", 0), out["outcomes"].get("http 503", 0)
     return {"sent": f"{n} streams at once (~150 prompt tokens, {max_tokens} tokens, ignore_eos)",

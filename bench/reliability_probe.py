@@ -1,6 +1,6 @@
-"""Issue 44's probe, rerun row by row: one line per finding (1-11) and per item the issue found held, each with
-what was sent, what came back (status, seconds, and the process RSS / threads where the issue measured them) and
-``held`` (the issue's expectation met). docs/hardening.md, "Reliability III", holds a run.
+"""The Reliability III probe (docs/hardening.md), rerun row by row: one line per finding (1-11) and per item found held,
+each with what was sent, what came back (status, seconds, and the process RSS / threads where the probe measured them)
+and ``held`` (the expectation met). docs/hardening.md, "Reliability III", holds a run.
 
   .venv/bin/python -m bench.reliability_probe [--engine-dir engines/smollm2-135m] [--rows 1,2,deep,...] [--json out]
 

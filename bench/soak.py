@@ -9,7 +9,7 @@ other errors, hangs), peak resident memory of the server's process group, and th
 the load (KV blocks used, waiting requests, quantized layers, engine health), which must return to 0 /
 0 / 0 / 1.
 
-Resident memory over time (issue 36): the process group's RSS is sampled every ``--rss-every-s`` seconds
+Resident memory over time: the process group's RSS is sampled every ``--rss-every-s`` seconds
 during the load (``rss_samples``, [seconds, MiB]); ``rss_second_half`` gives the growth over the run's second
 half (the last sample minus the one at the midpoint) and the spread (max - min) there, and ``flat`` says
 whether that growth is within ``--rss-flat-mib`` (the pass mark, 16 MiB): after warm-up a server under steady
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--engine-dir", default=EMBEDDED_MODEL, help="the server's engine directory or model (default: %(default)s)")
+    p.add_argument("--engine-dir", default=EMBEDDED_MODEL,
+                   help="the server's engine directory or model (default: %(default)s)")
     add_engine_flags(p, SERVER_FIELDS, defaults={"morph_mode": "default", "num_threads": 2, "max_num_waiting": 16},
                      help_suffix=" (the server's parameter {field})")
     p.add_argument("--idle-timeout-s", type=float, default=300.0)

@@ -1,4 +1,5 @@
-"""Self-speculative decoding: greedy decode tok/s with speculation off / always / auto, acceptance per rung and k.
+"""Self-speculative decoding: greedy decode tok/s with speculation off / always / auto, acceptance per draft precision
+and k.
 
   .venv/bin/python -m bench.speculation [--batches 1,4,8] [--new 48] [--repeats 3] [--cells int8:1,int8:2,...]
                                         [--json PATH]
@@ -8,7 +9,7 @@ template). Per batch size B and configuration, decode tok/s = B * (N - 1) / (tim
 as bench.quant_decode measures it (prefill excluded), greedy, ``--repeats`` times with the configurations
 interleaved; reported as ``median [min-max]`` and as a ratio to off within the same repeat. Every speculative run's
 tokens are compared with off's for the same prompts (a mismatch is a near-tie flipped by the verify kernels, counted
-and reported). ``--cells`` lists the forced (rung, k) configurations (speculation always with that draft; ``:fast``
+and reported). ``--cells`` lists the forced (precision, k) configurations (speculation always with that draft; ``:fast``
 verifies with the kernels the verify's row count picks, not the plain step's); ``auto`` and ``off`` always run.
 Acceptance per cell is accepted / drafted tokens over the cell's runs.
 """
@@ -65,13 +66,14 @@ def decode_tok_s(engine: LLMEngine, batch: list[list[int]], new: int) -> tuple[f
     return len(batch) * (new - 1) / max(full - one, 1e-9), tokens
 
 
-def force(engine: LLMEngine, rung: str, k: int, fast: bool) -> None:
-    """Speculation always with this draft: rung ``rung``, ``k`` tokens; ``fast``: verify with the kernels the
+def force(engine: LLMEngine, precision: str, k: int, fast: bool) -> None:
+    """Speculation always with this draft: precision ``precision``, ``k`` tokens; ``fast``: verify with the kernels the
     verify's row count picks (not the plain step's: serve/engine/spec_executor.py ``match_kernels``)."""
     manager = engine.resource_manager(SpeculationManager)
     assert manager is not None
     c = manager.controller
-    c.config = dataclasses.replace(c.config, mode="always", rungs=(rung,), always_k=k, max_k=max(k, c.config.max_k))
+    c.config = dataclasses.replace(c.config, mode="always", precisions=(precision,), always_k=k,
+                                   max_k=max(k, c.config.max_k))
     engine.executor.match_kernels = not fast
 
 
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=48, help="new tokens per request (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved (default: %(default)s)")
     p.add_argument("--cells", default="int8:1,int8:2,int8:3,int8:4,int4:2,int8:3:fast",
-                   help="forced drafts RUNG:K[:fast], comma-separated; fast: verify with the kernels the verify's row "
+                   help="forced drafts PRECISION:K[:fast], comma-separated; fast: verify with the kernels the verify's "
+                        "row "
                         "count picks instead of the plain step's (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)

@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     assert m is not None
     bpb = engine.bytes_per_block
     print(f"model {engine.model_config.name}: {engine.model_config.num_layers} layers, KV block = "
-          f"{engine.config.block_size} tokens = {bpb / 2**10:.0f} KiB, full layer = {m.bank.nbytes(0, FULL) / 2**20:.2f} MiB")
-    print("| precision | layer MiB | freed MiB | KV blocks added | KV tokens added | swap ms (copy+install) | restore ms |")
+          f"{engine.config.block_size} tokens = {bpb / 2**10:.0f} KiB, full layer = "
+          f"{m.bank.nbytes(0, FULL) / 2**20:.2f} MiB")
+    print("| precision | layer MiB | freed MiB | KV blocks added | KV tokens added | swap ms (copy+install) | restore "
+          "ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     n = min(args.layers, engine.model_config.num_layers)
     for precision in sorted(m.bank.precisions):
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             restore.append((time.perf_counter() - t0) * 1e3)
         size = m.bank.nbytes(0, precision)
         print(f"| {precision} | {size / 2**20:.2f} | {(m.bank.nbytes(0, FULL) - size) / 2**20:.2f} | {blocks} | "
-              f"{blocks * engine.config.block_size} | {statistics.median(swap):.2f} | {statistics.median(restore):.2f} |")
+              f"{blocks * engine.config.block_size} | {statistics.median(swap):.2f} | {statistics.median(restore):.2f} "
+              "|")
     engine.shutdown()
     return 0
 

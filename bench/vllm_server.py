@@ -38,7 +38,8 @@ def peer_env() -> dict[str, str]:
 
 
 def vllm_env(threads: int) -> dict[str, str]:
-    """The environment vLLM runs in, offline (bench.peer) and as a server (../shared/notes/peers-on-cpu.md explains each)."""
+    """The environment vLLM runs in, offline (bench.peer) and as a server (../shared/notes/peers-on-cpu.md explains
+    each)."""
     return {**peer_env(), "OMP_NUM_THREADS": str(threads), "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-levels", dest="levels", action="store_const", const=(),
                    help="skip the morph-level checkpoints (same as --levels none)")
     p.add_argument("--kv-block-size", type=_positive, default=defaults.KV_BLOCK_SIZE,
-                   help="tokens per KV block for the levels' kv_blocks_freed (default: %(default)s, the serving default)")
+                   help="tokens per KV block for the levels' kv_blocks_freed (default: %(default)s, the serving "
+                        "default)")
     p.add_argument("--quiet", action="store_true", help="no progress bars, warnings-only logs")
     return p.parse_args(argv)
 

@@ -101,7 +101,8 @@ def default_output(source: str) -> Path:
 def check_precisions(precisions: tuple[str, ...]) -> tuple[str, ...]:
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown or not precisions:
-        raise BuildError(f"unknown precision {', '.join(unknown) or '(none given)'}; choose from {', '.join(PRECISIONS)}")
+        raise BuildError(f"unknown precision {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(PRECISIONS)}")
     return tuple(dict.fromkeys(precisions))
 
 
@@ -183,7 +184,8 @@ def up_to_date(final: Path, source: dict[str, Any], params: dict[str, Any]) -> d
         ed.check_files(final, manifest)
     except ed.EngineDirError:
         return None
-    same = manifest.get("source", {}).get("sha256") == source["sha256"] and manifest.get("build", {}).get("params") == params
+    same = (manifest.get("source", {}).get("sha256") == source["sha256"]
+            and manifest.get("build", {}).get("params") == params)
     return manifest if same else None
 
 
@@ -199,7 +201,8 @@ def resolve_group_size(loaded: LoadedModel, requested: int | None) -> tuple[int,
                else f"128 does not divide every in_features {dims}; {group} is the largest that does")
         return group, f"default: {why}"
     if requested not in INT4_GROUP_SIZES:
-        raise BuildError(f"group size {requested} is not supported; the int4 CPU kernel takes {', '.join(map(str, INT4_GROUP_SIZES))}")
+        raise BuildError(f"group size {requested} is not supported; the int4 CPU kernel takes "
+                         f"{', '.join(map(str, INT4_GROUP_SIZES))}")
     bad = [d for d in dims if d % requested]
     if bad:
         raise BuildError(f"group size {requested} does not divide the input dimension(s) {', '.join(map(str, bad))} "
@@ -390,4 +393,5 @@ def _export_trtllm(stage: Path, hf: torch.nn.Module, result: VariantResult, batc
 
 def _full_layer_bytes(loaded: LoadedModel, i: int) -> int:
     prefix = f"model.layers.{i}."
-    return sum(t.numel() * t.element_size() for k, t in loaded.weights.items() if k.startswith(prefix) and "_proj." in k)
+    return sum(t.numel() * t.element_size() for k, t in loaded.weights.items() if k.startswith(prefix) and "_proj."
+               in k)

@@ -116,7 +116,8 @@ def evaluate(engine: EngineDir, token_ids: list[int], precisions: list[str], ord
     num_layers = engine.config.num_layers
     rows = []
     jobs = [(p, o, f, "auto") for p in precisions for o in order_names for f in fractions]
-    jobs += [(p, order_names[0], f, kv) for kv in kv_cache_dtypes if kv != "auto" for p in precisions for f in fractions]
+    jobs += [(p, order_names[0], f, kv) for kv in kv_cache_dtypes if kv != "auto" for p in precisions for f
+             in fractions]
     start = time.perf_counter()
     for precision, order, frac, kv in tqdm(jobs, desc="perplexity", unit="config", disable=not progress):
         n = num_quantized(frac, num_layers)

@@ -69,10 +69,12 @@ class DenseLlama:
 
     def _norms(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = f"model.layers.{i}."
-        return self.weights[p + "input_layernorm.weight"].float(), self.weights[p + "post_attention_layernorm.weight"].float()
+        w = self.weights
+        return w[p + "input_layernorm.weight"].float(), w[p + "post_attention_layernorm.weight"].float()
 
     def full_layer(self, i: int) -> DenseLayer:
-        projs = {n: DenseLinear(self.weights[projection_key(i, n) + ".weight"].float(), self._bias(i, n)) for n in PROJECTIONS}
+        projs = {n: DenseLinear(self.weights[projection_key(i, n) + ".weight"].float(), self._bias(i, n)) for n
+                 in PROJECTIONS}
         return DenseLayer(*self._norms(i), projs)
 
     def quantized_layer(self, i: int, variant: Mapping[str, QuantizedLinear], kernels: bool = False) -> DenseLayer:

@@ -242,7 +242,8 @@ def write_checkpoint(model: nn.Module, out_dir: Path) -> None:
         hf_logging.set_verbosity(verbosity)
 
 
-def export_checkpoint(model: nn.Module, root: Path, rel: str, expected: Mapping[str, str], dtype: str) -> dict[str, Any]:
+def export_checkpoint(model: nn.Module, root: Path, rel: str, expected: Mapping[str, str],
+                      dtype: str) -> dict[str, Any]:
     """``model`` into ``root/rel`` with modelopt's ``export_hf_checkpoint``, the engine directory's tokenizer files
     beside it, then :func:`check_checkpoint`; never raises. Returns the manifest record."""
 

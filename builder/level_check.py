@@ -75,7 +75,8 @@ class LevelResult:
         return self.error is None and self.served == self.in_memory
 
 
-def greedy(loaded: LoadedModel | None, prompts: tuple[str, ...], max_tokens: int, model: str | None = None) -> list[list[int]]:
+def greedy(loaded: LoadedModel | None, prompts: tuple[str, ...], max_tokens: int,
+           model: str | None = None) -> list[list[int]]:
     """Greedy tokens of this engine (morph mode off, no speculation) on ``loaded`` or on the directory ``model``."""
     from serve.config import EngineConfig  # noqa: PLC0415 - the engine only when a check runs
     from serve.engine.engine import LLMEngine  # noqa: PLC0415

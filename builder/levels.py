@@ -10,10 +10,10 @@ swap order (``manifest.json`` ``swap_order``)::
 A percentage covers ``floor(pct / 100 * num_layers)`` layers, the rounding of the controller's
 ``max_quantized_layers`` (policy/controller.py), so ``int4@50`` is exactly the default mode's cap.
 
-Default levels (:func:`default_levels`) come from policy/modes.py: for every dynamic mode, its first rung
-at 25 / 50 / 75 % up to the mode's ``max_quantized_fraction``, and every later rung at that cap (where the
+Default levels (:func:`default_levels`) come from policy/modes.py: for every dynamic mode, its first ladder step
+at 25 / 50 / 75 % up to the mode's ``max_quantized_fraction``, and every later ladder step at that cap (where the
 ladder moves layers once the cap is reached). With today's modes: ``int8@25`` (accuracy), ``int4@25``
-(default, performance, accuracy's last rung), ``int4@50`` (default, performance), ``int4@75``
+(default, performance, accuracy's last ladder step), ``int4@50`` (default, performance), ``int4@75``
 (performance). The static modes (every layer at one precision) are the whole-model checkpoints
 ``trtllm/int8`` and ``trtllm/int4``.
 
@@ -134,7 +134,7 @@ def default_levels() -> tuple[str, ...]:
             continue
         cap = mode.max_quantized_fraction * 100
         out += [str(Segment(mode.ladder[0], q)) for q in QUARTILES if q <= cap + 1e-9]
-        out += [str(Segment(rung, cap)) for rung in mode.ladder[1:]]
+        out += [str(Segment(step, cap)) for step in mode.ladder[1:]]
     ordered = sorted(dict.fromkeys(out), key=lambda n: (parse_level(n).segments[-1].percent,
                                                         LEVEL_PRECISIONS.index(parse_level(n).precisions[0])))
     return tuple(ordered)
@@ -142,25 +142,25 @@ def default_levels() -> tuple[str, ...]:
 
 def reaching_modes(layer_precisions: dict[int, str], swap_order: list[int]) -> list[str]:
     """Modes whose controller can hold exactly this configuration (dynamic: in swap order, under the cap,
-    later rungs only once the cap is reached and taken from the front of the order; static: all layers)."""
+    later ladder steps only once the cap is reached and taken from the front of the order; static: all layers)."""
     n = len(swap_order)
     count = len(layer_precisions)
     prefix = swap_order[:count]
     if sorted(prefix) != sorted(layer_precisions):
         return []
-    rungs = [layer_precisions[layer] for layer in prefix]
+    steps = [layer_precisions[layer] for layer in prefix]
     out = []
     for name, mode in MODES.items():
-        if mode.strategy == "off" or not mode.ladder or any(r not in mode.ladder for r in rungs):
+        if mode.strategy == "off" or not mode.ladder or any(r not in mode.ladder for r in steps):
             continue
         cap = math.floor(mode.max_quantized_fraction * n + 1e-9)
         if mode.strategy == "static":
-            if count == n and set(rungs) == {mode.ladder[0]}:
+            if count == n and set(steps) == {mode.ladder[0]}:
                 out.append(name)
             continue
-        idx = [mode.ladder.index(r) for r in rungs]
+        idx = [mode.ladder.index(r) for r in steps]
         if count > cap or idx != sorted(idx, reverse=True):
-            continue  # beyond the cap, or a milder rung ahead of a harsher one in swap order
+            continue  # beyond the cap, or a milder ladder step ahead of a harsher one in swap order
         if max(idx) > 0 and count != cap:
             continue  # layers move down the ladder only once the cap is reached
         out.append(name)
@@ -180,7 +180,8 @@ def plan_levels(names: list[str], swap_order: list[int],
         key = tuple(sorted(layer_precisions.items()))
         empty = [str(s) for s in level.segments if layers_at(s.percent, len(swap_order)) <= 0]
         if not layer_precisions or empty:
-            skipped.append({"level": name, "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
+            skipped.append({"level": name,
+                            "reason": f"{', '.join(empty) or name} covers 0 of {len(swap_order)} layers"})
         elif key in seen:
             skipped.append({"level": name, "reason": f"same layers as {seen[key]}"})
         else:

@@ -129,7 +129,8 @@ def measure_crossovers(model, engine_dir: Path | None, force: bool, repeats: int
             return crossovers.DEFAULTS, False
     for name, table in entry["timings"].items():
         if isinstance(table, dict):
-            print(f"\n{name}: rows {table['rows']}\n  ours   (us) {table['ours_us']}\n  theirs (us) {table['theirs_us']}")
+            print(f"\n{name}: rows {table['rows']}\n  ours   (us) {table['ours_us']}\n  theirs (us) "
+                  f"{table['theirs_us']}")
     targets = crossover_measure.store(model, engine_dir, entry)
     print(f"kernel crossovers: {found.values()} ({found.source})\nstored in {', '.join(map(str, targets))}")
     return found, True

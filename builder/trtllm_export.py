@@ -150,7 +150,8 @@ def _export(model: nn.Module, rel: str, root: Path, config: ModelConfig, dtype: 
         record["config_patched"] = _patch_config(out_dir / "config.json", config)
         if check is not None:
             record["config_patched"] += check(out_dir)
-        record["quant_algo"] = json.loads((out_dir / "config.json").read_text()).get("quantization", {}).get("quant_algo")
+        written = json.loads((out_dir / "config.json").read_text())
+        record["quant_algo"] = written.get("quantization", {}).get("quant_algo")
     except Exception as exc:  # noqa: BLE001 - an export failure is recorded, the build goes on
         shutil.rmtree(out_dir, ignore_errors=True)
         log.warning("trtllm_export_failed", what=what, error=f"{type(exc).__name__}: {exc}")
@@ -201,8 +202,10 @@ def as_mixed_precision(out_dir: Path, expected: Mapping[str, str], group_size: i
     if quant.get("quant_algo") != MIXED_PRECISION:
         if not quant.get("quant_algo"):
             raise ValueError("modelopt exported no quantized layer")
-        per_layer = {k: quant[k] for k in ("quant_algo", "group_size", "has_zero_point", "pre_quant_scale") if k in quant}
-        modules = sorted((k[: -len(".weights_scaling_factor")] for k in safetensors_header(out_dir / "rank0.safetensors")
+        per_layer = {k: quant[k] for k in ("quant_algo", "group_size", "has_zero_point", "pre_quant_scale") if k
+                     in quant}
+        modules = sorted((k[: -len(".weights_scaling_factor")] for k
+                          in safetensors_header(out_dir / "rank0.safetensors")
                           if k.endswith(".weights_scaling_factor")), key=_module_order)
         qcfg = {"quant_algo": MIXED_PRECISION, "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
                 "quantized_layers": {m: dict(per_layer) for m in modules}}
@@ -222,7 +225,8 @@ def as_mixed_precision(out_dir: Path, expected: Mapping[str, str], group_size: i
     if got != dict(expected):
         extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
         raise ValueError(f"quantized modules differ from the level: extra {extra[:4]}, missing {missing[:4]}, "
-                         f"precision mismatches {sorted(m for m in set(got) & set(expected) if got[m] != expected[m])[:4]}")
+                         "precision mismatches "
+                         f"{sorted(m for m in set(got) & set(expected) if got[m] != expected[m])[:4]}")
     return patched
 
 

@@ -9,26 +9,26 @@ Rules (dynamic modes):
 
 * Quantize. Pressure must be seen on ``persist_iters`` consecutive calls. The
   step then covers the block deficit, as in the paper's released code:
-  ``k = ceil(deficit_blocks / blocks_per_layer_chunk[precision])``, capped by
+  ``k = ceil(deficit_blocks / blocks_per_layer_extent[precision])``, capped by
   ``max_layers_per_step`` and by the room left under ``max_quantized_fraction``.
   New layers are taken in swap (LIS) order and go to ``ladder[0]``. When no room
-  is left, layers already at rung ``i`` move to rung ``i + 1`` (e.g. int8 -> int4),
-  again in swap order, the mildest rung first; the gain per layer is then the
-  difference of the two chunks. After a quantize step the streak restarts, so two
+  is left, layers already at ladder index ``i`` move to ladder index ``i + 1`` (e.g. int8 -> int4),
+  again in swap order, the mildest ladder step first; the gain per layer is then the
+  difference of the two extents. After a quantize step the streak restarts, so two
   steps are always at least ``persist_iters`` calls apart.
 * Restore. Calm = no pressure, nothing waiting, KV usage below ``kv_low`` and TTFT
   within SLO. After ``restore_persist_s`` seconds of unbroken calm, the most
   recent transition (last of ``Telemetry.quantized_layers``; LIFO) is undone: the
-  layer goes one rung back on the ladder (int4 -> int8) or to full precision, and
-  to full precision, but only if its KV chunk is entirely free
-  (``pending_restore_chunk_free``) and shrinking the pool by that chunk would not
+  layer goes one step back on the ladder (int4 -> int8) or to full precision, and
+  to full precision, but only if its KV extent is entirely free
+  (``pending_restore_extent_free``) and shrinking the pool by that extent would not
   push KV usage above ``kv_high`` (which would re-trigger pressure at once). One
   layer per decision; the calm period restarts after each restore.
 
 Cost-aware modes (``PolicyConfig.cost_aware`` with measured ``StepCosts``; ``policy/cost_rule.py``):
 
 * the ladder is the mode's precisions ordered by measured slowdown per freed block, fixed at the first
-  decision (a restore must find the rung a layer came from);
+  decision (a restore must find the ladder step a layer came from);
 * a quantize step under memory pressure (a block deficit: waiting prompts short of blocks, KV above
   ``kv_high``) is sized as above, then taken only if the decode throughput with the admitted requests
   and the slower steps beats the throughput without them; under compute pressure alone only a
@@ -41,10 +41,11 @@ Where the measured quantized kernels are not slower, every rule above reduces to
 
 The quality floor (``PolicyConfig.quality_floor``, and per SLO tier ``quality_floor_by_tier``, off by default;
 policy/quality.py ``FloorRule``): the quality meter's reading comes in the telemetry, with the tiers running; the floor
-in force is the strictest of the server's and those tiers'. While its lower bound on top-1 agreement is under it, no quantizing
-step is taken (under pressure, and to cover a deficit before preempting: the scheduler then preempts); when it has
-stayed under for ``quality_restore_s`` (and the measured agreement is under the floor too), the newest transition is
-restored first, under pressure or not, as soon as its KV chunk is free. Every reason carries the reading.
+in force is the strictest of the server's and those tiers'. While its lower bound on top-1 agreement is under it, no
+quantizing step is taken (under pressure, and to cover a deficit before preempting: the scheduler then preempts); when
+it has stayed under for ``quality_restore_s`` (and the measured agreement is under the floor too), the newest
+transition is restored first, under pressure or not, as soon as its KV extent is free. Every reason carries the
+reading.
 """
 
 from __future__ import annotations
@@ -112,10 +113,10 @@ class MorphController:
             self._ladder = None
 
     def ladder(self, t: Telemetry) -> tuple[str, ...]:
-        """The rungs in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
+        """The ladder steps in use: the mode's, or (cost-aware) ranked by measured cost at the first decision."""
         if self._ladder is None:
             assert self.costs is not None
-            self._ladder = cost_rule.cost_ladder(self.config.ladder, self.costs, t.blocks_per_layer_chunk) \
+            self._ladder = cost_rule.cost_ladder(self.config.ladder, self.costs, t.blocks_per_layer_extent) \
                 or self.config.ladder
         return self._ladder
 
@@ -200,7 +201,8 @@ class MorphController:
         if c.critical_decodes_high is not None and t.critical_decodes_unscheduled >= c.critical_decodes_high:
             triggers.append(f"{t.critical_decodes_unscheduled} critical decode(s) left out of the last batch "
                             f">= {c.critical_decodes_high}")
-        if c.ttft_slack_low_s is not None and t.min_ttft_slack_s is not None and t.min_ttft_slack_s < c.ttft_slack_low_s:
+        if (c.ttft_slack_low_s is not None and t.min_ttft_slack_s is not None
+                and t.min_ttft_slack_s < c.ttft_slack_low_s):
             triggers.append(f"a waiting request's TTFT target is {t.min_ttft_slack_s * 1e3:.0f} ms away "
                             f"< {c.ttft_slack_low_s * 1e3:.0f} ms")
         return triggers, (max(deficit, 1) if triggers else 0)
@@ -220,25 +222,25 @@ class MorphController:
                                          f"{floor.reason} {describe(t)}")
         ladder = self.ladder(t)
         precision_of = t.precision_of
-        chunk = t.blocks_per_layer_chunk
+        extent = t.blocks_per_layer_extent
         room = self.max_quantized_layers - len(precision_of)
         candidates: list[int] = []
         target, milder, gain, what = ladder[0], "full", 0, ""
         if room > 0:
             candidates = [layer for layer in self.swap_order if layer not in precision_of][:room]
-            gain = chunk.get(target, 0)
+            gain = extent.get(target, 0)
             what = f"{room} layer(s) left under max_quantized_fraction {c.max_quantized_fraction}"
         else:
             for milder, target in zip(ladder, ladder[1:]):
                 candidates = [layer for layer in self.swap_order if precision_of.get(layer) == milder]
                 if candidates:
-                    gain = chunk.get(target, 0) - chunk.get(milder, 0)
+                    gain = extent.get(target, 0) - extent.get(milder, 0)
                     what = f"max_quantized_fraction reached, {len(candidates)} layer(s) at {milder} can go to {target}"
                     break
         if not candidates:
             return MorphDecision.nothing(
                 f"pressure ({'; '.join(triggers)}) but nothing left to quantize: "
-                f"{len(precision_of)}/{self.max_quantized_layers} layers at the last rung; "
+                f"{len(precision_of)}/{self.max_quantized_layers} layers at the last ladder step; "
                 f"preemption is the fallback {describe(t)}"
             )
         # with the KV rung each freed slot becomes kv_blocks_per_freed_slot 8-bit blocks under pressure
@@ -267,7 +269,7 @@ class MorphController:
         if self.costs is None or not t.quantized_layers:
             return False
         precision = t.quantized_layers[-1][1]
-        return cost_rule.layer_is_slower(t, self.costs, precision, self._milder_rung(precision, t))
+        return cost_rule.layer_is_slower(t, self.costs, precision, self._milder_precision(precision, t))
 
     def _maybe_restore(self, t: Telemetry) -> MorphDecision:
         c = self.config
@@ -281,7 +283,8 @@ class MorphController:
             not_calm.append(f"ttft_p95 {t.ttft_p95_s:.3f} s > SLO {c.ttft_slo_s} s")
         if not_calm:
             self._calm_since = None
-            return MorphDecision.nothing(f"no pressure, not calm enough to restore ({'; '.join(not_calm)}) {describe(t)}")
+            return MorphDecision.nothing(f"no pressure, not calm enough to restore ({'; '.join(not_calm)}) "
+                                         f"{describe(t)}")
         if self._calm_since is None:
             self._calm_since = t.now_s
         if not t.quantized_layers:
@@ -295,13 +298,14 @@ class MorphController:
         if calm_for < persist:
             return MorphDecision.nothing(f"calm for {calm_for:.2f} s < {persist_name} {persist} s {describe(t)}")
         layer, precision = t.quantized_layers[-1]
-        if not t.pending_restore_chunk_free:
+        if not t.pending_restore_extent_free:
             return MorphDecision.nothing(
-                f"calm for {calm_for:.2f} s but layer {layer}'s KV chunk is still in use; restore waits {describe(t)}"
+                f"calm for {calm_for:.2f} s but layer {layer}'s KV extent is still in use; restore waits {describe(t)}"
             )
-        target = self._milder_rung(precision, t)
-        chunk = t.blocks_per_layer_chunk.get(precision, 0) - (t.blocks_per_layer_chunk.get(target, 0) if target else 0)
-        remaining = t.kv_blocks_total - chunk
+        target = self._milder_precision(precision, t)
+        extent = t.blocks_per_layer_extent.get(precision, 0) - (t.blocks_per_layer_extent.get(target, 0) if target
+                                                                else 0)
+        remaining = t.kv_blocks_total - extent
         projected = t.kv_blocks_used / remaining if remaining > 0 else math.inf
         if projected > c.kv_high:
             return MorphDecision.nothing(
@@ -311,8 +315,8 @@ class MorphController:
         self._calm_since = t.now_s
         return MorphDecision(
             "restore", (layer,), target,
-            f"calm for {calm_for:.2f} s >= {persist} s, layer {layer} ({precision}) chunk free "
-            f"-> restore it to {target or 'full precision'} (LIFO), pool shrinks by {chunk} blocks to "
+            f"calm for {calm_for:.2f} s >= {persist} s, layer {layer} ({precision}) extent free "
+            f"-> restore it to {target or 'full precision'} (LIFO), pool shrinks by {extent} blocks to "
             f"{projected:.1%} usage {describe(t)}",
         )
 
@@ -329,22 +333,22 @@ class MorphController:
                                                           t.running_tiers))
 
     def _floor_restore(self, t: Telemetry, floor: FloorVerdict) -> MorphDecision:
-        """The quality floor restores the newest transition first (LIFO), once its KV chunk is free."""
+        """The quality floor restores the newest transition first (LIFO), once its KV extent is free."""
         layer, precision = t.quantized_layers[-1]
         if t.top_is_yielded:
             return MorphDecision.nothing(f"{floor.reason}; but the newest transition gave its bytes back: reclaim "
                                          f"decides when they return {describe(t)}")
-        if not t.pending_restore_chunk_free:
-            return MorphDecision.nothing(f"{floor.reason}; layer {layer}'s KV chunk is still in use, the restore "
+        if not t.pending_restore_extent_free:
+            return MorphDecision.nothing(f"{floor.reason}; layer {layer}'s KV extent is still in use, the restore "
                                          f"waits for it {describe(t)}")
         self._calm_since = t.now_s
         self.floor.restored(t.now_s)
-        target = self._milder_rung(precision, t)
+        target = self._milder_precision(precision, t)
         return MorphDecision("restore", (layer,), target, f"{floor.reason} -> restore layer {layer} ({precision}) to "
                                                           f"{target or 'full precision'} (LIFO) {describe(t)}")
 
-    def _milder_rung(self, precision: str, t: Telemetry) -> str | None:
-        """The rung a restore returns to: one step back on the ladder, or full precision (None)."""
+    def _milder_precision(self, precision: str, t: Telemetry) -> str | None:
+        """The ladder step a restore returns to: one step back on the ladder, or full precision (None)."""
         ladder = self.ladder(t)
         if precision in ladder and ladder.index(precision) > 0:
             return ladder[ladder.index(precision) - 1]

@@ -21,8 +21,8 @@ step's time by ``delta(n) = k x (cost_p(n) - cost_from(n))`` at ``n`` tokens per
   helps only if the quantized kernel is faster at the tokens of the current step; a slower one is never
   taken there.
 * Ladder: among the mode's precisions, the one with the least slowdown per freed block (averaged over
-  the measured decode batch sizes) comes first; a later rung is kept only if it frees more blocks than
-  every earlier one (a rung must shrink the layer).
+  the measured decode batch sizes) comes first; a later ladder step is kept only if it frees more blocks than
+  every earlier one (a ladder step must shrink the layer).
 """
 
 from __future__ import annotations
@@ -45,18 +45,18 @@ class Verdict:
     reason: str
 
 
-def cost_ladder(candidates: Sequence[str], costs: StepCosts, chunks: Mapping[str, int]) -> tuple[str, ...]:
-    """The mode's precisions ordered by measured slowdown per freed KV block, deeper rungs only if smaller."""
-    usable = [p for p in candidates if p in costs.layer_s and chunks.get(p, 0) > 0]
+def cost_ladder(candidates: Sequence[str], costs: StepCosts, extents: Mapping[str, int]) -> tuple[str, ...]:
+    """The mode's precisions ordered by measured slowdown per freed KV block, deeper ladder steps only if smaller."""
+    usable = [p for p in candidates if p in costs.layer_s and extents.get(p, 0) > 0]
     decode = [n for n in costs.token_counts if n <= DECODE_TOKENS_MAX] or list(costs.token_counts)
 
     def score(p: str) -> tuple[float, int]:
-        per_block = sum(costs.slowdown_s(p, n) for n in decode) / len(decode) / chunks[p]
-        return per_block, -chunks[p]
+        per_block = sum(costs.slowdown_s(p, n) for n in decode) / len(decode) / extents[p]
+        return per_block, -extents[p]
 
     ladder: list[str] = []
     for p in sorted(usable, key=score):
-        if all(chunks[p] > chunks[q] for q in ladder):
+        if all(extents[p] > extents[q] for q in ladder):
             ladder.append(p)
     return tuple(ladder)
 
@@ -110,5 +110,5 @@ def compute_step_pays(t: Telemetry, costs: StepCosts, precision: str, from_preci
 
 
 def layer_is_slower(t: Telemetry, costs: StepCosts, precision: str, milder: str | None) -> bool:
-    """True if a layer at ``precision`` makes the current step slower than at its milder rung."""
+    """True if a layer at ``precision`` makes the current step slower than at its milder ladder step."""
     return costs.slowdown_s(precision, step_tokens(t), milder or FULL) > 0

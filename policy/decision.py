@@ -13,13 +13,13 @@ class MorphDecision:
     """One decision.
 
     * ``quantize``: move ``layers`` (in the given order) to ``precision``; a
-      layer may already be quantized at a lower rung of the ladder (int8 -> int4).
+      layer may already be quantized at a lower step of the ladder (int8 -> int4).
     * ``restore``: undo the most recent transition of ``layers``: back to
-      ``precision`` (the milder rung of the ladder, e.g. int4 -> int8) or to full
-      precision when ``precision`` is None; the transition's KV chunk leaves the pool.
+      ``precision`` (the milder step of the ladder, e.g. int4 -> int8) or to full
+      precision when ``precision`` is None; the transition's KV extent leaves the pool.
     * ``yield``: give memory back to the device (or host). With a ``precision``: move ``layers`` to it as a
       quantize does, but release the freed bytes instead of adding them to the KV pool. Without one:
-      release the newest transition's KV chunk (``layers`` names its layer; the chunk is entirely free).
+      release the newest transition's KV extent (``layers`` names its layer; the extent is entirely free).
     * ``reclaim``: take the newest yielded bytes back and undo that transition (as ``restore`` does).
     * ``none``: do nothing; ``reason`` says why.
     """

@@ -3,7 +3,7 @@
 Under KV pressure the cheapest lever goes first. Turning free full-precision KV slots into 8-bit blocks
 (serve/engine/kv_rung.py executes it) grows the pool by ``blocks_per_slot - 1`` blocks per slot (2.75 on
 SmolLM2-135M fp32: an int8 block is 1/3.75 of an fp32 one) at a quality price proportional to the share of KV held
-in 8 bits; a layer swap grows it by one layer chunk at the price of that layer's quantization. Both prices are
+in 8 bits; a layer swap grows it by one layer extent at the price of that layer's quantization. Both prices are
 stated (``KV_PRICE_PCT``, ``LAYER_PRICE_PCT``: perplexity increase, measured, docs/morphing.md "KV-cache
 precision"), and their measured time cost is: a conversion is bookkeeping (no copy: the slots are free), int8 decode
 attention reads a quarter of the bytes (bench.kv_decode gives its speed), a swap copies a layer and runs it slower
@@ -24,7 +24,7 @@ full-precision slot. Not just "enough": allocation takes the lowest ids, full-pr
 slots left unconverted are the next ones handed out, and at the next sign of pressure there are none left to
 convert (measured: converting only what brought usage to the middle of the band left the morph runtime to swap a
 layer a few steps later in tests/memory/test_kv_rung.py's burst). The price of converting all is the share of KV
-written in 8 bits, which the rule weighs. Revert (the newest conversion, LIFO, only when its 8-bit chunk is the pool's
+written in 8 bits, which the rule weighs. Revert (the newest conversion, LIFO, only when its 8-bit extent is the pool's
 newest and entirely free): usage after the revert at or below ``kv_low`` for ``calm_s`` seconds. 8-bit blocks in
 use are never converted back: they live until freed.
 """
@@ -49,14 +49,14 @@ class KVRungTelemetry:
     now_s: float
     kv_blocks_total: int
     kv_blocks_used: int
-    free_full_slots: int          # free full-precision blocks the rung may convert (base pool and layer chunks)
+    free_full_slots: int          # free full-precision blocks the rung may convert (base pool and layer extents)
     blocks_per_slot: float        # 8-bit blocks per converted slot (full block bytes / 8-bit block bytes)
     kv_blocks_8bit: int           # 8-bit blocks the rung holds now
-    top_free: bool                # the newest conversion's chunk is the pool's newest and entirely free
+    top_free: bool                # the newest conversion's extent is the pool's newest and entirely free
     top_blocks: int = 0           # its 8-bit blocks
     top_slots: int = 0            # the full-precision slots it took
     blocks_needed_waiting: int = 0  # KV blocks the waiting requests' prompts need
-    layer_chunk_blocks: int = 0   # blocks a layer swap would add now (0: no layer swap available)
+    layer_extent_blocks: int = 0   # blocks a layer swap would add now (0: no layer swap available)
     layer_precision: str = "int4"  # the precision that swap would quantize to
     cold_blocks: int = 0          # running sequences' blocks the rung may re-write as 8-bit (filled under pressure)
 
@@ -91,8 +91,8 @@ class KVRungRule:
         share = new8 / (t.kv_blocks_total + gained) if gained > 0 else 1.0
         rung = KV_PRICE_PCT[self.kv_cache_dtype] * share / gained if gained > 0 else math.inf
         layer = None
-        if t.layer_chunk_blocks > 0:
-            layer = LAYER_PRICE_PCT.get(t.layer_precision, LAYER_PRICE_PCT["int4"]) / t.layer_chunk_blocks
+        if t.layer_extent_blocks > 0:
+            layer = LAYER_PRICE_PCT.get(t.layer_precision, LAYER_PRICE_PCT["int4"]) / t.layer_extent_blocks
         return rung, layer
 
     def under_pressure(self, t: KVRungTelemetry) -> bool:
@@ -165,7 +165,7 @@ class KVRungRule:
         after_usage = t.kv_blocks_used / after if after else 1.0
         if not t.top_free or after_usage > self.kv_low:
             self._calm_since = None
-            why = "the newest 8-bit chunk is in use or not the pool's newest" if not t.top_free else \
+            why = "the newest 8-bit extent is in use or not the pool's newest" if not t.top_free else \
                 f"usage after reverting would be {after_usage:.2f} > kv_low {self.kv_low}"
             return KVRungDecision("none", 0, f"8-bit blocks stay: {why} {state}")
         if self._calm_since is None:
@@ -175,5 +175,5 @@ class KVRungRule:
             return KVRungDecision("none", 0, f"calm for {held:.2f} s of {self.calm_s} s before reverting {state}")
         self._calm_since = None
         return KVRungDecision("revert", t.top_slots, (
-            f"calm {held:.2f} s, usage after {after_usage:.2f} <= kv_low {self.kv_low}: the newest 8-bit chunk "
+            f"calm {held:.2f} s, usage after {after_usage:.2f} <= kv_low {self.kv_low}: the newest 8-bit extent "
             f"({t.top_blocks} blocks) becomes {t.top_slots} full-precision slots again {state}"))

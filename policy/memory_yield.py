@@ -5,9 +5,9 @@ MorphServe's usual trade turns the bytes a quantized layer frees into KV cache. 
 
 * **Yield** when the outside memory (``Telemetry.memory_free_bytes``) is below ``memory_floor_bytes``, or an
   operator asked for bytes (``yield_request_bytes``) the engine has not yielded yet. The shortfall is
-  covered, in this order, by (1) the newest transition's KV chunk when every block of it is free (nothing
+  covered, in this order, by (1) the newest transition's KV extent when every block of it is free (nothing
   is recomputed, no request loses anything), then (2) layers moved down the ladder as a quantize step
-  moves them (fresh layers to the mildest rung in swap order, then one rung down), sized to the
+  moves them (fresh layers to the mildest ladder step in swap order, then one ladder step down), sized to the
   shortfall. Unlike a KV quantize step a yield may use every layer: the alternative is another tenant's
   out-of-memory error. It acts at once, without persistence: the reading is a fact, not a noisy signal.
 * **Reclaim** the newest yielded transition (LIFO, one per decision) when, after taking its bytes back,
@@ -73,9 +73,9 @@ class YieldRule:
             return self._yield(t, ladder, short, "; ".join(why), describe(t))
         return self._reclaim(t, ladder, describe)
 
-    def _chunk_bytes(self, t: Telemetry, precision: str, milder: str | None) -> int:
-        chunk = t.blocks_per_layer_chunk
-        return (chunk.get(precision, 0) - (chunk.get(milder, 0) if milder else 0)) * t.block_bytes
+    def _extent_bytes(self, t: Telemetry, precision: str, milder: str | None) -> int:
+        extent = t.blocks_per_layer_extent
+        return (extent.get(precision, 0) - (extent.get(milder, 0) if milder else 0)) * t.block_bytes
 
     @staticmethod
     def _milder(precision: str, ladder: Sequence[str]) -> str | None:
@@ -83,32 +83,34 @@ class YieldRule:
         return ladder[i - 1] if i > 0 else None
 
     def _yield(self, t: Telemetry, ladder: Sequence[str], short: int, why: str, describe: str) -> MorphDecision:
-        if t.quantized_layers and not t.top_is_yielded and t.pending_restore_chunk_free:
+        if t.quantized_layers and not t.top_is_yielded and t.pending_restore_extent_free:
             layer, precision = t.quantized_layers[-1]
-            size = self._chunk_bytes(t, precision, self._milder(precision, ladder))
+            size = self._extent_bytes(t, precision, self._milder(precision, ladder))
             if size > 0:
                 return MorphDecision("yield", (layer,), None,
-                                     f"yield: {why}; short {mib(short)} -> release layer {layer}'s free KV chunk "
+                                     f"yield: {why}; short {mib(short)} -> release layer {layer}'s free KV extent "
                                      f"({precision}, {mib(size)}) {describe}")
         precision_of = t.precision_of
         fresh = [layer for layer in self.swap_order if layer not in precision_of]
-        candidates, target, gain = fresh, ladder[0], self._chunk_bytes(t, ladder[0], None)
+        candidates, target, gain = fresh, ladder[0], self._extent_bytes(t, ladder[0], None)
         if not fresh:
             candidates = []
             for milder, target in zip(ladder, ladder[1:]):
                 candidates = [layer for layer in self.swap_order if precision_of.get(layer) == milder]
                 if candidates:
-                    gain = self._chunk_bytes(t, target, milder)
+                    gain = self._extent_bytes(t, target, milder)
                     break
         if not candidates or gain <= 0:
-            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last rung and "
-                                         f"no free KV chunk is on top: nothing left to give back {describe}")
+            return MorphDecision.nothing(f"yield: {why}; short {mib(short)} but every layer is at the last ladder step "
+                                         "and "
+                                         f"no free KV extent is on top: nothing left to give back {describe}")
         k = min(len(candidates), math.ceil(short / gain))
         return MorphDecision("yield", tuple(candidates[:k]), target,
                              f"yield: {why}; short {mib(short)}, {mib(gain)} per layer -> move {k} layer(s) to "
                              f"{target} and give the bytes back {describe}")
 
-    def _reclaim(self, t: Telemetry, ladder: Sequence[str], describe_t: Callable[[Telemetry], str]) -> MorphDecision | None:
+    def _reclaim(self, t: Telemetry, ladder: Sequence[str],
+                 describe_t: Callable[[Telemetry], str]) -> MorphDecision | None:
         if not (t.quantized_layers and (t.top_is_yielded or t.yielded_layers)):
             self._reclaimable_since = None
             return None
@@ -116,13 +118,13 @@ class YieldRule:
             layer, precision = t.quantized_layers[-1]
             target = self._milder(precision, ladder)
             how = f"{precision} -> {target or 'full precision'}, LIFO"
-        else:  # buried under KV transitions (load went on): the bytes come back as that layer's KV chunk, and
+        else:  # buried under KV transitions (load went on): the bytes come back as that layer's KV extent, and
             # its precision returns later under the restore rule, in LIFO order
             layer = t.yielded_layers[-1]
             precision = t.precision_of[layer]
             target = precision
             how = f"as KV blocks under newer transitions; {precision} until the restore rule reaches it"
-        size = self._chunk_bytes(t, precision, self._milder(precision, ladder))
+        size = self._extent_bytes(t, precision, self._milder(precision, ladder))
         c = self.config
         describe = describe_t(t)
         blocked = []

@@ -43,7 +43,7 @@ class PolicyConfig:
 
     ``ladder`` lists precisions from mildest to most aggressive: layers are first
     quantized to ``ladder[0]``; once ``max_quantized_fraction`` is reached, already
-    quantized layers move one rung down (e.g. int8 -> int4) in swap order.
+    quantized layers move one ladder step down (e.g. int8 -> int4) in swap order.
     """
 
     mode: str = "default"
@@ -80,7 +80,7 @@ class PolicyConfig:
     """Seconds the reclaim condition must hold unbroken before each reclaim (one transition, LIFO)."""
     kv_rung: str | None = None
     """The KV-precision rung (``policy/kv_rung.py``, dynamic modes on a full-precision KV cache): under KV pressure
-    free full-precision KV slots (the base pool's and the chunks layer swaps add) become 8-bit blocks of this format
+    free full-precision KV slots (the base pool's and the extents layer swaps add) become 8-bit blocks of this format
     (int8; fp8 on CUDA) before any layer is swapped, and turn back when calm (``kv_low``, ``restore_persist_s``).
     ``auto`` (the ``default`` mode): int8 where it is verified, a CPU engine computing in fp32 over a full-precision
     cache, and no rung elsewhere (:func:`resolve_kv_rung`). None: no rung."""
@@ -201,7 +201,7 @@ class PolicyConfig:
 def resolve_kv_rung(policy: PolicyConfig, device_type: str, computes_fp32: bool, kv_cache_dtype: str) -> PolicyConfig:
     """``policy`` with ``kv_rung="auto"`` made concrete for an engine on ``device_type``: int8 on a CPU engine
     computing in fp32 over a full-precision KV cache (``kv_cache_dtype`` auto) in a dynamic mode, the configuration
-    measured (docs/morphing.md "KV-cache precision"); None elsewhere: on CUDA the fp8 rung has not run on a GPU yet
+    measured (docs/morphing.md "KV-cache precision"); None elsewhere: on CUDA the fp8 KV rung has not run on a GPU yet
     (``kv_rung=fp8`` asks for it), and a static 8-bit cache has nothing to convert. Other values pass unchanged."""
     if policy.kv_rung != "auto":
         return policy

@@ -1,20 +1,20 @@
-"""Self-speculative decoding's controller: per iteration, whether to draft, how many tokens (k) and at which rung.
+"""Self-speculative decoding's controller: per iteration, whether to draft, how many tokens (k) and at which precision.
 
 Pure and deterministic (no clock, no threads, no I/O): telemetry in, one ``SpeculationDecision`` out, every
-decision with its reason. The state it keeps is its estimates (acceptance rate per rung, how far the measured
+decision with its reason. The state it keeps is its estimates (acceptance rate per draft precision, how far the measured
 step times sit from the cost model) and its hysteresis (KV pressure seen, iterations since the last draft).
 
 The cost model reads the measured step costs (``StepCosts``: one decoder layer per precision at 1/8/32/128/512
 tokens, and the rest of the step, the LM head, at the same counts; interpolated between them):
 
 * a plain decode step of B sequences: ``sum_i layer(p_i, B) + rest(B)`` (``p_i``: layer i's precision now);
-* one draft step: ``sum_i layer(d_i, B) + rest(B) * layer(r, B) / layer(full, B)``, where ``d_i`` is the rung
-  below ``p_i`` (the chosen rung ``r`` for a full-precision layer) and the draft's LM head is quantized to ``r``:
-  its cost is the measured head's scaled by the rung's measured ratio on a decoder layer (the head is one more
-  linear; no separate head measurement exists);
+* one draft step: ``sum_i layer(d_i, B) + rest(B) * layer(r, B) / layer(full, B)``, where ``d_i`` is the ladder step
+  below ``p_i`` (the chosen draft precision ``r`` for a full-precision layer) and the draft's LM head is quantized to
+  ``r``: its cost is the measured head's scaled by the draft precision's measured ratio on a decoder layer (the head is
+  one more linear; no separate head measurement exists);
 * verification: one plain step of ``B * (k + 1)`` tokens;
 * tokens per speculative step: ``B * E`` with ``E = (1 - a^(k+1)) / (1 - a)``, ``a`` the acceptance rate of a
-  draft token at that rung.
+  draft token at that precision.
 
 The predictions are multiplied by corrections the engine feeds back (``observe``: predicted and measured seconds of
 each kind of step): a machine factor from plain steps that scales every prediction, and a factor per kind (draft,
@@ -30,15 +30,15 @@ Rules:
 * KV pressure: at ``kv_usage >= kv_high`` or with requests waiting for blocks, no draft (a draft's slots cost
   blocks); on again once ``kv_usage < kv_calm`` and nothing waits. ``k`` is also capped so the draft's extra
   blocks fit in the free ones.
-* ``always``: draft ``always_k`` tokens at the first rung whenever the two rules above allow.
-* ``auto``: the (rung, k) with the best predicted gain; on when that gain reaches ``on_gain``, and while on, off
+* ``always``: draft ``always_k`` tokens at the first draft precision whenever the two rules above allow.
+* ``auto``: the (precision, k) with the best predicted gain; on when that gain reaches ``on_gain``, and while on, off
   only below ``off_gain`` (hysteresis). Off for acceptance alone (the gain would pass at acceptance 1), a probe
-  drafts once every ``probe_every`` iterations so the estimate can recover. A rung whose acceptance, or a step kind
-  (draft, verify) whose cost, was never measured is probed at once: the first measurement replaces the prior
+  drafts once every ``probe_every`` iterations so the estimate can recover. A draft precision whose acceptance, or a
+  step kind (draft, verify) whose cost, was never measured is probed at once: the first measurement replaces the prior
   (``prior_acceptance``, a correction of 1.0), later ones move the running estimate, so the decision rests on this
-  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them. No draft
-  before one plain decode step was measured: the draft and verify factors are measured relative to the machine
-  factor, which a plain step sets.
+  machine and this text within a few iterations instead of on the priors for ``probe_every`` of them. No draft before
+  one plain decode step was measured: the draft and verify factors are measured relative to the machine factor, which a
+  plain step sets.
 """
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ from .costs import StepCosts
 from .precisions import FULL
 
 SPECULATION_MODES: tuple[str, ...] = ("off", "auto", "always")
-RUNG_ORDER: tuple[str, ...] = (FULL, "int8", "int4")
-"""The draft ladder, mildest first: a layer drafts one rung below the one it serves at (int4 stays int4)."""
+DRAFT_LADDER: tuple[str, ...] = (FULL, "int8", "int4")
+"""The draft ladder, mildest first: a layer drafts one ladder step below the one it serves at (int4 stays int4)."""
 
 
-def rung_below(precision: str, rung: str) -> str:
-    """The precision layer drafts at: ``rung`` when that is below ``precision``, else the rung below
-    ``precision`` (the last rung stays)."""
-    if precision not in RUNG_ORDER:
-        return precision  # a precision outside the ladder (fp8) drafts as it serves
-    here, chosen = RUNG_ORDER.index(precision), RUNG_ORDER.index(rung)
-    return RUNG_ORDER[max(chosen, min(here + 1, len(RUNG_ORDER) - 1))]
+def precision_below(served: str, draft: str) -> str:
+    """The precision a layer serving at ``served`` drafts at: ``draft`` (the draft precision) when that is below
+    ``served``, else the ladder step below ``served`` (the last step stays)."""
+    if served not in DRAFT_LADDER:
+        return served  # a precision outside the ladder (fp8) drafts as it serves
+    here, chosen = DRAFT_LADDER.index(served), DRAFT_LADDER.index(draft)
+    return DRAFT_LADDER[max(chosen, min(here + 1, len(DRAFT_LADDER) - 1))]
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -74,26 +74,27 @@ def expected_tokens(acceptance: float, k: int) -> float:
 @dataclass(frozen=True)
 class SpeculationConfig:
     mode: str = "auto"
-    rungs: tuple[str, ...] = ("int8", "int4")  # the draft rungs the engine holds, tried in this order
+    precisions: tuple[str, ...] = ("int8", "int4")  # the draft precisions the engine holds, tried in this order
     max_k: int = 4
     always_k: int = 3
     on_gain: float = 1.05     # auto: predicted speed-up needed to start drafting
     off_gain: float = 1.0     # auto: while drafting, stop below this
     kv_high: float = 0.90     # no draft at or above this KV usage
     kv_calm: float = 0.80     # ... until usage is below this again
-    prior_acceptance: float = 0.8  # a rung's acceptance before any draft was verified (replaced as drafts are)
+    prior_acceptance: float = 0.8  # a draft precision's acceptance before any draft is verified (then replaced)
     acceptance_weight: float = 0.05  # weight of one verification in the running acceptance (per draft token)
     correction_window: int = 9       # a cost correction is the median of this many latest measured ratios
     probe_every: int = 64
-    probe_gain: float = 1.05  # a never-measured rung or batch bucket is probed once when the gain at acceptance 1
-                              # predicted with its unmeasured (1.0) factors reaches this; lower explores buckets the
-                              # uncorrected model writes off (0.8 on the 2026-12-05 replay cost P95 TTFT: not default)
+    probe_gain: float = 1.05  # a never-measured draft precision or batch bucket is probed once when the gain at
+                              # acceptance 1 predicted with its unmeasured (1.0) factors reaches this; lower explores
+                              # buckets the uncorrected model writes off (0.8 on the 2026-12-05 replay cost P95 TTFT:
+                              # not default)
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"unknown speculation mode {self.mode!r}; valid: {list(SPECULATION_MODES)}")
-        if not self.rungs or any(r not in RUNG_ORDER[1:] for r in self.rungs):
-            raise ValueError(f"draft rungs must be among {RUNG_ORDER[1:]}, got {self.rungs}")
+        if not self.precisions or any(r not in DRAFT_LADDER[1:] for r in self.precisions):
+            raise ValueError(f"draft precisions must be among {DRAFT_LADDER[1:]}, got {self.precisions}")
         if not 1 <= self.always_k <= self.max_k:
             raise ValueError(f"need 1 <= always_k <= max_k, got {self.always_k}, {self.max_k}")
         if not 0.0 < self.kv_calm <= self.kv_high <= 1.0:
@@ -125,7 +126,7 @@ class SpeculationTelemetry:
 class SpeculationDecision:
     speculate: bool
     k: int
-    rung: str | None
+    precision: str | None
     reason: str
     predicted_gain: float | None = None
 
@@ -148,7 +149,7 @@ def batch_bucket(batch: int) -> int:
 class _Estimates:
     acceptance: dict[str, float] = field(default_factory=dict)
     correction: dict[tuple[str, int], float] = field(default_factory=dict)  # (step kind, batch bucket) -> factor
-    measured: set = field(default_factory=set)  # rungs and (step kind, bucket)s seen at least once (priors replaced)
+    measured: set = field(default_factory=set)  # precisions and (step kind, bucket)s measured (priors replaced)
     ratios: dict[tuple[str, int], deque] = field(default_factory=dict)  # latest measured / predicted ratios
 
 
@@ -156,7 +157,7 @@ class SpeculationController:
     def __init__(self, config: SpeculationConfig, costs: StepCosts | None) -> None:
         self.config = config
         self.costs = costs
-        self.est = _Estimates({r: config.prior_acceptance for r in config.rungs})
+        self.est = _Estimates({r: config.prior_acceptance for r in config.precisions})
         self.kv_blocked = False
         self.on = False
         self.since_draft = 0
@@ -169,17 +170,17 @@ class SpeculationController:
         self.est.ratios.clear()
 
     # ---- feedback ------------------------------------------------------------------------------------
-    def observe_acceptance(self, rung: str, drafted: int, accepted: int) -> None:
+    def observe_acceptance(self, precision: str, drafted: int, accepted: int) -> None:
         """A verification: ``accepted`` of ``drafted`` draft tokens agreed (each token one weighted sample)."""
         if drafted <= 0:
             return
-        if rung not in self.est.measured:  # the first verification replaces the prior
-            self.est.measured.add(rung)
-            self.est.acceptance[rung] = accepted / drafted
+        if precision not in self.est.measured:  # the first verification replaces the prior
+            self.est.measured.add(precision)
+            self.est.acceptance[precision] = accepted / drafted
             return
         w = 1.0 - (1.0 - self.config.acceptance_weight) ** drafted
-        old = self.est.acceptance.get(rung, self.config.prior_acceptance)
-        self.est.acceptance[rung] = old + w * (accepted / drafted - old)
+        old = self.est.acceptance.get(precision, self.config.prior_acceptance)
+        self.est.acceptance[precision] = old + w * (accepted / drafted - old)
 
     def observe(self, kind: str, predicted_s: float, measured_s: float, batch: int = 1) -> None:
         """A step of ``kind`` (plain, draft, verify) over ``batch`` sequences took ``measured_s`` where the
@@ -204,8 +205,8 @@ class SpeculationController:
     def measured(self, kind: str, batch: int) -> bool:
         return (kind, batch_bucket(batch)) in self.est.measured
 
-    def acceptance(self, rung: str) -> float:
-        return self.est.acceptance.get(rung, self.config.prior_acceptance)
+    def acceptance(self, precision: str) -> float:
+        return self.est.acceptance.get(precision, self.config.prior_acceptance)
 
     # ---- the cost model --------------------------------------------------------------------------------
     def plain_s(self, precisions: Sequence[str], tokens: int, corrected: bool = True) -> float:
@@ -215,12 +216,12 @@ class SpeculationController:
         t = sum(c.layer_cost_s(p, tokens) for p in precisions) + c.rest_cost_s(tokens)
         return t * (self.correction("plain", tokens) if corrected else 1.0)
 
-    def draft_s(self, precisions: Sequence[str], rung: str, tokens: int, corrected: bool = True) -> float:
+    def draft_s(self, precisions: Sequence[str], precision: str, tokens: int, corrected: bool = True) -> float:
         """One draft step of ``tokens`` sequences."""
         c = self.costs
         assert c is not None
-        layers = sum(c.layer_cost_s(rung_below(p, rung), tokens) for p in precisions)
-        head = c.rest_cost_s(tokens) * c.ratio(rung, tokens)
+        layers = sum(c.layer_cost_s(precision_below(p, precision), tokens) for p in precisions)
+        head = c.rest_cost_s(tokens) * c.ratio(precision, tokens)
         return (layers + head) * (self._factor("draft", tokens) if corrected else 1.0)
 
     def verify_s(self, precisions: Sequence[str], tokens: int, corrected: bool = True, batch: int | None = None
@@ -232,12 +233,13 @@ class SpeculationController:
     def _factor(self, kind: str, batch: int) -> float:
         return self.correction("plain", batch) * self.correction(kind, batch)
 
-    def gain(self, t: SpeculationTelemetry, rung: str, k: int, acceptance: float | None = None) -> float:
+    def gain(self, t: SpeculationTelemetry, precision: str, k: int, acceptance: float | None = None) -> float:
         """Predicted plain seconds per token over speculative seconds per token."""
         b, ps = t.batch_size, t.layer_precisions
-        a = self.acceptance(rung) if acceptance is None else acceptance
+        a = self.acceptance(precision) if acceptance is None else acceptance
         plain = self.plain_s(ps, b) / b
-        spec = (k * self.draft_s(ps, rung, b) + self.verify_s(ps, b * (k + 1), batch=b)) / (b * expected_tokens(a, k))
+        spec = (k * self.draft_s(ps, precision, b)
+                + self.verify_s(ps, b * (k + 1), batch=b)) / (b * expected_tokens(a, k))
         return plain / spec
 
     # ---- the decision ----------------------------------------------------------------------------------
@@ -269,27 +271,29 @@ class SpeculationController:
             return SpeculationDecision.plain(f"no draft length fits the free blocks and token budget {sig}")
         if cfg.mode == "always":
             k = max(k for k in fits if k <= cfg.always_k)
-            return SpeculationDecision(True, k, cfg.rungs[0], f"speculation always: k {k} at {cfg.rungs[0]} {sig}")
+            return SpeculationDecision(True, k, cfg.precisions[0],
+                                       f"speculation always: k {k} at {cfg.precisions[0]} {sig}")
         if self.costs is None or not self.costs.rest_s:
             return SpeculationDecision.plain(f"no measured step costs (with the LM head's) to decide on {sig}")
-        usable = [r for r in cfg.rungs if r in self.costs.layer_s]
+        usable = [r for r in cfg.precisions if r in self.costs.layer_s]
         if not usable:
-            return SpeculationDecision.plain(f"no measured cost for the draft rungs {list(cfg.rungs)} {sig}")
+            return SpeculationDecision.plain(f"no measured cost for the draft precisions {list(cfg.precisions)} {sig}")
         if not self.measured("plain", t.batch_size):  # draft and verify factors are relative to it: measure it first
             return SpeculationDecision.plain(f"no plain decode step measured yet (the machine factor) {sig}")
         best = max(((self.gain(t, r, k), r, k) for r in usable for k in fits), key=lambda x: x[0])
-        gain, rung, k = best
+        gain, precision, k = best
         need = cfg.off_gain if self.on else cfg.on_gain
-        what = (f"k {k} at {rung}: predicted x{gain:.2f} (acceptance {self.acceptance(rung):.2f}, corrections "
+        what = (f"k {k} at {precision}: predicted x{gain:.2f} (acceptance {self.acceptance(precision):.2f}, "
+                "corrections "
                 + ", ".join(f"{n} {self.correction(n, t.batch_size):.2f}" for n in STEP_KINDS)
                 + f" at batch {batch_bucket(t.batch_size)}+)")
         if gain >= need:
-            return SpeculationDecision(True, k, rung, f"{what} >= x{need:.2f} {sig}", gain)
-        ideal = self.gain(t, rung, k, acceptance=1.0)
-        unmeasured = ([rung] if rung not in self.est.measured else []) + [
+            return SpeculationDecision(True, k, precision, f"{what} >= x{need:.2f} {sig}", gain)
+        ideal = self.gain(t, precision, k, acceptance=1.0)
+        unmeasured = ([precision] if precision not in self.est.measured else []) + [
             n for n in ("draft", "verify") if not self.measured(n, t.batch_size)]
         due = self.since_draft + 1 >= cfg.probe_every
         if (unmeasured and ideal >= cfg.probe_gain) or (ideal >= cfg.on_gain and due):
             why = f"never measured: {', '.join(unmeasured)}" if unmeasured else f"x{ideal:.2f} at full acceptance"
-            return SpeculationDecision(True, k, rung, f"probe: {what}, {why} {sig}", gain)
+            return SpeculationDecision(True, k, precision, f"probe: {what}, {why} {sig}", gain)
         return SpeculationDecision.plain(f"{what} < x{need:.2f} {sig}", gain)

@@ -21,20 +21,20 @@ class Telemetry:
 
     * ``quantized_layers`` lists every layer that is currently quantized, as
       ``(layer, precision)``, ordered by each layer's most recent transition: it
-      is the swap stack, and its last entry owns the newest KV chunk. A
+      is the swap stack, and its last entry owns the newest KV extent. A
       re-quantization (int8 -> int4) moves the layer to the end, because it adds a
-      new chunk on top. Swaps the engine has accepted but is still copying must
+      new extent on top. Swaps the engine has accepted but is still copying must
       already be listed, so the controller never asks twice.
-    * ``pending_restore_chunk_free`` describes the last entry of
+    * ``pending_restore_extent_free`` describes the last entry of
       ``quantized_layers``: True only if every KV block of that layer's newest
-      chunk is free, i.e. its most recent transition could be undone right now.
-    * ``blocks_per_layer_chunk[p]`` is the number of KV blocks quantizing one
+      extent is free, i.e. its most recent transition could be undone right now.
+    * ``blocks_per_layer_extent[p]`` is the number of KV blocks quantizing one
       full-precision layer to precision ``p`` adds (all Llama layers are the
       same size, so one number per precision).
     * ``kv_blocks_per_freed_slot`` is how many KV blocks each of those becomes
       under pressure: 1, or with the KV-precision rung (policy/kv_rung.py) the
       8-bit blocks it writes into a free full-precision slot (3.75 on
-      SmolLM2-135M fp32), so a swap is worth that many times its chunk.
+      SmolLM2-135M fp32), so a swap is worth that many times its extent.
     """
 
     now_s: float
@@ -81,10 +81,10 @@ class Telemetry:
     yielded_layers: tuple[int, ...] = ()
     """Layers whose newest transition gave its bytes back, oldest first (the top one included)."""
     block_bytes: int = 0
-    """Bytes of one KV block (= one arena slot): turns ``blocks_per_layer_chunk`` into bytes."""
+    """Bytes of one KV block (= one arena slot): turns ``blocks_per_layer_extent`` into bytes."""
     quantized_layers: tuple[tuple[int, str], ...] = ()
-    pending_restore_chunk_free: bool = False
-    blocks_per_layer_chunk: Mapping[str, int] = field(default_factory=dict)
+    pending_restore_extent_free: bool = False
+    blocks_per_layer_extent: Mapping[str, int] = field(default_factory=dict)
     kv_blocks_per_freed_slot: float = 1.0
     quality: QualityReading | None = None
     """The quality meter's reading (policy/quality.py): top-1 agreement with full precision over its window of

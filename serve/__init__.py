@@ -16,7 +16,7 @@ It also bounds oneDNN's caches of compiled matmuls, unless the environment alrea
 ``ONEDNN_CACHE_CAPACITY``. Batched fp32 CPU projections run oneDNN's matmul (serve/model/linear.py), and every
 new row count (tokens in a step) compiles a new one for each weight shape: ~0.6 MiB each, kept up to the
 default 1024 per cache, so a serving process grew by hundreds of MiB for as long as new batch shapes kept
-coming (issue 36; pytorch/pytorch#27971, #29893). A miss costs about 1 ms (one compile) on a step that takes
+coming (pytorch/pytorch#27971, #29893). A miss costs about 1 ms (one compile) on a step that takes
 tens of ms at those row counts. oneDNN reads both once, at the process's first oneDNN op (not at torch's
 import), so importing ``serve`` first is enough.
 """

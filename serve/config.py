@@ -156,7 +156,8 @@ class EngineConfig:
         if self.max_num_waiting is not None and self.max_num_waiting <= 0:
             raise ValueError(f"max_num_waiting must be positive, got {self.max_num_waiting}")
         if not 0 <= self.queue_timeout_s < float("inf"):
-            raise ValueError(f"queue_timeout_s must be >= 0 seconds (0: no queue deadline), got {self.queue_timeout_s!r}")
+            raise ValueError("queue_timeout_s must be >= 0 seconds (0: no queue deadline), got "
+                             f"{self.queue_timeout_s!r}")
         if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
             raise ValueError(f"request_timeout_s must be > 0 seconds (or unset), got {self.request_timeout_s!r}")
         if not isinstance(self.shed_on_arrival, bool):
@@ -200,7 +201,8 @@ class EngineConfig:
         if self.memory_reclaim_mark is not None and self.memory_floor is None:
             raise ValueError("memory_reclaim_mark needs memory_floor")
         if self.memory_pressure_source not in ("auto", "nvml", "host", "none"):
-            raise ValueError(f"memory_pressure_source must be auto, nvml, host or none, got {self.memory_pressure_source!r}")
+            raise ValueError("memory_pressure_source must be auto, nvml, host or none, got "
+                             f"{self.memory_pressure_source!r}")
 
     def _check_morphing(self) -> None:
         """The mode, its policy overrides, what a memory floor needs."""
@@ -209,11 +211,13 @@ class EngineConfig:
         if self.morph_mode not in MODES:
             raise ValueError(f"unknown morph_mode {self.morph_mode!r}; valid: {sorted(MODES)}")
         if not isinstance(self.policy_overrides, dict):
-            raise ValueError(f"policy overrides must be a mapping of PolicyConfig fields, got {self.policy_overrides!r}")
+            raise ValueError("policy overrides must be a mapping of PolicyConfig fields, got "
+                             f"{self.policy_overrides!r}")
         try:
             policy = PolicyConfig.for_mode(self.morph_mode, **self.policy_overrides)  # validates the overrides
         except ValueError as exc:
-            raise ValueError(f"policy overrides {self.policy_overrides} for morph_mode {self.morph_mode!r}: {exc}") from None
+            raise ValueError(f"policy overrides {self.policy_overrides} for morph_mode {self.morph_mode!r}: "
+                             f"{exc}") from None
         if self.memory_floor is not None and policy.strategy != "dynamic":
             raise ValueError(f"memory_floor needs a dynamic morph mode (default, performance, accuracy); "
                              f"{self.morph_mode!r} never changes layers at run time")

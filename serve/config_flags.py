@@ -1,4 +1,4 @@
-"""EngineConfig fields as command-line flags, in one place (issue 33).
+"""EngineConfig fields as command-line flags, in one place.
 
 Every entry point that exposes engine settings (``python -m serve.triton``, ``python -m serve.dynamo``,
 ``python -m bench.replay``, ``python -m serve.generate``) adds them with :func:`add_engine_flags` and reads them
@@ -28,7 +28,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "dtype": "model dtype",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "fixed KV pool size in blocks (overrides --kv-cache-memory)",
-    "kv_cache_memory": "KV pool size when no memory budget is given; set, it also keeps device_memory=auto off the pool",
+    "kv_cache_memory": "KV pool size when no memory budget is given; set, it also keeps device_memory=auto off the "
+                       "pool",
     "kv_cache_dtype": "KV-cache storage: auto (the model dtype), int8 (int8 codes + per token-head scales, ~3.75x "
                       "the KV tokens of fp32 in the same memory) or fp8 (e4m3 codes + scales, CUDA only)",
     "max_num_seqs": "most sequences in one batch",

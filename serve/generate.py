@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**engine_kwargs(args, ENGINE_FIELDS)))
         load_s = time.perf_counter() - t0
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user",
+                                                        "content": args.prompt}]) if args.chat else args.prompt
         t1 = time.perf_counter()
         result = engine.generate([prompt], params)[0]
         total_s = time.perf_counter() - t1
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "text": result["text"], "token_ids": result["token_ids"], "finish_reason": result["finish_reason"],
             "num_prompt_tokens": result["num_prompt_tokens"],
-            "timings": {"load_s": round(load_s, 3), "ttft_s": round(ttft, 4) if ttft else None, "total_s": round(total_s, 4),
+            "timings": {"load_s": round(load_s, 3), "ttft_s": round(ttft, 4) if ttft else None,
+                        "total_s": round(total_s, 4),
                         "decode_tok_s": round((n - 1) / (total_s - ttft), 2) if n > 1 and ttft else None},
         }))
     else:

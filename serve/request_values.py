@@ -1,5 +1,6 @@
-"""Client values checked once, the same way for every name and alias and every front end (the HTTP door, the
-morphserve model's gRPC inputs and parameters, the BLS models, the Dynamo worker): issue 44, findings 5 and 6.
+"""Client values checked once, the same way for every name and alias and every front end (the HTTP front end, the
+morphserve model's gRPC inputs and parameters, the BLS models, the Dynamo worker; docs/hardening.md, Reliability III,
+findings 5 and 6).
 
 - **Text** must be text a UTF-8 encoder can write: a JSON string may carry a lone surrogate (``"\\ud800"``), which
   Python keeps in a ``str`` and which failed later, as a 500, wherever the text was encoded (a prompt, a stop

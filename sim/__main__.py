@@ -1,6 +1,7 @@
 """Plan a deployment before it exists: bench.replay's experiment on a virtual clock, at a GPU's measured speed.
 
-  make plan PLAN_ARGS="--system a100_sxm --model llama-2-7b --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \\
+  make plan PLAN_ARGS="--system a100_sxm --model llama-2-7b --trace
+  ../shared/data/traces/AzureLLMInferenceTrace_conv.csv \\
       --window burst:72 --time-scale 4.75 --fixed-lengths --input-len 512 --output-len 256 \\
       --device-memory 0.9 --mode off --mode static-int4 --mode default --repeat 1 --json plan.json"
 
@@ -31,7 +32,7 @@ from sim.executor import SimExecutor
 from sim.kernel_tables import TableError, list_systems
 from sim.model_specs import builtin_names
 from sim.quality_levels import find_table, load_table, plan_quality, quality_table
-from sim.speculation import DRAFT_RUNGS, ModelledSpeculation, SimSpeculation, default_rung
+from sim.speculation import DRAFT_PRECISIONS, ModelledSpeculation, SimSpeculation, default_draft_precision
 from sim.target import Target, table_target
 from workload.defaults import DEVICE_MEMORY, ENGINE_DEFAULTS
 from workload.items import build_workload
@@ -53,11 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("planner")
     g.add_argument("--system", default="a100_sxm",
                    help="a GPU of aiconfigurator-core's TensorRT-LLM tables (a100_sxm, h100_sxm, h200_sxm, ...; "
-                        "--list-systems) or 'local' (this machine, the engine's own measured costs); default: %(default)s")
+                        "--list-systems) or 'local' (this machine, the engine's own measured costs); default: "
+                        "%(default)s")
     g.add_argument("--overhead-ms", type=float, default=1.0,
-                   help="GPU systems: fixed host time per iteration (scheduling, sampling, launches) in ms (default: %(default)s)")
+                   help="GPU systems: fixed host time per iteration (scheduling, sampling, launches) in ms (default: "
+                        "%(default)s)")
     g.add_argument("--plots", type=Path, default=None, help="write the TTFT CDF and per-mode timelines (PNG) here")
-    g.add_argument("--list-systems", action="store_true", help="list the systems with tables and the built-in models, then exit")
+    g.add_argument("--list-systems", action="store_true",
+                   help="list the systems with tables and the built-in models, then exit")
     g.add_argument("--speculation-acceptance", type=float, default=None, metavar="A",
                    help="model self-speculative decoding (--speculation auto or always) on a GPU system's tables with "
                         "this acceptance rate of a draft token (0..1): each mode runs without and with it and both "
@@ -66,12 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculation-k", type=int, default=SpeculationConfig.max_k, metavar="K",
                    help="the longest draft: auto picks k in 1..K by the controller's predicted gain, always drafts "
                         f"min({SpeculationConfig.always_k}, K) (default: %(default)s, the engine's)")
-    g.add_argument("--speculation-rung", choices=DRAFT_RUNGS, default=None,
-                   help="the draft's rung for full-precision layers: int8 / int4 weight-only (A100's tables) or fp8 "
+    g.add_argument("--speculation-rung", choices=DRAFT_PRECISIONS, default=None,
+                   help="the draft precision for full-precision layers: int8 / int4 weight-only (A100's tables) or fp8 "
                         "(H100, H200, L40S); default: int8 where the tables have it, else fp8")
     g.add_argument("--quality-table", type=Path, default=None, metavar="JSON",
                    help="make quality's offline table (builder.evaluate: <engine-dir>/quality_<text>.json): the plan "
-                        "states each served level's top-1 agreement with full precision from it (sim/quality_levels.py); "
+                        "states each served level's top-1 agreement with full precision from it "
+                        "(sim/quality_levels.py); "
                         "default: the one in --model when that is an engine directory with one")
     for action in p._actions:  # --model means a config here (and an engine on --system local)
         if action.dest == "model":
@@ -81,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"embedded model name as bench.replay takes (default {ENGINE_DEFAULTS.model})")
         if action.dest in ("max_num_seqs", "max_num_batched_tokens"):
             action.default = None
-            action.help = (f"default: {GPU_MAX_NUM_SEQS if action.dest == 'max_num_seqs' else GPU_MAX_NUM_BATCHED_TOKENS} "
+            action.help = ("default: "
+                           f"{GPU_MAX_NUM_SEQS if action.dest == 'max_num_seqs' else GPU_MAX_NUM_BATCHED_TOKENS} "
                            "on a GPU system (TensorRT-LLM's), the engine's own on --system local")
         if action.dest == "device_memory":
             action.default = None
@@ -120,7 +126,8 @@ class Planner:
         self.speculation: ModelledSpeculation | None = None
         if args.speculation_acceptance is not None:
             self.speculation = ModelledSpeculation(args.speculation_acceptance, args.speculation_k,
-                                                   args.speculation_rung or default_rung(self.target.layer_nbytes[0]))
+                                                   args.speculation_rung
+                                                   or default_draft_precision(self.target.layer_nbytes[0]))
 
     def modelled(self, config_speculation: str) -> ModelledSpeculation | None:
         """What the plan assumes about self-speculative decoding; None: not modelled (not asked for, or off)."""
@@ -143,7 +150,7 @@ class Planner:
         config = engine_config(args, spec)
         if speculation is not None:
             config = dataclasses.replace(config, speculation=speculation)
-        if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is left unset (the clock is virtual)
+        if args.system != "local":  # a GPU plan: slai's CUDA calibration where theta is unset (virtual clock)
             low, high = config.slai_thetas("cuda")
             config = dataclasses.replace(config, slai_theta_low=low, slai_theta_high=high)
         engine = build_engine(config, self.target, clock, modelled)
@@ -193,8 +200,11 @@ def speculation_summary(modelled: ModelledSpeculation, with_: dict, without: dic
     """The plan's "speculation" block: what was assumed, how often it drafted, TPOT without and with it."""
     counts = with_["plan"].get("speculation_counts", {})
     iters = counts.get("decode_iterations", 0)
-    return {"modelled": True, **dataclasses.asdict(modelled), "mode": counts.get("mode"),
-            "drafting_share_of_decode_iterations": round(counts.get("drafting_iterations", 0) / iters, 4) if iters else None,
+    # "rung": the plan JSON's public key for the draft precision
+    return {"modelled": True, "acceptance": modelled.acceptance, "k": modelled.k, "rung": modelled.precision,
+            "mode": counts.get("mode"),
+            "drafting_share_of_decode_iterations": round(counts.get("drafting_iterations", 0) / iters, 4) if iters
+            else None,
             "tpot_ms": {"without": {k: _ms(v) for k, v in without["tpot_s"].items()},
                         "with": {k: _ms(v) for k, v in with_["tpot_s"].items()}},
             "ttft_p95_s": {"without": without["ttft_s"]["p95"], "with": with_["ttft_s"]["p95"]},
@@ -204,15 +214,17 @@ def speculation_summary(modelled: ModelledSpeculation, with_: dict, without: dic
 
 def speculation_table(results: dict[str, dict]) -> str:
     """Per mode: the modelled TPOT without and with self-speculative decoding (the last run of each mode)."""
-    lines = ["| mode | speculation | acceptance | k | rung | mean TPOT without (ms) | mean TPOT with (ms) | "
-             "P95 TPOT without (ms) | P95 TPOT with (ms) | drafting iterations |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | speculation | acceptance | k | draft precision | mean TPOT without (ms) | mean TPOT with (ms) | "
+             "P95 TPOT without (ms) | P95 TPOT with (ms) | drafting iterations |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for spec, r in results.items():
         s = r["plan"].get("speculation") or {}
         if not s.get("modelled"):
             continue
         t = s["tpot_ms"]
         share = s["drafting_share_of_decode_iterations"]
-        lines.append(f"| {spec} | {s['mode']} | {s['acceptance']:g} | {s['k']} | {s['rung']} | {t['without']['mean']} | "
+        lines.append(f"| {spec} | {s['mode']} | {s['acceptance']:g} | {s['k']} | {s['rung']} | {t['without']['mean']} "
+                     "| "
                      f"{t['with']['mean']} | {t['without']['p95']} | {t['with']['p95']} | "
                      f"{'n/a' if share is None else f'{share:.1%}'} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
@@ -248,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print(levels)
     table = speculation_table(planner.results) if status == 0 else ""
     if table:
-        print("\nself-speculative decoding, modelled (sim/speculation.py; TPOT without: the same mode, speculation off):\n")
+        print("\nself-speculative decoding, modelled (sim/speculation.py; TPOT without: the same mode, speculation "
+              "off):\n")
         print(table)
     elif status == 0 and not args.quiet:
         print(f"note: {not_modelled(args)}", file=sys.stderr)

@@ -145,7 +145,8 @@ class SimDevice:
             if not isinstance(step_model, TableStepModel):
                 raise TableError(f"self-speculative decoding is modelled on a GPU system's tables, not on "
                                  f"{self.target.device}; here run it for real: bench.replay --speculation")
-            speculation = SimSpeculation(self.speculation, config.speculation, step_model, set(self.target.layer_nbytes[0]),
+            speculation = SimSpeculation(self.speculation, config.speculation, step_model,
+                                         set(self.target.layer_nbytes[0]),
                                          max_model_len, config.max_num_batched_tokens, self.clock)
         token_id = self.tokenizer.encode(" the")[-1]  # every sampled row yields it (the replay forces output lengths)
         executor = SimExecutor(step_model, memory.bank, self.model_config.num_layers, self.clock, token_id, self._kv,

@@ -1,11 +1,11 @@
 """The layer bank without tensors: the real LayerBank's slot arithmetic over byte counts, copies on the virtual clock.
 
 The morph runtime (serve/morph/runtime.py) runs unchanged on it (serve/morph/layer_bank.py ``MorphBank``): it asks
-for slots, tails, host variants and copies, installs what a copy returns and maps KV blocks. Here a layer is its precision; a host-to-device copy
-takes ``bytes / h2d_bandwidth`` of virtual time on one copy engine (copies queue behind each other) and
-overlaps compute, as the CUDA copy stream does; waiting for it (``result()`` before it is done) moves the
-clock to its end, as a host that waits would. A device-local copy (``copy_now``: moving the staged variant to
-the region's tail at an iteration boundary) takes ``bytes / device bandwidth`` on the compute stream.
+for slots, tails, host variants and copies, installs what a copy returns and maps KV blocks. Here a layer is its
+precision; a host-to-device copy takes ``bytes / h2d_bandwidth`` of virtual time on one copy engine (copies queue behind
+each other) and overlaps compute, as the CUDA copy stream does; waiting for it (``result()`` before it is done) moves
+the clock to its end, as a host that waits would. A device-local copy (``copy_now``: moving the staged variant to the
+region's tail at an iteration boundary) takes ``bytes / device bandwidth`` on the compute stream.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class SimKV:
     def physical_slot(self, logical_block: int) -> int:
         return self.block_map[logical_block]
 
-    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
+    def quantize_blocks(self, sources: list[int], targets: list[int]) -> None:
         if sources and self.clock is not None and self.d2d > 0:
             self.clock.advance(len(sources) * (self.full.layout.block_bytes + self.q8.layout.block_bytes) / self.d2d)
 

@@ -67,8 +67,8 @@ class SystemSpec:
 
 
 def _latest(folder: Path) -> Path:
-    versions = sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: [int(x) if x.isdigit() else x for x in
-                                                                                   p.name.replace("rc", ".").split(".")])
+    versions = sorted((p for p in folder.iterdir() if p.is_dir()),
+                      key=lambda p: [int(x) if x.isdigit() else x for x in p.name.replace("rc", ".").split(".")])
     if not versions:
         raise TableError(f"no table versions under {folder}")
     return versions[-1]

@@ -107,11 +107,13 @@ def calibrate(engine: LLMEngine, costs, seed: int) -> LocalTerms:
         m = shape.num_tokens
         known = layers * costs.layer_cost_s(FULL, m) + (costs._interp(costs.rest_s, max(shape.sampled, 1))
                                                          if costs.rest_s else 0.0)
-        rows.append([layers, layers * m, layers * sum(shape.decode_kv_lens), layers * prefill_work(shape.prefill_chunks)])
+        rows.append([layers, layers * m, layers * sum(shape.decode_kv_lens), layers
+                     * prefill_work(shape.prefill_chunks)])
         ys.append(fwd - known)
     c = _nonneg_lstsq(np.array(rows, dtype=float), np.array(ys))
     o = _nonneg_lstsq(np.array([[1.0, n] for _, _, n in steps]), np.array([w - f for w, f, _ in steps]))
-    return LocalTerms(per_layer_const=c[0], per_layer_token=c[1], per_layer_decode_ctx=c[2], per_layer_prefill_work=c[3],
+    return LocalTerms(per_layer_const=c[0], per_layer_token=c[1], per_layer_decode_ctx=c[2],
+                      per_layer_prefill_work=c[3],
                       step_const=o[0], step_per_seq=o[1],
                       meta={"calibration_steps": len(samples), "requests": CALIBRATION_REQUESTS})
 

@@ -72,8 +72,8 @@ def level_of(signature: str, rows: list[dict]) -> tuple[str, dict | None]:
 
 
 def _full_perplexity(rows: list[dict]) -> float | None:
-    return next((r["perplexity"] for r in rows if r.get("num_quantized") == 0 and r.get("kv_cache_dtype", "auto") == "auto"),
-                None)
+    return next((r["perplexity"] for r in rows
+                 if r.get("num_quantized") == 0 and r.get("kv_cache_dtype", "auto") == "auto"), None)
 
 
 def plan_quality(table: Mapping[str, Any], path: Path, tokens_by_config: Mapping[str, int]) -> dict[str, Any]:

@@ -11,17 +11,17 @@ per token on average.
 * **A drafting iteration** of B sequences, sequence i drafting ``k_i`` tokens (the decision's k, capped by what it
   may still emit), costs
   ``draft = sum over j < max k_i`` of one forward of the sequences still drafting (decode rows at context
-  ``n_i + j``), every layer one rung below its precision now (``rung_below``) and the LM head at the rung, plus
-  ``verify =`` one forward of ``sum (k_i + 1)`` decode rows (contexts ``n_i .. n_i + k_i``) at the precisions now,
-  and yields ``sum E(a, k_i)`` tokens on average, ``E(a, k) = (1 - a^(k+1)) / (1 - a)`` (``expected_tokens``). The
-  engine loop here emits one token per sequence per iteration, so the iteration is charged
+  ``n_i + j``), every layer one ladder step below its precision now (``precision_below``) and the LM head at the draft
+  precision, plus ``verify =`` one forward of ``sum (k_i + 1)`` decode rows (contexts ``n_i .. n_i + k_i``) at the
+  precisions now, and yields ``sum E(a, k_i)`` tokens on average, ``E(a, k) = (1 - a^(k+1)) / (1 - a)``
+  (``expected_tokens``). The engine loop here emits one token per sequence per iteration, so the iteration is charged
   ``(draft + verify) * B / sum E(a, k_i)``: every token costs what a token costs on average while drafting.
 * **Not modelled**: the draft's KV blocks (the telemetry counts the free ones; none are taken), the spread of the
   accepted tokens around their mean (token gaps come out even), acceptance that drifts.
 
-The draft rung: the int8 or int4 weight-only GEMM rows where the tables have them (A100), fp8 where they do not
-(H100, H200, L40S: the 8-bit draft such a GPU runs). The controller's ladder names its 8-bit rung ``int8``; with fp8
-it is handed the fp8 rows under that name.
+The draft precision: the int8 or int4 weight-only GEMM rows where the tables have them (A100), fp8 where they do not
+(H100, H200, L40S: the 8-bit draft such a GPU runs). The controller's ladder names its 8-bit precision ``int8``; with
+fp8 it is handed the fp8 rows under that name.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from policy.speculation import (
     SpeculationController,
     SpeculationDecision,
     expected_tokens,
-    rung_below,
+    precision_below,
 )
 from serve.engine.scheduler import ScheduledChunk
 from serve.engine.spec_manager import draft_telemetry
@@ -45,55 +45,57 @@ from serve.resource_seam import ResourceManagerBase, SchedulerView
 from sim.kernel_tables import TableError
 from sim.step_model import BatchShape, TableStepModel
 
-DRAFT_RUNGS = ("int8", "int4", "fp8")
+DRAFT_PRECISIONS = ("int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)
 class ModelledSpeculation:
-    """What a plan assumes: the acceptance rate of one draft token, the longest draft, the draft's rung."""
+    """What a plan assumes: the acceptance rate of one draft token, the longest draft, the draft's precision."""
 
     acceptance: float
     k: int
-    rung: str
+    precision: str
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"--speculation-acceptance must be in [0, 1], got {self.acceptance}")
         if self.k < 1:
             raise ValueError(f"--speculation-k must be >= 1, got {self.k}")
-        if self.rung not in DRAFT_RUNGS:
-            raise ValueError(f"--speculation-rung must be one of {list(DRAFT_RUNGS)}, got {self.rung!r}")
+        if self.precision not in DRAFT_PRECISIONS:
+            raise ValueError(f"--speculation-rung must be one of {list(DRAFT_PRECISIONS)}, got {self.precision!r}")
 
 
-def default_rung(available: Collection[str]) -> str:
+def default_draft_precision(available: Collection[str]) -> str:
     """int8 where the tables time int8 weight-only GEMMs, else fp8."""
     return "int8" if "int8" in available else "fp8"
 
 
-def controller_rung(rung: str) -> str:
-    """The rung's name on the controller's ladder (full, int8, int4): fp8 stands as its 8-bit rung."""
-    return "int8" if rung == "fp8" else rung
+def controller_precision(precision: str) -> str:
+    """The draft precision's name on the controller's ladder (full, int8, int4): fp8 stands as its 8-bit precision."""
+    return "int8" if precision == "fp8" else precision
 
 
-def draft_precisions(precisions: Sequence[str], rung: str) -> list[str]:
-    """Each layer's precision in the draft: one rung below the one it serves at (policy.speculation.rung_below)."""
-    below = [rung_below(p, controller_rung(rung)) for p in precisions]
-    return ["fp8" if rung == "fp8" and d == "int8" else d for d in below]
+def draft_precisions(precisions: Sequence[str], precision: str) -> list[str]:
+    """Each layer's precision in the draft: one ladder step below the one it serves at
+    (policy.speculation.precision_below)."""
+    below = [precision_below(p, controller_precision(precision)) for p in precisions]
+    return ["fp8" if precision == "fp8" and d == "int8" else d for d in below]
 
 
 class StepTimes(Protocol):
     def step_s(self, batch: BatchShape, precisions: Sequence[str], head: str = FULL) -> float: ...
 
 
-def draft_s(model: StepTimes, contexts: Sequence[int], ks: Sequence[int], precisions: Sequence[str], rung: str,
+def draft_s(model: StepTimes, contexts: Sequence[int], ks: Sequence[int], precisions: Sequence[str], precision: str,
             kv8: float = 0.0) -> float:
     """The draft's forwards: step j runs the sequences still drafting (k_i > j) as decode rows at contexts n_i + j,
-    every layer a rung down, the LM head at the rung."""
-    layers = draft_precisions(precisions, rung)
+    every layer a ladder step down, the LM head at the draft precision."""
+    layers = draft_precisions(precisions, precision)
     total = 0.0
     for j in range(max(ks, default=0)):
         rows = [n + j for n, k in zip(contexts, ks) if k > j]
-        total += model.step_s(BatchShape(decode_kv_lens=rows, sampled=len(rows), decode_kv8=kv8), layers, head=rung)
+        total += model.step_s(BatchShape(decode_kv_lens=rows, sampled=len(rows), decode_kv8=kv8), layers,
+                              head=precision)
     return total
 
 
@@ -137,16 +139,16 @@ class SimSpeculation(ResourceManagerBase):
 
     def __init__(self, modelled: ModelledSpeculation, mode: str, step_model: TableStepModel, available: Collection[str],
                  max_model_len: int, token_budget: int, clock: Callable[[], float]) -> None:
-        if modelled.rung not in available:
-            raise TableError(f"the draft rung {modelled.rung} has no GEMM rows in these tables (they have "
+        if modelled.precision not in available:
+            raise TableError(f"the draft precision {modelled.precision} has no GEMM rows in these tables (they have "
                              f"{sorted(set(available) - {FULL})}); choose one with --speculation-rung")
         costs = step_model.step_costs(sorted(set(available) - {FULL}))
-        if modelled.rung == "fp8":
+        if modelled.precision == "fp8":
             costs = dataclasses.replace(costs, layer_s={**costs.layer_s, "int8": costs.layer_s["fp8"]})
         self.modelled = modelled
-        self.rung = controller_rung(modelled.rung)
+        self.precision = controller_precision(modelled.precision)
         self.controller = SpeculationController(
-            SpeculationConfig(mode=mode, rungs=(self.rung,), max_k=modelled.k,
+            SpeculationConfig(mode=mode, precisions=(self.precision,), max_k=modelled.k,
                               always_k=min(SpeculationConfig.always_k, modelled.k),
                               prior_acceptance=modelled.acceptance), costs)
         self.step_model = step_model
@@ -182,10 +184,10 @@ class SimSpeculation(ResourceManagerBase):
                 c.observe("plain", c.plain_s(precisions, len(chunks), corrected=False), plain, len(chunks))
             return plain
         contexts = [ch.start + 1 for ch in drafting]
-        draft = draft_s(self.step_model, contexts, ks, precisions, self.modelled.rung, shape.decode_kv8)
+        draft = draft_s(self.step_model, contexts, ks, precisions, self.modelled.precision, shape.decode_kv8)
         verify = verify_s(self.step_model, contexts, ks, precisions, shape.decode_kv8)
         b = len(drafting)
-        c.observe("draft", max(ks) * c.draft_s(precisions, self.rung, b, corrected=False), draft, b)
+        c.observe("draft", max(ks) * c.draft_s(precisions, self.precision, b, corrected=False), draft, b)
         c.observe("verify", c.verify_s(precisions, b + sum(ks), corrected=False), verify, b)
         s = self.stats
         s.drafting_iterations += 1

@@ -82,7 +82,7 @@ class TableStepModel:
         self._elementwise_bw = spec.mem_bw * 0.8
 
     def reading(self, kv_cache_dtype: str | None = None, kv_rung: str | None = None) -> TableStepModel:
-        """This model with the attention rows of another KV format (the cache's, or the rung's beside it)."""
+        """This model with the attention rows of another KV format (the cache's, or the KV rung's beside it)."""
         out = copy.copy(self)
         out.kv_cache_dtype = kv_cache_dtype or self.kv_cache_dtype
         out.kv_rung = kv_rung or self.kv_rung
@@ -96,7 +96,7 @@ class TableStepModel:
         return self.tables.gemm_s(precision, max(rows, 1), self.cfg.vocab_size, self.cfg.hidden_size)
 
     def _mixed(self, lookup, share8: float) -> float:
-        """A lookup over the cache's KV: with the rung's 8-bit share, the full-precision rows' time and the 8-bit
+        """A lookup over the cache's KV: with the KV rung's 8-bit share, the full-precision rows' time and the 8-bit
         rows' weighted by their shares of the KV (attention at these lengths reads its KV once: its time follows the
         bytes, and each format's rows are measured whole)."""
         t = lookup(self.kv_cache_dtype)

@@ -16,7 +16,8 @@ pytest_plugins = ["tests.ci_skip_policy"]
 
 torch.set_num_threads(int(os.environ.get("MORPHSERVE_TEST_THREADS", "2")))
 # Measured step costs (cost-aware morph modes) go to a per-user test cache, not ~/.cache; servers inherit it.
-os.environ.setdefault("MORPHSERVE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"morphserve-test-cache-{os.getuid()}"))
+os.environ.setdefault("MORPHSERVE_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"morphserve-test-cache-{os.getuid()}"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = REPO_ROOT / "tests" / "fixtures"  # committed trace excerpts (tests/fixtures/README.md)

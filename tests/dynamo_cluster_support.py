@@ -40,7 +40,8 @@ def dynamo_python() -> str:
     py = os.environ.get("MORPHSERVE_DYNAMO_PYTHON") or str(REPO_ROOT / ".venv-dynamo" / "bin" / "python")
     if not Path(py).exists():
         skip_outside_ci(f"no Dynamo interpreter at {py} (make install-dynamo)")
-    probe = subprocess.run([py, "-c", "import dynamo.frontend, dynamo.common.backend"], capture_output=True, timeout=120)
+    probe = subprocess.run([py, "-c", "import dynamo.frontend, dynamo.common.backend"], capture_output=True,
+                           timeout=120)
     if probe.returncode != 0:
         skip_outside_ci(f"{py} cannot import dynamo: {probe.stderr.decode()[-400:]}")
     return py

@@ -1,6 +1,6 @@
 """What every end-to-end test module against a real tritonserver shares: skipping when tritonserver is not
-installed (failing under CI=true, which installs it), and one server on free loopback ports for the module (stopped afterwards, with no Python-backend
-shared-memory segment left behind)."""
+installed (failing under CI=true, which installs it), and one server on free loopback ports for the module (stopped
+afterwards, with no Python-backend shared-memory segment left behind)."""
 
 from __future__ import annotations
 

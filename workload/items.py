@@ -80,7 +80,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --trace: arrivals from the trace, every request --input-len prompt and --output-len "
                         "output tokens (the MorphServe paper's setup: 512/256 for MHA models)")
     g.add_argument("--text", type=Path, default=None, help=f"prompt text (default: workload/data/{DEFAULT_TEXT.name}, "
-                   "the first two chapters of Botchan, public domain; the whole book is ../shared/data/text/botchan.txt)")
+                   "the first two chapters of Botchan, public domain; the whole book is "
+                   "../shared/data/text/botchan.txt)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-requests", type=int, default=64, help="synthetic workload: number of requests")
     g.add_argument("--request-rate", type=float, default=2.0, help="synthetic workload: mean requests/s")
@@ -118,7 +119,8 @@ def assign_targets(items: list[WorkItem], tbt_slo_s: float | None, tight_share: 
 def trace_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     """The (transformed) arrivals and a description of how they were made."""
     if args.trace is None:
-        reqs = synthetic_gamma(args.num_requests, args.request_rate, args.burstiness, args.input_len, args.output_len, args.seed)
+        reqs = synthetic_gamma(args.num_requests, args.request_rate, args.burstiness, args.input_len, args.output_len,
+                               args.seed)
         desc = f"synthetic gamma: {args.num_requests} requests, {args.request_rate} req/s, burstiness {args.burstiness}"
     else:
         reqs = load_trace(args.trace, args.trace_format)

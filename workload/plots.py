@@ -129,7 +129,8 @@ def capacity_plot(summary: Mapping[str, Mapping], ttft_target_s: float, path: Pa
         pts = [s["rates"][str(r)] for r in rates]
         med = [p["ttft_p50_s_median"] for p in pts]
         err = [[m - p["ttft_p50_s_min"] for m, p in zip(med, pts)], [p["ttft_p50_s_max"] - m for m, p in zip(med, pts)]]
-        ax.errorbar(rates, med, yerr=err, marker="o", capsize=3, label=f"{name} (capacity {s['capacity_rps'] or 'below range'})")
+        ax.errorbar(rates, med, yerr=err, marker="o", capsize=3,
+                    label=f"{name} (capacity {s['capacity_rps'] or 'below range'})")
     ax.axhline(ttft_target_s, color="red", linestyle=":", label=f"target {ttft_target_s} s")
     ax.set_xlabel("arrival rate (requests/s)")
     ax.set_ylabel("median TTFT (s)")

@@ -7,8 +7,9 @@ its layer bank holds the int8 and int4 variants of every layer) evaluates held-o
 variant of each layer is installed for the evaluation (``bank.detached(i, p)`` +
 ``bank.install``) and full precision is put back afterwards; the KV pool is not touched. Text: the
 first ``num_tokens`` tokens (default 2048) of workload/data/botchan_excerpt.txt (the first chapters of
-../shared/data/text/botchan.txt, so the same tokens) or the text given, cut into non-overlapping ``window``-token windows (default 512); neither is used for
-calibration (builder/calibration_corpus.py). Results are memoized per signature.
+../shared/data/text/botchan.txt, so the same tokens) or the text given, cut into non-overlapping ``window``-token
+windows (default 512); neither is used for calibration (builder/calibration_corpus.py). Results are memoized per
+signature.
 
 Perplexity = exp(mean negative log-likelihood over every predicted token of every window). A mode's
 perplexity weights each configuration's mean NLL by the tokens the server generated in it, then
@@ -118,7 +119,8 @@ class QualityEvaluator:
         self.model_name = model
         self.window = window
         blocks = math.ceil(window / 16) + 1
-        self.engine = LLMEngine(EngineConfig(model=model, morph_mode="default", morph_precisions="int8,int4", num_kv_blocks=blocks,
+        self.engine = LLMEngine(EngineConfig(model=model, morph_mode="default", morph_precisions="int8,int4",
+                                             num_kv_blocks=blocks,
                                              num_threads=num_threads))
         runtime = self.engine.resource_manager(MorphRuntime)
         if runtime is None:  # pragma: no cover - default mode always has a bank
@@ -144,7 +146,8 @@ class QualityEvaluator:
     def check_signature(self, signature: str) -> None:
         if len(signature) != self.num_layers:
             raise ValueError(f"signature {signature!r} has {len(signature)} layers, the model has {self.num_layers}")
-        bad = sorted({c for c in signature if c != PRECISION_CODE[FULL] and CODE_PRECISION.get(c) not in self.precisions})
+        bad = sorted({c for c in signature if c != PRECISION_CODE[FULL]
+                      and CODE_PRECISION.get(c) not in self.precisions})
         if bad:
             raise ValueError(f"signature {signature!r} uses precision codes {bad} that the layer bank lacks "
                              f"(has {sorted(self.precisions)})")
@@ -202,14 +205,16 @@ class QualityEvaluator:
         # None at start 0: a whole prompt, plain causal over its own K/V
         table = None if start == 0 else torch.arange(-(-(start + n) // self._kv.block_size), device=dev)
         batch = ForwardBatch(input_ids=torch.tensor(ids, device=dev), positions=pos, slot_mapping=pos, num_decodes=0,
-                             prefills=[PrefillChunk(0, n, start, table)], sample_indices=torch.arange(n - 1, device=dev))
+                             prefills=[PrefillChunk(0, n, start, table)],
+                             sample_indices=torch.arange(n - 1, device=dev))
         return m.forward(batch, self._kv)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
-def reference_outputs(model: str, prompts: Sequence[str], max_tokens: int, num_threads: int | None = None) -> list[list[int]]:
+def reference_outputs(model: str, prompts: Sequence[str], max_tokens: int,
+                      num_threads: int | None = None) -> list[list[int]]:
     """Greedy token ids of each prompt from an engine with morph_mode off (the full-precision reference)."""
     from serve.config import EngineConfig  # noqa: PLC0415
     from serve.engine.engine import LLMEngine  # noqa: PLC0415

@@ -45,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", action="append", default=None, metavar="MODE[+KEY=VALUE...]",
                    help="morph mode: off, static-int8, static-int4, accuracy, default, performance (default: default); "
-                        "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. default+cost_aware=false, "
+                        "repeatable; +KEY=VALUE adds policy overrides for that mode only, e.g. "
+                        "default+cost_aware=false, "
                         "or sets speculation / kv_cache_dtype / scheduler / quality_meter for it, e.g. "
                         "default+speculation=off, off+scheduler=slai")
     p.add_argument("--repeat", type=int, default=1,
-                   help="runs per mode, interleaved by mode; figures are reported as median [min-max] (default: %(default)s)")
+                   help="runs per mode, interleaved by mode; figures are reported as median [min-max] (default: "
+                        "%(default)s)")
     add_engine_flags(p, ENGINE_FIELDS, aliases={"slo_ttft_s": ["--slo-ttft"], "num_threads": ["--threads"]},
                      defaults={"model": defaults.MODEL, "device_memory": defaults.DEVICE_MEMORY, "device": "cpu",
                                "slo_ttft_s": defaults.ENGINE_DEFAULTS.slo_ttft_s, "num_threads": 2,
@@ -279,7 +281,8 @@ def repeated(args: argparse.Namespace, specs: list[str],
             r = run(args, spec)
             runs[spec].append(r)
             m = r["morph"]
-            print(f"run {rep + 1}/{args.repeat} {spec}: P50 TTFT {r['ttft_s']['p50']:.3f} s, P95 {r['ttft_s']['p95']:.3f} s, "
+            print(f"run {rep + 1}/{args.repeat} {spec}: P50 TTFT {r['ttft_s']['p50']:.3f} s, P95 "
+                  f"{r['ttft_s']['p95']:.3f} s, "
                   f"SLO violations {r['slo']['violation_rate']:.1%}, swaps {m['swaps']}, restores {m['restores']}"
                   + (f", other processes {r['host_load']['other_share']:.0%} of the CPUs" if "host_load" in r else ""),
                   file=sys.stderr, flush=True)
@@ -307,7 +310,8 @@ def print_single(result: dict) -> None:
         print(f"prefix cache ({pc['policy']} across morph transitions): hit rate {rate} "
               f"({pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens)")
     r = result["resident_mib"]
-    print(f"resident memory: {r['after_load']} MiB after load, max {r['max']} MiB (+{r['growth']} MiB during the replay)")
+    print(f"resident memory: {r['after_load']} MiB after load, max {r['max']} MiB (+{r['growth']} MiB during the "
+          "replay)")
     if "quality" in result:
         q = result["quality"]
         print(f"perplexity: full {q['perplexity_full']:.2f}, served (token-weighted) {q['perplexity']:.2f} "
@@ -316,10 +320,12 @@ def print_single(result: dict) -> None:
 
 def tier_table(tiers: dict) -> str:
     """Per tier: requests, median/P99 TTFT, P99 TBT (token gaps) against the tier's target."""
-    lines = ["| tier | requests | P50 TTFT (s) | P99 TTFT (s) | P99 TBT (s) | TBT target (s) | met |", "|---|---|---|---|---|---|---|"]
+    lines = ["| tier | requests | P50 TTFT (s) | P99 TTFT (s) | P99 TBT (s) | TBT target (s) | met |",
+             "|---|---|---|---|---|---|---|"]
     for tier, b in tiers.items():
         f = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-        lines.append(f"| {tier} | {b['completed']}/{b['num_requests']} | {f(b['ttft_s']['p50'])} | {f(b['ttft_s']['p99'])} "
+        lines.append(f"| {tier} | {b['completed']}/{b['num_requests']} | {f(b['ttft_s']['p50'])} | "
+                     f"{f(b['ttft_s']['p99'])} "
                      f"| {f(b['itl_s']['p99'])} | {b['tbt_slo_s']} | {b['tbt_p99_met']} |")
     return "\n".join(lines) + "\n"
 

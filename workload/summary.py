@@ -106,7 +106,8 @@ def config_changes(events: Sequence[Mapping], num_layers: int,
     return out
 
 
-def tokens_by_config(changes: Sequence[tuple[int, str]], initial: str, start_tokens: int, end_tokens: int) -> dict[str, int]:
+def tokens_by_config(changes: Sequence[tuple[int, str]], initial: str, start_tokens: int,
+                     end_tokens: int) -> dict[str, int]:
     """Tokens generated in each configuration within [start_tokens, end_tokens).
 
     ``changes`` are (tokens served when the configuration changed, new configuration) in order; the

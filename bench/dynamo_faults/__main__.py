@@ -36,13 +36,17 @@ from serve.dynamo.hosts import HostCluster, HostsConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.dynamo_faults", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, run in this order (default: all: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="fresh clusters, each running every fault (default: %(default)s)")
-    p.add_argument("--before", type=float, default=20.0, help="seconds of load before each fault (default: %(default)s)")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help="comma-separated, run in this order (default: all: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh clusters, each running every fault (default: %(default)s)")
+    p.add_argument("--before", type=float, default=20.0,
+                   help="seconds of load before each fault (default: %(default)s)")
     p.add_argument("--after", type=float, default=20.0, help="seconds of load after recovery (default: %(default)s)")
     p.add_argument("--cut-s", type=float, default=20.0, help="how long the link stays cut (default: %(default)s)")
     p.add_argument("--etcd-s", type=float, default=30.0, help="how long etcd is unreachable (default: %(default)s)")
-    p.add_argument("--netem-s", type=float, default=30.0, help="how long 50 ms + 1 %% loss lasts (default: %(default)s)")
+    p.add_argument("--netem-s", type=float, default=30.0,
+                   help="how long 50 ms + 1 %% loss lasts (default: %(default)s)")
     p.add_argument("--etcd-lease-ttl", type=int, default=90,
                    help="every process's etcd lease in seconds (Dynamo's default is 30) (default: %(default)s)")
     p.add_argument("--stream-timeout", type=float, default=10.0,

@@ -142,7 +142,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("netem", "50 ms delay and 1 % loss each way on every worker's link: requests slow down (TTFT, throughput) "
           "but all finish; nothing hangs", netem),
     Fault("etcd-outage", "etcd's host is unreachable for the fault's duration: serving continues on the known "
-          "workers (their leases outlive the outage); a worker host started during it waits and joins after", etcd_outage),
+          "workers (their leases outlive the outage); a worker host started during it waits and joins after",
+          etcd_outage),
     Fault("restart-frontend", "the frontend host's processes are SIGKILLed and restarted: clients get refused "
           "connections (explicit errors) and retry; in-flight streams end with an error and are retried; the "
           "workers keep their state (their prefix caches and registrations)", restart_frontend),

@@ -18,7 +18,8 @@ HITS = "morphserve_prefix_cache_hits_total"
 BLOCK_SIZE = 16
 
 
-def kv_probe(cluster: HostCluster, questions: tuple[str, ...] = ("Is there parking?", "Is it open today?")) -> dict[str, Any]:
+def kv_probe(cluster: HostCluster,
+             questions: tuple[str, ...] = ("Is there parking?", "Is it open today?")) -> dict[str, Any]:
     stale, overlaps, routes = 0, [], []
     by_id = {cluster.instance_id(w): w for w in cluster.workers}
     for system in SYSTEMS:

@@ -62,15 +62,19 @@ def summarize(records: list[Record], window: Window, t0: float, t_end: float,
         "retried": sum(r.tries > 1 for r in answered),
         "failed": sum(r.outcome == "failed" for r in mine),
         "lost": sum(r.outcome == "lost" for r in mine),
-        "lost_detail": {d: sum(r.outcome == "lost" and r.detail == d for r in mine) for d in ("hung", "truncated", "wrong")},
+        "lost_detail": {d: sum(r.outcome == "lost" and r.detail == d for r in mine) for d
+                        in ("hung", "truncated", "wrong")},
         "failed_errors": sorted({r.detail for r in mine if r.outcome == "failed"})[:5],
-        "lost_examples": [{"prompt": r.prompt, "detail": r.detail, "tries": r.tries, "at_s": round(r.start - window.start, 2),
+        "lost_examples": [{"prompt": r.prompt, "detail": r.detail, "tries": r.tries,
+                           "at_s": round(r.start - window.start, 2),
                            "text": r.text, "expected": (expected or {}).get(r.prompt),
-                           "routes": {rid: [a.__dict__ for a in attempts.get(response_id(rid), [])] for rid in r.response_ids}}
+                           "routes": {rid: [a.__dict__ for a in attempts.get(response_id(rid), [])] for rid
+                                      in r.response_ids}}
                           for r in mine if r.outcome == "lost"][:3],
         "fault_s": round(window.end - window.start, 2),
         "outage_s": None if window.recovered is None else round(window.recovered - window.start, 2),
-        "recover_after_removal_s": None if window.recovered is None else round(max(0.0, window.recovered - window.end), 2),
+        "recover_after_removal_s": None if window.recovered is None
+        else round(max(0.0, window.recovered - window.end), 2),
         "longest_gap_s": round(longest_gap(mine, window.start, until), 2),
         "ttft_p95_s": {}, "e2e_p95_s": {}, "throughput_tok_s": {}, "requests_by_phase": {},
         "stale_routes": probe["stale_routes"], "probe_overlap_blocks": probe["overlap_blocks"],
@@ -98,7 +102,8 @@ def median_of(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
         return round(statistics.median(nums), 3) if nums and len(nums) == len(values) else None
     keys = ("requests", "answered", "migrated", "retried", "failed", "lost", "fault_s", "outage_s",
-            "recover_after_removal_s", "longest_gap_s", "registrations_clean_after_s", "ttft_p95_s", "e2e_p95_s", "throughput_tok_s", "stale_routes")
+            "recover_after_removal_s", "longest_gap_s", "registrations_clean_after_s", "ttft_p95_s", "e2e_p95_s",
+            "throughput_tok_s", "stale_routes")
     med = {k: merge([r[k] for r in repeats]) for k in keys}
     med["lost_total"] = sum(r["lost"] for r in repeats)
     med["failed_total"] = sum(r["failed"] for r in repeats)

@@ -1,6 +1,7 @@
 """Batch-1 greedy decode with llama-cpp-python on a GGUF file; run with its own venv.
 
-  <llamacpp-venv>/bin/python bench/peers/llamacpp_decode.py --gguf FILE --prompt-ids 1,2,3 --new 128 --runs 3 --out R.json
+  <llamacpp-venv>/bin/python bench/peers/llamacpp_decode.py --gguf FILE --prompt-ids 1,2,3 --new 128 --runs 3 --out
+  R.json
 
 Decode tok/s = (new - 1) / (time of the tokens after the first), the first token's time (prefill) excluded;
 ``Llama.generate`` does not stop on EOS by itself, so every run decodes exactly ``--new`` tokens (greedy).

@@ -69,15 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"engine directory or embedded model name (default: {DEFAULT_ENGINE_DIR} if built, "
                         f"else {defaults.MODEL})")
     add_engine_flags(g, SERVER_FIELDS, aliases={"slo_ttft_s": ["--slo-ttft"], "num_threads": ["--server-threads"]},
-                     defaults={"slo_ttft_s": defaults.ENGINE_DEFAULTS.slo_ttft_s, "device_memory": defaults.DEVICE_MEMORY,
+                     defaults={"slo_ttft_s": defaults.ENGINE_DEFAULTS.slo_ttft_s,
+                               "device_memory": defaults.DEVICE_MEMORY,
                                "scheduler": defaults.ENGINE_DEFAULTS.scheduler,
                                "max_num_seqs": defaults.ENGINE_DEFAULTS.max_num_seqs,
                                "max_num_batched_tokens": defaults.ENGINE_DEFAULTS.max_num_batched_tokens,
                                "num_threads": 1},
                      help_overrides={"slo_ttft_s": "TTFT SLO in seconds: the server's policy target and the "
                                                    "benchmark's SLO",
-                                     "device": "server device: cpu, cuda, cuda:N or auto (default: config.pbtxt's, auto)",
-                                     "num_threads": "torch threads in the server (1 is fastest on a shared 2-core machine)"})
+                                     "device": "server device: cpu, cuda, cuda:N or auto (default: config.pbtxt's, "
+                                               "auto)",
+                                     "num_threads": "torch threads in the server (1 is fastest on a shared 2-core "
+                                                    "machine)"})
     g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config.pbtxt parameter for every mode (repeatable)")
     g.add_argument("--server-start-timeout", type=float, default=300.0, help="seconds to wait for readiness")
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--probe-output-len", type=int, default=32, help="tokens generated per probe")
     q.add_argument("--ppl-tokens", type=int, default=2048, help="held-out tokens for perplexity")
     q.add_argument("--ppl-window", type=int, default=512, help="perplexity window in tokens")
-    q.add_argument("--ppl-text", type=Path, default=None, help="held-out text (default: workload/data/botchan_excerpt.txt, "
+    q.add_argument("--ppl-text", type=Path, default=None,
+                   help="held-out text (default: workload/data/botchan_excerpt.txt, "
                    "whose first tokens are the whole book's)")
     q.add_argument("--quality-threads", type=int, default=None, help="torch threads for the offline quality engines")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -181,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
     results = {mode: median_run(rs) for mode, rs in runs.items() if rs}
     if args.repeat > 1:
-        (out_dir / "repeats.md").write_text(f"medians of {args.repeat} runs per mode, [min-max]\n\n" + repeated_table(runs))
+        (out_dir / "repeats.md").write_text(f"medians of {args.repeat} runs per mode, [min-max]\n\n"
+                                            + repeated_table(runs))
     if not args.no_quality and not interrupted:
         try:
             add_quality(results, args, tokenizer, num_layers, log)

@@ -55,7 +55,8 @@ def check_targets(results: Mapping[str, Mapping]) -> list[dict]:
     if perf is not None and de is not None:
         p_pe, p_de = _get(perf, "ttft_s", "p95"), _get(de, "ttft_s", "p95")
         ok = None if p_pe is None or p_de is None else p_pe <= p_de
-        out.append({"name": "performance P95 TTFT <= default's", "value": None if not p_de or p_pe is None else p_pe / p_de,
+        out.append({"name": "performance P95 TTFT <= default's", "value": None if not p_de or p_pe is None else p_pe
+                    / p_de,
                     "target": "<= 1", "passed": ok, "detail": f"performance {_num(p_pe)} s, default {_num(p_de)} s"})
     return out
 

@@ -103,7 +103,8 @@ def timing_from_chunks(send_s: float, chunk_times: Sequence[float], num_output_t
     Chunk times earlier than ``send_s`` (impossible unless clocks disagree) are clamped to it.
     """
     times = [max(send_s, t) for t in chunk_times]
-    return RequestTiming(send_s=send_s, token_times_s=times, num_output_tokens=max(num_output_tokens, 0) if times else 0,
+    return RequestTiming(send_s=send_s, token_times_s=times, num_output_tokens=max(num_output_tokens, 0) if times
+                         else 0,
                          ok=ok and bool(times), error=error)
 
 

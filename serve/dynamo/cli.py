@@ -42,7 +42,8 @@ class WorkerOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serve.dynamo",
-                                description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids out).")
+                                description="One MorphServe engine as an NVIDIA Dynamo worker (token ids in, token ids "
+                                            "out).")
     e = p.add_argument_group("engine")
     add_engine_flags(e, ENGINE_FIELDS, defaults={"model": EMBEDDED_MODEL, "morph_mode": "default",
                                                  "queue_timeout_s": DEFAULT_QUEUE_TIMEOUT_S,

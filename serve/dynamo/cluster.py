@@ -155,7 +155,8 @@ class Cluster:
         argv = [c.python, "-m", "dynamo.frontend", "--http-host", c.http_host, "--http-port", str(c.http_port),
                 "--router-mode", c.router_mode, "--discovery-backend", c.discovery,
                 "--migration-limit", str(c.migration_limit), *c.frontend_args]
-        extra = {} if c.stream_timeout_s is None else {"DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS": f"{c.stream_timeout_s:g}"}
+        timeout = "DYN_HTTP_BACKEND_STREAM_TIMEOUT_SECS"
+        extra = {} if c.stream_timeout_s is None else {timeout: f"{c.stream_timeout_s:g}"}
         self.frontend = self._spawn("frontend", argv, c.http_port, extra)
         return self.frontend
 

@@ -108,11 +108,14 @@ def ready_line(cluster: Cluster, elapsed_s: float) -> str:
     c = cluster.config
     ports = ",".join(str(w.port) for w in cluster.workers)
     if not c.frontend:
-        return f"morphserve dynamo workers ready in {elapsed_s:.1f} s: {c.replicas} worker(s), metrics on {c.system_host}:{ports}"
+        return (f"morphserve dynamo workers ready in {elapsed_s:.1f} s: {c.replicas} worker(s), metrics on "
+                f"{c.system_host}:{ports}")
     return (f"morphserve ready in {elapsed_s:.1f} s: {c.replicas} worker(s) behind Dynamo's frontend "
-            f"{cluster.base_url} (router {c.router_mode}; worker metrics on {c.system_host}:{ports}; logs {cluster.log_dir}); try: "
+            f"{cluster.base_url} (router {c.router_mode}; worker metrics on {c.system_host}:{ports}; logs "
+            f"{cluster.log_dir}); try: "
             f"curl -s {cluster.base_url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{c.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"-d '{{\"model\": \"{c.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+            f"\"Hello!\"}}], "
             f"\"max_tokens\": 32}}'")
 
 

@@ -164,7 +164,8 @@ class LinkEmulator:
 
     def _ask(self, line: str) -> str:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"the link emulator exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"the link emulator exited with {self.proc.returncode}: "
+                               f"{self.proc.stderr.read()[-2000:]}")
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()

@@ -41,7 +41,8 @@ def _unsupported(group: Mapping[str, Any], neutral: Mapping[str, Any], where: st
     bad = []
     for key, ok in neutral.items():
         value = group.get(key)
-        if value is None or value == ok or (isinstance(ok, float) and isinstance(value, (int, float)) and float(value) == ok):
+        if value is None or value == ok or (isinstance(ok, float) and isinstance(value, (int, float)) and float(value)
+                                            == ok):
             continue
         bad.append(f"{where}.{key}={value!r}")
     return bad
@@ -65,7 +66,8 @@ def to_engine_request(request: Mapping[str, Any], eos_token_ids: Iterable[int] =
     sampling = request.get("sampling_options") or {}
     stop = request.get("stop_conditions") or {}
     output = request.get("output_options") or {}
-    bad = _unsupported(sampling, _NEUTRAL_SAMPLING, "sampling_options") + _unsupported(output, _NEUTRAL_OUTPUT, "output_options")
+    bad = (_unsupported(sampling, _NEUTRAL_SAMPLING, "sampling_options")
+           + _unsupported(output, _NEUTRAL_OUTPUT, "output_options"))
     if bad:
         raise RequestError("not supported by the morphserve worker: " + ", ".join(bad)
                            + " (supported: temperature, top_p, top_k, seed, max_tokens, min_tokens, ignore_eos, "
@@ -181,7 +183,8 @@ def chunk(token_ids: list[int], reason: str | None = None, prompt_tokens: int = 
     """One streamed response chunk; the final one (``reason`` given) carries the usage and, from the engine's final
     output ``out`` (a RequestOutput, by duck type), what Dynamo's frontend shows under ``nvext`` when a client asks
     (``nvext.extra_fields``): ``stop_reason`` and ``engine_data`` (the request's perf metrics under TensorRT-LLM's
-    names, RequestMetrics.perf_fields, and its quality numbers, RequestMetrics.quality_fields), and the prompt tokens served from the prefix cache as ``cached_tokens``."""
+    names, RequestMetrics.perf_fields, and its quality numbers, RequestMetrics.quality_fields), and the prompt tokens
+    served from the prefix cache as ``cached_tokens``."""
     answer: dict[str, Any] = {"token_ids": list(token_ids), "index": 0}
     if reason is not None:
         answer["finish_reason"] = finish_reason(reason)

@@ -117,7 +117,8 @@ def resource_managers(config: EngineConfig, device: EngineDevice, policy: Policy
                           prefix_cache=config.prefix_cache_across_morph, pressure=device.pressure(config, policy),
                           step_token_budget=config.max_num_batched_tokens,
                           kv_blocks_per_freed_slot=kv_blocks_per_slot(memory.kv) if mixed else 1.0, quality=meter)
-    rung = [build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph, clock)] if mixed else []
+    rung = [build_kv_rung(policy, memory.pool, memory.kv, config.prefix_cache_across_morph, morph,
+                          clock)] if mixed else []
     return [*rung, morph, *([meter] if meter is not None else [])]
 
 

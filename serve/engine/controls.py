@@ -1,4 +1,4 @@
-"""The operator's controls of a running engine, off the data plane (issue 43): one vocabulary for every operator
+"""The operator's controls of a running engine, off the data plane: one vocabulary for every operator
 surface. The Triton model's operator port (serve/triton/operator_port.py, loopback only) and the Dynamo worker's
 system port both serve ``POST /engine/control/<name>`` with these names and JSON bodies; no inference request can
 reach them.
@@ -28,7 +28,7 @@ takes it back and answers once every layer is at full precision again, then admi
 
 - ``model_weights``: every layer the mode may quantize moves down its ladder and the bytes it frees go back to the
   device or host (the yield of docs/memory-yield.md, at its largest); resuming restores full precision;
-- ``kv_cache``: the prefix cache is dropped (upstream discards KV on release too) and the KV chunks morphing
+- ``kv_cache``: the prefix cache is dropped (upstream discards KV on release too) and the KV extents morphing
   added go back with the yield; the base KV pool stays (an engine that may serve again keeps it).
 
 Upstream's other tags (``model``, ``sampler``, ``drafter``, ...) name memory this engine does not hold apart and
@@ -51,7 +51,7 @@ UPSTREAM_TAGS = ("model_weights", "model", "draft_model_weights", "draft_model",
                  "guided_decoder", "spec_resource_manager", "model_extra", "executor_extra")
 """TensorRT-LLM's runtime-memory tags (``ExecutorMemoryType``); this engine releases ``SLEEP_TAGS`` of them."""
 RELEASE_ALL_BYTES = 1 << 62   # a yield request no engine can meet: everything that can go back goes
-SETTLE_S = 1.0                # a yield or reclaim is done when the yielded bytes held still this long
+STILL_S = 1.0                # a yield or reclaim is done when the yielded bytes held still this long
 OPERATION_TIMEOUT_S = 300.0   # in-flight requests to finish, memory to move
 
 
@@ -77,7 +77,8 @@ def yield_request_bytes(body: Any) -> int:
         try:
             return parse_size(body["size"])
         except (ValueError, OverflowError):  # OverflowError: more digits than a float holds
-            raise ControlError(f'memory_yield "size" must be a size such as "512MiB", got {body["size"][:64]!r}') from None
+            raise ControlError('memory_yield "size" must be a size such as "512MiB", got '
+                               f'{body["size"][:64]!r}') from None
     value = body["bytes"]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ControlError(f'memory_yield "bytes" must be an integer >= 0, got {value!r}')
@@ -118,8 +119,8 @@ def _wait(condition: Any, what: str) -> None:
         time.sleep(0.05)
 
 
-def _settled_yield(engine: LLMEngine) -> None:
-    """Wait until the yield stops moving: the yielded bytes held still for SETTLE_S."""
+def _wait_until_yield_still(engine: LLMEngine) -> None:
+    """Wait until the yield stops moving: the yielded bytes held still for STILL_S."""
     last, since = _yielded(engine), time.monotonic()
 
     def still() -> bool:
@@ -127,7 +128,7 @@ def _settled_yield(engine: LLMEngine) -> None:
         now = _yielded(engine)
         if now != last:
             last, since = now, time.monotonic()
-        return time.monotonic() - since >= SETTLE_S
+        return time.monotonic() - since >= STILL_S
     _wait(still, "the memory release")
 
 
@@ -148,7 +149,7 @@ def release_memory(engine: LLMEngine, body: Any) -> dict[str, Any]:
         if "kv_cache" in tags:
             engine.reset_prefix_cache()
         engine.request_memory_yield(RELEASE_ALL_BYTES)
-        _settled_yield(engine)
+        _wait_until_yield_still(engine)
     except BaseException:
         engine.request_memory_yield(None)
         life.parked_tags = frozenset()

@@ -69,7 +69,7 @@ class LLMEngine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)  # for new threads, and for this one should it step us
             # Loading and packing the weights run parallel torch ops: on a thread that ends after, so that the stepping
-            # thread's OpenMP team stays the only one in the process (serve/process/omp_threads.py says why that matters).
+            # thread's OpenMP team stays the only one in the process (why: serve/process/omp_threads.py).
             parts = on_short_lived_thread(lambda: build_parts(config, TorchDevice(config, loaded), self.clock),
                                           name="morphserve-load")
         self.faults = FaultTracker(MAX_STEP_FAILURES)
@@ -88,7 +88,7 @@ class LLMEngine:
         self.last_num_scheduled = self.last_num_context = 0  # the last iteration's batch: sequences, prefill chunks
         self.last_step_error: str | None = None
         self._step_listeners: list[Callable[[], None]] = []
-        self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)  # deadlines
+        self.lifecycle = Lifecycle(config.queue_timeout_s, config.shed_on_arrival, config.request_timeout_s)
         self.start_rate = self.lifecycle.start_rate
 
     def _assemble(self, config: EngineConfig, parts: EngineParts) -> None:
@@ -135,7 +135,7 @@ class LLMEngine:
         (overloaded, draining, unhealthy: serve/engine/lifecycle.py decides); the engine is unaffected.
 
         arrival_time (engine clock): count queueing from the request's arrival (a replay's schedule, a front end's
-        door). slo: its TTFT/TBT targets and tier (unset: slo_ttft_s, slo_tbt_s, default_priority from the config).
+        front end). slo: its TTFT/TBT targets and tier (unset: slo_ttft_s, slo_tbt_s, default_priority from the config).
         timeout_s: its deadline from arrival (default: the config's request_timeout_s)."""
         params = params or SamplingParams()
         arrival = arrival_time if arrival_time is not None else self.clock()
@@ -180,7 +180,7 @@ class LLMEngine:
         with self._admission:
             handed = self._handoff.drain()
         for seq in handed:
-            if seq.request_id in self._requests and not self.grammars.park(seq):  # not aborted meanwhile
+            if seq.request_id in self._requests and not self.grammars.defer(seq):  # not aborted meanwhile
                 self.scheduler.add(seq)
         for seq in self.grammars.ready():
             self.scheduler.add(seq)
@@ -197,8 +197,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self._handoff) + len(self.grammars)
 
     def abort_request(self, request_id: str) -> bool:
-        """Cancel a request (final output: abort, kind cancelled); its KV blocks are freed before this returns.
-        False if it is unknown/finished."""
+        """Cancel a request (final output: abort, kind cancelled), KV blocks freed at once; False if unknown/ended."""
         with self._lock:
             self._admit_handoff()
             seq = self._requests.get(request_id)
@@ -354,10 +353,10 @@ class LLMEngine:
                     return
                 self._admit_handoff()
                 idle = not (self.scheduler.has_work() or self.grammars.has_failures())
-                settled = self.resources.is_settled() and not len(self.grammars)  # grammar waiters' deadlines tick
-            if idle:  # unsettled morph state or requests waiting for a grammar: tick so that calm restores / expiry run
-                woke = self._handoff.work.wait(None if settled else 0.05)
-                if settled or woke:
+                at_rest = self.resources.is_at_rest() and not len(self.grammars)  # grammar waiters' deadlines tick
+            if idle:  # a manager not at rest or requests waiting for a grammar: tick so that calm restores / expiry run
+                woke = self._handoff.work.wait(None if at_rest else 0.05)
+                if at_rest or woke:
                     continue
             try:
                 self.step()
@@ -383,7 +382,8 @@ class LLMEngine:
             self.abort_request(rid)
 
     # ---- convenience -----------------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[dict]:
         """Run prompts to completion in this thread; returns {"text", "token_ids", "finish_reason"} per prompt."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         collect = OutputCollector()

@@ -2,7 +2,7 @@
 
 It owns the model weights' placement and the KV tensors; it makes no decisions.
 
-Every ``HEAP_RELEASE_INTERVAL_S`` it hands the C heap's free pages back to the OS before a batch (issue 36): each
+Every ``HEAP_RELEASE_INTERVAL_S`` it hands the C heap's free pages back to the OS before a batch: each
 step's temporaries (activations, batch tensors) come in a new size whenever the batch does, so glibc's heap
 fragments and its resident size crept up under steady load (+33 MiB over the second half of a 5-minute replay in
 mode off with the C heap's bytes in use flat; about 0 with the release). A release costs ~1-10 ms.
@@ -86,7 +86,8 @@ class TorchExecutor:
         batch = ForwardBatch(input_ids=None, positions=None, slot_mapping=None, num_decodes=len(decodes))  # type: ignore[arg-type]
         if decodes:
             lens = [c.start + 1 for c in decodes]
-            batch.decode_block_tables, batch.decode_ragged = self._block_tables([c.seq.block_ids for c in decodes], lens)
+            batch.decode_block_tables, batch.decode_ragged = self._block_tables([c.seq.block_ids for c in decodes],
+                                                                                lens)
             batch.decode_context_lens = torch.tensor(lens, device=dev)
             for i, c in enumerate(decodes):
                 if c.samples:

@@ -29,7 +29,7 @@ class GrammarWait:
         self._wake = wake
         self._lock = threading.Lock()
         self._pending: dict[Sequence, PendingGuide] = {}  # compiling (claimed by add_request)
-        self._parked: set[Sequence] = set()               # of those, the ones the loop has taken from the handoff
+        self._deferred: set[Sequence] = set()               # of those, the ones the loop has taken from the handoff
         self.changed = threading.Event()                  # a compile finished
 
     def start(self, seq: Sequence) -> bool:
@@ -59,17 +59,17 @@ class GrammarWait:
         self.changed.set()
         self._wake()
 
-    def park(self, seq: Sequence) -> bool:
+    def defer(self, seq: Sequence) -> bool:
         """The loop took ``seq`` from the handoff: True when it waits for its grammar (kept here), False when it
         goes to the scheduler."""
         with self._lock:
             if seq not in self._pending:
                 return False
-            self._parked.add(seq)
+            self._deferred.add(seq)
             return True
 
     def ready(self) -> list[Sequence]:
-        """Parked requests whose grammar compiled, with their grammar state, ready for the scheduler."""
+        """Deferred requests whose grammar compiled, with their grammar state, ready for the scheduler."""
         out = []
         for seq, pending in self._resolved():
             try:
@@ -82,7 +82,7 @@ class GrammarWait:
         return out
 
     def failed(self) -> list[tuple[Sequence, EngineError]]:
-        """Parked requests whose guide was refused, each with the error it ends with."""
+        """Deferred requests whose guide was refused, each with the error it ends with."""
         out: list[tuple[Sequence, EngineError]] = []
         for seq, pending in self._resolved():
             try:
@@ -120,11 +120,11 @@ class GrammarWait:
 
     def _resolved(self) -> list[tuple[Sequence, PendingGuide]]:
         with self._lock:
-            return [(s, p) for s, p in self._pending.items() if s in self._parked and p.done()]
+            return [(s, p) for s, p in self._pending.items() if s in self._deferred and p.done()]
 
     def _forget(self, seq: Sequence) -> PendingGuide | None:
         with self._lock:
-            self._parked.discard(seq)
+            self._deferred.discard(seq)
             return self._pending.pop(seq, None)
 
 

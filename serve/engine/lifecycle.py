@@ -17,7 +17,7 @@ map kinds to their transport's codes:
 
 Deadlines are checked at every iteration boundary (``expired``), so they hold to within one engine step; an ended
 request's KV blocks are freed at once. Times are on the engine's clock; the arrival a front end passes may be
-earlier than the engine's own (the HTTP door's), so queueing before the engine counts too.
+earlier than the engine's own (the HTTP front end's), so queueing before the engine counts too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The engine's memory for every mode and every device: the memory knobs resolved into a budget
-(serve/engine/memory_budget.py), the arena's arithmetic from it (serve/memory/sizing.py), the KV pool (the KV-precision rung's ids above everything), the device's arena, layer bank
-and KV cache, and the base pool mapped. The server's device allocates (serve/engine/torch_device.py); the planner's
-counts bytes (sim/device.py); the arithmetic between is this module's, once.
+(serve/engine/memory_budget.py), the arena's arithmetic from it (serve/memory/sizing.py), the KV pool (the KV-precision
+rung's ids above everything), the device's arena, layer bank and KV cache, and the base pool mapped. The server's device
+allocates (serve/engine/torch_device.py); the planner's counts bytes (sim/device.py); the arithmetic between is this
+module's, once.
 
 Arena layout (slots of one KV block each, in the configured ``kv_cache_dtype``: at full precision, or 8-bit codes
 with their scales, about a quarter of an fp32 block; serve/model/kv_format.py; see serve/memory/arena.py):
@@ -98,8 +99,8 @@ def build_memory(config: EngineConfig, device: MemoryDevice, policy: PolicyConfi
     # On CUDA only a VMM-built arena can give segments back; built when the operator armed yield (memory_floor).
     arena, bank = device.place(arena_plan, morphing, releasable=morphing is not None and budget.releasable)
     rung = kv_rung_layout(config, device, policy)
-    # the rung's chunks take logical ids above everything else: at most the 8-bit blocks of every KV slot (the base
-    # pool's and the layer chunks': the rung converts both); the chunks' blocks lie in disjoint bytes
+    # the rung's extents take logical ids above everything else: at most the 8-bit blocks of every KV slot (the base
+    # pool's and the layer extents': the rung converts both); the extents' blocks lie in disjoint bytes
     rung_ids = 0 if rung is None else -(-arena_plan.max_blocks * slot // rung.block_bytes) + 1
     pool = BlockPool(arena_plan.base_blocks, max_blocks=arena_plan.max_blocks + rung_ids,
                      kv_format=config.kv_cache_dtype)

@@ -78,7 +78,8 @@ class RequestMetrics:
         return {"kv_cache_reused_block": self.kv_reused_blocks, "kv_cache_missed_block": self.kv_missed_blocks,
                 "kv_cache_alloc_new_blocks": self.kv_new_blocks, "kv_cache_alloc_total_blocks": self.kv_total_blocks,
                 "kv_cache_hit_rate": self.kv_hit_rate, "arrival_time_ns": ns(self.arrival_time),
-                "first_scheduled_time_ns": ns(self.first_scheduled_time), "first_token_time_ns": ns(self.first_token_time),
+                "first_scheduled_time_ns": ns(self.first_scheduled_time),
+                "first_token_time_ns": ns(self.first_token_time),
                 "last_token_time_ns": ns(self.last_token_time) if final else 0, "acceptance_rate": self.acceptance_rate,
                 "total_accepted_draft_tokens": self.accepted_draft_tokens, "total_draft_tokens": self.draft_tokens}
 

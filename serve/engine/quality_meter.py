@@ -16,8 +16,8 @@ simply not sampled again; prefix reuse does not matter to it (the reference reco
 speculation on, a verified chunk's first row (its context as it stood, before any draft token) is the one sampled.
 
 It also counts, per request and in total, the tokens served while layers were quantized and while the request read
-8-bit KV blocks (the tokens a step emitted, settled at the next boundary or when the request ends). While nothing
-is quantized it does nothing but look at the layers' precisions and the pool's 8-bit chunks.
+8-bit KV blocks (the tokens a step emitted, counted at the next boundary or when the request ends). While nothing
+is quantized it does nothing but look at the layers' precisions and the pool's 8-bit extents.
 
 On CUDA the bank's full-precision sources are pinned host copies: each sample copies the quantized layers'
 sources to the device (``LayerBank.detached``, the copy a restore makes), which has not run on a GPU yet.
@@ -97,7 +97,7 @@ class QualityMeter(ResourceManagerBase):
         return any(layer.precision != FULL for layer in self.model.layers)
 
     def kv_8bit_in_pool(self) -> bool:
-        return self.kv.is_quantized or self.pool.num_quantized_chunks > 0
+        return self.kv.is_quantized or self.pool.num_quantized_extents > 0
 
     def reads_8bit(self, seq: EngineSequence) -> bool:
         return self.kv.is_quantized or any(self.pool.is_quantized(b) for b in seq.block_ids)
@@ -161,7 +161,8 @@ class QualityMeter(ResourceManagerBase):
             self.tokens_kv_8bit += n
             served.seq.served_kv_8bit_tokens += n
 
-    # ---- one sample ---------------------------------------------------------------------------------------------------
+    # ---- one sample
+    # ---------------------------------------------------------------------------------------------------
     def _sample(self, chunk: ScheduledChunk, served_row: torch.Tensor) -> None:
         t0 = self.clock()
         context = chunk.seq.token_ids[: chunk.start + chunk.num_tokens]

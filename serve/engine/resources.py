@@ -61,8 +61,8 @@ class ResourceManagers:
                 notes.append(note)
         return total, "; ".join(notes) or f"{num_blocks} blocks, no resource manager grows the pool"
 
-    def is_settled(self) -> bool:
-        return all(m.is_settled() for m in self._managers)
+    def is_at_rest(self) -> bool:
+        return all(m.is_at_rest() for m in self._managers)
 
     # ---- the loop's calls: every manager in order (frees in reverse); one manager's failure is recorded and the
     # others still run

@@ -95,7 +95,8 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str):
-                raise TypeError(f"stop must be a string or a sequence of strings, got an element of type {type(s).__name__}")
+                raise TypeError("stop must be a string or a sequence of strings, got an element of type "
+                                f"{type(s).__name__}")
             if s == "":
                 raise ValueError("stop strings must be non-empty")
             if len(s) > MAX_STOP_STRING_CHARS:
@@ -113,7 +114,8 @@ class SamplingParams:
         elif isinstance(self.bad_words, list):
             object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if not (0.0 < self.repetition_penalty < math.inf):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+            raise ValueError("repetition_penalty must be a finite number > 0 (1 = off), got "
+                             f"{self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (-math.inf < value < math.inf):

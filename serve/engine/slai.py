@@ -147,8 +147,8 @@ class SlaiScheduler(Scheduler):
             if budget < 1:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, n, out,
-                                                                       victims=self._prefill_victims(scheduled, after=seq)):
+            victims = self._prefill_victims(scheduled, after=seq)
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, n, out, victims=victims):
                 budget -= self._add(out, scheduled, seq, n)
         if not out.preempted:                                              # rule 4
             budget = self._admit(out, scheduled, budget)

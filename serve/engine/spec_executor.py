@@ -2,7 +2,7 @@
 
 A drafting batch (every chunk a decode; serve/engine/spec_manager.py decides) runs in two phases:
 
-* draft: ``k`` decode forwards with the draft's weights (each layer one rung below the one it serves at, a
+* draft: ``k`` decode forwards with the draft's weights (each layer one ladder step below the one it serves at, a
   quantized LM head; serve/morph/draft.py). Step ``j`` feeds each sequence's newest token (its last one, then its
   own draft tokens) at position ``n - 1 + j`` and writes that position's K/V into the sequence's own blocks: the
   draft reads the target's K/V for every token before ``n - 1`` and its own for the speculative positions.
@@ -42,7 +42,7 @@ class DraftedChunk(ScheduledChunk):
 
     draft: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q per draft token (sampled requests only)
-    rung: str = ""
+    precision: str = ""
     settle: Callable[[int], None] = lambda accepted: None  # accepted draft tokens -> exact KV state
 
     @property
@@ -91,16 +91,17 @@ class SpeculativeExecutor:
         self._observe(plan, t1 - t0, t2 - t1)
         out = []
         for c, d, q in zip(plan.chunks, drafts, probs):
-            settle = (lambda seq, rung, n: lambda a: self.manager.settle(seq, rung, n, a))(c.seq, plan.decision.rung, len(d))
+            settle = (lambda seq, precision,
+                      n: lambda a: self.manager.settle(seq, precision, n, a))(c.seq, plan.decision.precision, len(d))
             out.append(DraftedChunk(c.seq, c.start, c.num_tokens, draft=d, draft_probs=q,
-                                    rung=plan.decision.rung or "", settle=settle))
+                                    precision=plan.decision.precision or "", settle=settle))
         return logits, out
 
     # ---- the two phases --------------------------------------------------------------------------------
     def _draft(self, plan: DraftPlan) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        rung = plan.decision.rung
-        assert rung is not None
-        layers, head = self.manager.drafts.layers(rung), self.manager.drafts.head(rung)
+        precision = plan.decision.precision
+        assert precision is not None
+        layers, head = self.manager.drafts.layers(precision), self.manager.drafts.head(precision)
         drafts: list[list[int]] = [[] for _ in plan.chunks]
         probs: list[list[torch.Tensor]] = [[] for _ in plan.chunks]
         for j in range(max(plan.ks)):
@@ -114,7 +115,8 @@ class SpeculativeExecutor:
                     probs[i].append(q)
         return drafts, probs
 
-    def _draft_token(self, logits: torch.Tensor, chunk: ScheduledChunk, so_far: list[int]) -> tuple[int, torch.Tensor | None]:
+    def _draft_token(self, logits: torch.Tensor, chunk: ScheduledChunk,
+                     so_far: list[int]) -> tuple[int, torch.Tensor | None]:
         """The draft's next token: processed as the target's row will be (penalties, bans, min_tokens on the
         sequence's tokens plus the draft so far), then argmax (greedy) or sampled from q (q returned)."""
         seq, p = chunk.seq, chunk.seq.params
@@ -169,7 +171,7 @@ class SpeculativeExecutor:
             return
         b, k = len(plan.chunks), max(plan.ks)
         served = [layer.precision for layer in self.model.layers]
-        rung = plan.decision.rung
-        assert rung is not None
-        c.observe("draft", k * c.draft_s(served, rung, b, corrected=False), draft_s, b)
+        precision = plan.decision.precision
+        assert precision is not None
+        c.observe("draft", k * c.draft_s(served, precision, b, corrected=False), draft_s, b)
         c.observe("verify", c.verify_s(served, b + sum(plan.ks), corrected=False), verify_s, b)

@@ -125,7 +125,7 @@ class SpeculationManager(ResourceManagerBase):
                                               self.token_budget, self.clock())
         decision = self.controller.decide(t)
         self._remember(decision)
-        if not decision.speculate or decision.rung is None:
+        if not decision.speculate or decision.precision is None:
             return None
         ks, taken = [], 0
         for c, lim in zip(drafting, limits):
@@ -138,9 +138,9 @@ class SpeculationManager(ResourceManagerBase):
         if not any(ks):
             return None
         self.num_steps += 1
-        return DraftPlan(decision, drafting, ks, taken, self.drafts.precisions(decision.rung))
+        return DraftPlan(decision, drafting, ks, taken, self.drafts.precisions(decision.precision))
 
-    def settle(self, seq: Sequence, rung: str, drafted: int, accepted: int) -> None:
+    def settle(self, seq: Sequence, precision: str, drafted: int, accepted: int) -> None:
         """After verification: ``accepted`` of ``drafted`` draft tokens were emitted (plus the target's own). Their
         positions count as computed, the blocks they filled are registered, the rest of the draft's blocks are
         freed. A sequence that finished meanwhile already gave back all of its blocks."""
@@ -148,7 +148,7 @@ class SpeculationManager(ResourceManagerBase):
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.accepted_per_draft = (self.accepted_per_draft + [accepted])[-4096:]
-        self.controller.observe_acceptance(rung, drafted, accepted)
+        self.controller.observe_acceptance(precision, drafted, accepted)
         seq.num_draft_tokens += drafted
         seq.num_accepted_draft_tokens += accepted
         if seq.status is not SequenceStatus.RUNNING:

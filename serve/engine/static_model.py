@@ -1,5 +1,6 @@
 """What an engine does with a static checkpoint: a modelopt unified checkpoint whose quantized layers have no
-full-precision weights beside them (a morph level exported by ``make build-engines``, serve/model/unified_checkpoint.py).
+full-precision weights beside them (a morph level exported by ``make build-engines``,
+serve/model/unified_checkpoint.py).
 
 It serves such a checkpoint as it is, in morph mode ``off``: every morph mode needs each layer's full-precision
 weights (the layer bank's source for every restore, and the source of the variants it swaps in), so a mode that morphs
@@ -25,7 +26,8 @@ def describe(loaded: LoadedModel) -> str:
     layers = loaded.quantized.precisions
     counts = {p: sum(1 for q in layers.values() if q == p) for p in sorted(set(layers.values()))}
     held = ", ".join(f"{n} at {p}" for p, n in counts.items())
-    return f"{loaded.source} is a static checkpoint ({held} of {loaded.config.num_layers} layers, no full-precision copy)"
+    return (f"{loaded.source} is a static checkpoint ({held} of {loaded.config.num_layers} layers, no full-precision "
+            "copy)")
 
 
 def static_config(config: EngineConfig, policy: PolicyConfig, loaded: LoadedModel) -> EngineConfig:

@@ -114,7 +114,8 @@ class TorchDevice:
         norms = sum(layer.input_norm.nbytes + layer.post_attention_norm.nbytes for layer in model.layers)
         variants = None
         if self._host is not None:
-            variants = [{p: arena_nbytes(v) for p, v in per_layer.items() if p != FULL} for per_layer in self._host.values()]
+            variants = [{p: arena_nbytes(v) for p, v in per_layer.items() if p != FULL} for per_layer
+                        in self._host.values()]
         return LayerSizes([arena_nbytes(layer) for layer in model.layers], variants, model.non_layer_nbytes + norms)
 
     def place(self, arena_plan: ArenaPlan, morphing: MorphPlan | None,
@@ -148,7 +149,8 @@ class TorchDevice:
         return None
 
     def pressure(self, config: EngineConfig, policy: PolicyConfig) -> PressureSource | None:
-        return pressure_source(config.memory_pressure_source, self.torch_device) if policy.strategy == "dynamic" else None
+        return pressure_source(config.memory_pressure_source,
+                               self.torch_device) if policy.strategy == "dynamic" else None
 
     def executor(self, config: EngineConfig, memory: EngineMemory, plan: MorphPlan | None, max_model_len: int,
                  clock: Callable[[], float]) -> tuple[Executor, list[ResourceManager]]:

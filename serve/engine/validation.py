@@ -21,7 +21,8 @@ class RequestValidator:
     reach_note: str        # how that bound comes about, for the error message
     morph_mode: str
 
-    def tokenize(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+    def tokenize(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int],
+                                                                                 tuple[tuple[int, ...], ...]]:
         """(prompt token ids, bad words as token sequences); ValueError / TypeError naming what is wrong."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -40,7 +41,8 @@ class RequestValidator:
                              f"(prompt + at least one generated token must fit)")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                             f"length {self.max_model_len}; lower max_tokens to at most {self.max_model_len - len(ids)}")
+                             f"length {self.max_model_len}; lower max_tokens to at most "
+                             f"{self.max_model_len - len(ids)}")
         bad_words = self.bad_words_ids(params)
         blocks = math.ceil((len(ids) + params.max_tokens) / self.block_size)
         if blocks > self.reachable_blocks:

@@ -131,7 +131,8 @@ class SlotAllocator:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         start = self.offset
         if start + nbytes > self.limit:
-            raise MemoryError(f"slot range {self.range} is full: {nbytes} more bytes at offset {start - self.range.start * self.arena.slot_bytes}")
+            raise MemoryError(f"slot range {self.range} is full: {nbytes} more bytes at offset "
+                              f"{start - self.range.start * self.arena.slot_bytes}")
         self.offset = start + align_up(nbytes)
         return self.arena.buf[start: start + nbytes].view(dtype).view(shape)
 

@@ -1,8 +1,8 @@
-"""KV block pool: fixed-size blocks, exact accounting, and capacity that grows and shrinks in chunks.
+"""KV block pool: fixed-size blocks, exact accounting, and capacity that grows and shrinks in extents.
 
-The base chunk holds ids [0, base). A chunk added later (e.g. the bytes freed by quantizing a layer) gets
+The base extent holds ids [0, base). An extent added later (e.g. the bytes freed by quantizing a layer) gets
 the next ids above everything present. Allocation always takes the lowest free ids, so the base pool
-fills before any extra chunk, and extra chunks drain first as load falls. Chunks leave in LIFO order and
+fills before any extra extent, and extra extents drain first as load falls. Extents leave in LIFO order and
 only when all their blocks are free: no migration of in-use blocks (MorphServe section 4).
 
 Prefix caching (vLLM's automatic prefix caching, same semantics): a full block whose KV is known by a content
@@ -21,8 +21,8 @@ evicted as usual. Under ``preserve`` the tag never changes: cached blocks serve 
 KV of running requests already does.
 
 ``events`` (optional, ``CacheEvents``) hears every registration's end (``removed``), every change of the root
-(``root_changed``) and every reset (``cleared``, with the new root); registrations themselves are reported by the KV-cache manager,
-which knows their tokens. Dynamo's KV-aware router is fed from them (serve/dynamo/kv_events.py).
+(``root_changed``) and every reset (``cleared``, with the new root); registrations themselves are reported by the
+KV-cache manager, which knows their tokens. Dynamo's KV-aware router is fed from them (serve/dynamo/kv_events.py).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ class BlockPoolError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Chunk:
+class Extent:
     owner: str
     start: int
     num_blocks: int
-    quantized: bool = False  # 8-bit KV blocks (the KV-precision rung's chunks); full precision otherwise
+    quantized: bool = False  # 8-bit KV blocks (the KV-precision rung's extents); full precision otherwise
 
     @property
     def end(self) -> int:
@@ -69,7 +69,7 @@ class BlockPool:
         self.max_blocks = max_blocks if max_blocks is not None else num_blocks
         if self.max_blocks < num_blocks:
             raise ValueError(f"max_blocks ({self.max_blocks}) < num_blocks ({num_blocks})")
-        self.chunks: list[Chunk] = [Chunk("base", 0, num_blocks)]
+        self.extents: list[Extent] = [Extent("base", 0, num_blocks)]
         self._free: list[int] = list(range(num_blocks))  # a heap; sorted list is a valid heap
         self._free_set: set[int] = set(self._free)
         self._refs: dict[int, int] = {}            # in-use block -> number of sequences holding it
@@ -87,7 +87,7 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        return self.chunks[-1].end - len(self._retired)
+        return self.extents[-1].end - len(self._retired)
 
     @property
     def num_retired(self) -> int:
@@ -95,7 +95,7 @@ class BlockPool:
 
     @property
     def base_blocks(self) -> int:
-        return self.chunks[0].num_blocks
+        return self.extents[0].num_blocks
 
     @property
     def num_free(self) -> int:
@@ -225,24 +225,24 @@ class BlockPool:
 
     # ---- the KV-precision rung: free blocks out of service while their bytes hold 8-bit blocks ---------------
     def free_full_ids(self) -> list[int]:
-        """Every free full-precision block id (never-cached and cached; the base pool's and the layer chunks', not
-        the 8-bit chunks'), ascending."""
-        eight = [(c.start, c.end) for c in self.chunks if c.quantized]
+        """Every free full-precision block id (never-cached and cached; the base pool's and the layer extents', not
+        the 8-bit extents'), ascending."""
+        eight = [(c.start, c.end) for c in self.extents if c.quantized]
         return sorted(i for i in (*self._free_set, *self._cached) if not any(a <= i < b for a, b in eight))
 
     @property
     def num_free_full(self) -> int:
         """How many :meth:`free_full_ids` lists, without listing them (the rung's telemetry, every step): the free
-        blocks less those of the 8-bit chunks (none to count while nothing is converted)."""
+        blocks less those of the 8-bit extents (none to count while nothing is converted)."""
         n = self.num_free
-        for c in self.chunks:
+        for c in self.extents:
             if c.quantized:
                 n -= sum(1 for i in range(c.start, c.end) if i in self._free_set or i in self._cached)
         return n
 
     def retire(self, ids: list[int]) -> None:
         """Take free blocks out of service (cached ones lose their prefix): they count nowhere until
-        :meth:`unretire`. Their bytes are the caller's (8-bit blocks of a quantized chunk)."""
+        :meth:`unretire`. Their bytes are the caller's (8-bit blocks of a quantized extent)."""
         for i in ids:
             if i not in self._free_set and i not in self._cached:
                 raise BlockPoolError(f"block {i} is not free")
@@ -294,70 +294,71 @@ class BlockPool:
         heapq.heapify(self._free)
 
     @property
-    def num_quantized_chunks(self) -> int:
-        """The KV-precision rung's 8-bit chunks in the pool now."""
-        return sum(c.quantized for c in self.chunks)
+    def num_quantized_extents(self) -> int:
+        """The KV-precision rung's 8-bit extents in the pool now."""
+        return sum(c.quantized for c in self.extents)
 
     def is_quantized(self, block: int) -> bool:
-        """Whether ``block`` lies in an 8-bit chunk."""
-        return any(c.quantized and c.start <= block < c.end for c in self.chunks[1:])
+        """Whether ``block`` lies in an 8-bit extent."""
+        return any(c.quantized and c.start <= block < c.end for c in self.extents[1:])
 
     def may_register(self, block: int) -> bool:
         """Whether ``block`` may hold a registered prefix: not an 8-bit one unless they are shared
         (``register_quantized``, False under ``prefix_cache_across_morph = exact``)."""
         return self.register_quantized or not self.is_quantized(block)
 
-    def add_chunk(self, owner: str, n: int, quantized: bool = False) -> Chunk:
+    def add_extent(self, owner: str, n: int, quantized: bool = False) -> Extent:
         if n <= 0:
-            raise ValueError(f"a chunk needs at least one block, got {n}")
-        if any(c.owner == owner for c in self.chunks):
-            raise BlockPoolError(f"chunk owner {owner!r} already present")
-        if self.chunks[-1].end + n > self.max_blocks:
-            raise BlockPoolError(f"chunk of {n} blocks exceeds max_blocks {self.max_blocks} (have ids up to "
-                                 f"{self.chunks[-1].end})")
-        chunk = Chunk(owner, self.chunks[-1].end, n, quantized)
-        self.chunks.append(chunk)
-        for i in range(chunk.start, chunk.end):
+            raise ValueError(f"an extent needs at least one block, got {n}")
+        if any(c.owner == owner for c in self.extents):
+            raise BlockPoolError(f"extent owner {owner!r} already present")
+        if self.extents[-1].end + n > self.max_blocks:
+            raise BlockPoolError(f"extent of {n} blocks exceeds max_blocks {self.max_blocks} (have ids up to "
+                                 f"{self.extents[-1].end})")
+        extent = Extent(owner, self.extents[-1].end, n, quantized)
+        self.extents.append(extent)
+        for i in range(extent.start, extent.end):
             heapq.heappush(self._free, i)
             self._free_set.add(i)
-        return chunk
+        return extent
 
-    def chunk_is_free(self, owner: str) -> bool:
-        chunk = self._chunk(owner)
-        return all(i in self._free_set or i in self._cached for i in range(chunk.start, chunk.end))
+    def extent_is_free(self, owner: str) -> bool:
+        extent = self._extent(owner)
+        return all(i in self._free_set or i in self._cached for i in range(extent.start, extent.end))
 
-    def remove_chunk(self, owner: str) -> Chunk:
-        """Remove the most recently added chunk; it must be `owner`'s and entirely free."""
-        chunk = self._chunk(owner)
-        if chunk is self.chunks[0]:
-            raise BlockPoolError("the base chunk cannot be removed")
-        if chunk is not self.chunks[-1]:
-            raise BlockPoolError(f"chunks leave in LIFO order: {owner!r} is not the newest ({self.chunks[-1].owner!r})")
-        if not self.chunk_is_free(owner):
-            raise BlockPoolError(f"chunk {owner!r} still has blocks in use (or retired)")
-        self.chunks.pop()
-        for i in [i for i in self._cached if i >= chunk.start]:  # cached prefixes in the chunk are evicted
+    def remove_extent(self, owner: str) -> Extent:
+        """Remove the most recently added extent; it must be `owner`'s and entirely free."""
+        extent = self._extent(owner)
+        if extent is self.extents[0]:
+            raise BlockPoolError("the base extent cannot be removed")
+        if extent is not self.extents[-1]:
+            raise BlockPoolError(f"extents leave in LIFO order: {owner!r} is not the newest "
+                                 f"({self.extents[-1].owner!r})")
+        if not self.extent_is_free(owner):
+            raise BlockPoolError(f"extent {owner!r} still has blocks in use (or retired)")
+        self.extents.pop()
+        for i in [i for i in self._cached if i >= extent.start]:  # cached prefixes in the extent are evicted
             del self._cached[i]
             self._unregister(i)
-        self._free_set.difference_update(range(chunk.start, chunk.end))
-        self._free = [i for i in self._free if i < chunk.start]
+        self._free_set.difference_update(range(extent.start, extent.end))
+        self._free = [i for i in self._free if i < extent.start]
         heapq.heapify(self._free)
-        return chunk
+        return extent
 
-    def _chunk(self, owner: str) -> Chunk:
-        for c in self.chunks:
+    def _extent(self, owner: str) -> Extent:
+        for c in self.extents:
             if c.owner == owner:
                 return c
-        raise BlockPoolError(f"no chunk owned by {owner!r}")
+        raise BlockPoolError(f"no extent owned by {owner!r}")
 
     def check_invariants(self) -> None:
         """free + used = total, free ids unique and in range (tests call this after every step)."""
         assert len(self._free) == len(self._free_set), "free heap and set disagree"
-        assert all(0 <= i < self.chunks[-1].end for i in self._free_set), "free id out of range"
+        assert all(0 <= i < self.extents[-1].end for i in self._free_set), "free id out of range"
         assert not self._free_set & self._cached.keys() and not self._free_set & self._refs.keys(), "a block is twice"
         assert not self._cached.keys() & self._refs.keys(), "a cached block is also in use"
         assert all(i in self._hash_of for i in self._cached), "a cached block has no hash"
         assert not self._retired & (self._free_set | self._cached.keys() | self._refs.keys()), "a retired block is live"
-        assert all(0 <= i < self.chunks[-1].end for i in self._retired), "retired id out of range"
+        assert all(0 <= i < self.extents[-1].end for i in self._retired), "retired id out of range"
         assert len(self._free_set) + len(self._cached) + len(self._refs) == self.num_blocks, "blocks lost or invented"
         assert all(self._block_of[h] == i for i, h in self._hash_of.items()), "hash index disagrees"

@@ -116,7 +116,7 @@ class MemoryLedger:
     """Exact accounting of the budget, in arena slots. Every mutation goes through the morph runtime.
 
     The arena is partitioned at every moment: each layer's weights occupy ``layer_slots[i]`` slots of its
-    region, the staging range ``staging_slots``, and KV blocks ``kv_blocks`` slots (base pool + the chunks
+    region, the staging range ``staging_slots``, and KV blocks ``kv_blocks`` slots (base pool + the extents
     quantized layers gave up); what lies outside the arena (embeddings, norms, lm_head, RoPE tables) is
     ``non_arena_bytes``.
     """

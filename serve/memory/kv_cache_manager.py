@@ -83,7 +83,7 @@ class KVCacheManager:
         full = (req.num_tokens - 1) // self.block_size
         found = self.pool.lookup(extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, full,
                                                      root)[:full])
-        if found or self.pool.register_quantized or not self.pool.num_quantized_chunks:
+        if found or self.pool.register_quantized or not self.pool.num_quantized_extents:
             return found
         # under exact, the chains the KV-precision rung's 8-bit blocks started (cache_full_blocks): found there,
         # the request continues that chain

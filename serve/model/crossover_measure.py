@@ -8,7 +8,8 @@ layout: our blocked kernel vs oneDNN on the same bytes), and the LM head (its in
 the engine runs it). The two are interleaved and the fastest of ``repeats`` kept for each (as the step costs). The
 crossover is the row limit whose choice comes closest to the faster kernel at every measured row count
 (:func:`best_split`; 0: never ours). On a busy machine the timings are noisy: measure on a quiet one
-(``python -m builder.step_costs --force``). A choice the model cannot make (no int8 head, no blocked layout, no kernels) keeps its default.
+(``python -m builder.step_costs --force``). A choice the model cannot make (no int8 head, no blocked layout, no kernels)
+keeps its default.
 
 Files: ``kernel_crossovers.json`` beside the engine directory's manifest and in the per-user cache
 (``$MORPHSERVE_CACHE_DIR`` or ``~/.cache/morphserve``), keyed like the step costs (serve/model/step_costs.py
@@ -187,7 +188,8 @@ def find_entry(model: LlamaModel, engine_dir: Path | None) -> tuple[dict[str, An
         if entry is None:
             continue
         try:
-            found = KernelCrossovers.from_values(entry["values"], f"{entry.get('source', 'measured')}; read from {path}")
+            found = KernelCrossovers.from_values(entry["values"],
+                                                 f"{entry.get('source', 'measured')}; read from {path}")
         except (KeyError, TypeError, ValueError):
             continue
         return entry, found, path

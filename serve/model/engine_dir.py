@@ -115,7 +115,8 @@ def write_model_files(root: Path, model: LoadedModel) -> dict[str, dict[str, Any
     return {name: file_record(root, name) for name in (CONFIG, TOKENIZER, TOKENIZER_CONFIG, FULL_WEIGHTS)}
 
 
-def write_layer_variant(root: Path, layer: int, precision: str, linears: Mapping[str, QuantizedLinear]) -> dict[str, Any]:
+def write_layer_variant(root: Path, layer: int, precision: str,
+                        linears: Mapping[str, QuantizedLinear]) -> dict[str, Any]:
     """One layer's seven runtime linears at ``precision``; returns its manifest record."""
     from safetensors.torch import save_file
 

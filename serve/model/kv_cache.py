@@ -7,7 +7,7 @@ blocks form a grid of their own (:class:`BlockStore`): physical block p of a for
 arena's slot is then exactly one block) or both over the same bytes (the KV precision rung: free full-precision
 slots turned into 8-bit blocks, serve/engine/kv_rung.py), and ``block_format`` says which each logical block is.
 
-The block pool hands out *logical* block ids (contiguous, chunked, LIFO; see serve/memory/block_pool.py);
+The block pool hands out *logical* block ids (contiguous, in extents, LIFO; see serve/memory/block_pool.py);
 ``block_map`` says which physical block (in its format's grid) each one occupies. A token's slot index in the
 scheduler's terms is ``logical_block * block_size + offset``; :meth:`locate` turns a tensor of those (where new
 tokens are written) into (physical block, offset, format) once per forward, and every layer reuses it. Reads take
@@ -57,8 +57,8 @@ class KVBlocks(Protocol):
 
     def physical_slot(self, logical_block: int) -> int: ...
 
-    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
-        """Re-write the full-precision blocks in slots ``sources`` as 8-bit blocks ``cells`` (the KV rung)."""
+    def quantize_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Re-write the full-precision blocks in slots ``sources`` as 8-bit blocks ``targets`` (the KV rung)."""
         ...
 
 
@@ -250,7 +250,7 @@ class PagedKVCache:
 
     def map_blocks(self, logical_start: int, physical_slots: list[int], block_format: int | None = None) -> None:
         """Logical blocks ``logical_start ...`` now live in ``physical_slots`` of ``block_format``'s grid (the
-        cache's own format by default; a new pool chunk)."""
+        cache's own format by default; a new pool extent)."""
         fmt = (FULL_BLOCK if self.full is not None else Q8_BLOCK) if block_format is None else block_format
         store = self.full if fmt == FULL_BLOCK else self.q8
         if store is None:
@@ -315,13 +315,13 @@ class PagedKVCache:
                               where.is8 if mixed else self._all_8bit, off, self.v_rows)
         return True
 
-    def quantize_blocks(self, sources: list[int], cells: list[int]) -> None:
-        """Full-precision blocks ``sources`` (physical slots) re-written as the 8-bit blocks ``cells`` (physical, the
+    def quantize_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Full-precision blocks ``sources`` (physical slots) re-written as the 8-bit blocks ``targets`` (physical, the
         8-bit grid): every row quantized as the 8-bit writer does (``kv_format.quantize``: one scale per token and
-        kv head), codes and scales stored at the cells' entries. Every source is read and quantized before any cell
-        is written, so cells may lie in the sources' own bytes (the rung converts blocks in place)."""
-        if len(sources) != len(cells):
-            raise ValueError(f"{len(sources)} source blocks for {len(cells)} 8-bit blocks")
+        kv head), codes and scales stored at the targets' entries. Every source is read and quantized before any target
+        is written, so targets may lie in the sources' own bytes (the rung converts blocks in place)."""
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources)} source blocks for {len(targets)} 8-bit blocks")
         if not sources:
             return
         if not self.mixes_formats:
@@ -331,7 +331,7 @@ class PagedKVCache:
         src = torch.tensor(sources, dtype=torch.long, device=full.blocks.device)
         rows = full.blocks.view(full.num_blocks, n_entries, -1, kvh, hd).index_select(0, src)
         codes, scales = quantize(rows.reshape(-1, kvh, hd), lay.kv_cache_dtype)  # copies: sources may be overwritten
-        dst = torch.tensor(cells, dtype=torch.long, device=src.device)
+        dst = torch.tensor(targets, dtype=torch.long, device=src.device)
         entries = (dst * q8.entries_per_block).unsqueeze(1) + torch.arange(n_entries, device=src.device)
         q8.blocks.index_copy_(0, entries.reshape(-1), codes.view(-1, lay.block_size, kvh, hd))
         s_entries = (dst * lay.scale_entries_per_block + lay.scale_entry_offset).unsqueeze(1) + \

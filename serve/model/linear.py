@@ -195,7 +195,8 @@ class DenseLinear:
         return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
     @classmethod
-    def fused(cls, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None) -> "DenseLinear":
+    def fused(cls, weights: Sequence[torch.Tensor],
+              biases: Sequence[torch.Tensor | None] | None = None) -> "DenseLinear":
         """One matmul for projections that share an input (q/k/v, gate/up): fewer, larger GEMMs."""
         bias = None
         if biases is not None and any(b is not None for b in biases):

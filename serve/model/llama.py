@@ -148,7 +148,8 @@ class _BatchKV:
                         *rope.tables(batch.positions))
 
 
-def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
+def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.device,
+                        dtype: torch.dtype) -> DecoderLayer:
     p = f"model.layers.{i}."
     w = lambda name: weights[p + name].to(device=device, dtype=dtype)  # noqa: E731
     b = lambda name: weights[p + name].to(device=device, dtype=dtype) if p + name in weights else None  # noqa: E731
@@ -156,8 +157,10 @@ def build_decoder_layer(weights: dict[str, torch.Tensor], i: int, device: torch.
     return DecoderLayer(
         input_norm=w("input_layernorm.weight"),
         post_attention_norm=w("post_attention_layernorm.weight"),
-        qkv=DenseLinear.fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")],
-                              [b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")]).blocked(),
+        qkv=DenseLinear.fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                               w("self_attn.v_proj.weight")],
+                              [b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"),
+                               b("self_attn.v_proj.bias")]).blocked(),
         o=DenseLinear(w("self_attn.o_proj.weight")).blocked(),
         gate_up=DenseLinear.fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).blocked(),
         down=DenseLinear(w("mlp.down_proj.weight")).blocked(),
@@ -225,7 +228,7 @@ class LlamaModel:
                 head: LinearOp | None = None) -> torch.Tensor:
         """Logits [S, vocab] (fp32) for batch.sample_indices (all tokens if None). ``layers`` / ``head``: run
         these decoder layers and LM head instead of the model's own (a speculative draft: the same weights at a
-        lower rung, writing its K/V into the same cache)."""
+        lower precision, writing its K/V into the same cache)."""
         layers = self.layers if layers is None else layers
         h = self.embedding.weight_rows(batch.input_ids)
         where = _BatchKV.locate(batch, kv, self.rope, self.paged_attention is not None, self.prompt_attention is None)
@@ -249,7 +252,8 @@ class LlamaModel:
         return self.head(h).float()
 
     def _layer(self, i: int, layer: DecoderLayer, h: torch.Tensor, delta: torch.Tensor | None, batch: ForwardBatch,
-               kv: PagedKVCache, where: _BatchKV, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv: PagedKVCache, where: _BatchKV,
+               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after this layer's attention, and its MLP output (added by the next norm); with
         ``keep``, both only for those rows (every row's K/V is still written)."""
         cfg = self.config

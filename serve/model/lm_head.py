@@ -18,7 +18,7 @@ import torch
 
 BLOCK = 32
 
-_CHUNK_ROWS = 4096  # rows converted at a time: bounded temporaries for a 49152-row head
+_TILE_ROWS = 4096  # rows converted at a time: bounded temporaries for a 49152-row head
 
 
 def int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -30,8 +30,8 @@ def int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int8)
     d = torch.empty(n, k // BLOCK, dtype=torch.float32)
-    for start in range(0, n, _CHUNK_ROWS):
-        w = weight[start:start + _CHUNK_ROWS].reshape(-1, k // BLOCK, BLOCK)
+    for start in range(0, n, _TILE_ROWS):
+        w = weight[start:start + _TILE_ROWS].reshape(-1, k // BLOCK, BLOCK)
         # the largest |q| of a Q8_0 block is 127, so amax / 127 is its scale exactly (amax = 127 * d is exact
         # in fp32: an fp16 scale has 11 significant bits); all-zero blocks get d = 0, q = 0
         scale = w.abs().amax(-1) / 127.0
@@ -41,6 +41,6 @@ def int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
             return None
         if not torch.equal(values * scale.unsqueeze(-1), w):
             return None
-        q[start:start + _CHUNK_ROWS] = values.reshape(-1, k).to(torch.int8)
-        d[start:start + _CHUNK_ROWS] = scale
+        q[start:start + _TILE_ROWS] = values.reshape(-1, k).to(torch.int8)
+        d[start:start + _TILE_ROWS] = scale
     return q, d

@@ -178,8 +178,10 @@ def load_hf_directory(path: Path) -> LoadedModel:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path}/config.json is unreadable: {exc}") from exc
     arch = (cfg.get("architectures") or ["?"])[0]
-    if cfg.get("model_type") not in ("llama", "mistral", "qwen2") and not arch.startswith(("Llama", "Mistral", "Qwen2")):
-        raise ModelLoadError(f"{path}: model_type {cfg.get('model_type')!r} / {arch!r} is not a supported Llama-family model")
+    if cfg.get("model_type") not in ("llama", "mistral",
+                                     "qwen2") and not arch.startswith(("Llama", "Mistral", "Qwen2")):
+        raise ModelLoadError(f"{path}: model_type {cfg.get('model_type')!r} / {arch!r} is not a supported Llama-family "
+                             "model")
     gen_cfg_path = path / "generation_config.json"
     if gen_cfg_path.is_file():
         gen_eos = json.loads(gen_cfg_path.read_text()).get("eos_token_id")

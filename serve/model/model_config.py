@@ -61,7 +61,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default") else None,
+            rope_scaling=rope_scaling if rope_scaling
+            and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default") else None,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -90,7 +91,8 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (self.eos_token_ids[0] if self.eos_token_ids else None),
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+            else (self.eos_token_ids[0] if self.eos_token_ids else None),
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)

@@ -136,7 +136,8 @@ class IncrementalDetokenizer:
     def delta(self, final: bool) -> str:
         if final and self.stopped_by is None:
             self.text = self.tokenizer.decode(self.token_ids)
-        end = len(self.text) if (final or self.stopped_by is not None) else max(self.emitted, len(self.text) - self.hold)
+        end = len(self.text) if (final or self.stopped_by is not None) else max(self.emitted, len(self.text)
+                                                                                - self.hold)
         out = self.text[self.emitted:end]
         self.emitted = end
         return out

@@ -167,7 +167,8 @@ def read_quantized(cfg: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     for layer in quant.layers:
         algos = {quant.modules.get(projection_key(layer, p)) for p in PROJECTIONS}
         if len(algos) != 1:
-            named = ", ".join(f"{p} {quant.modules.get(projection_key(layer, p)) or 'unquantized'}" for p in PROJECTIONS)
+            named = ", ".join(f"{p} {quant.modules.get(projection_key(layer, p)) or 'unquantized'}" for p
+                              in PROJECTIONS)
             raise UnifiedCheckpointError(f"layer {layer} mixes formats ({named}): this engine holds one precision "
                                          "per decoder layer")
     return quant, rest

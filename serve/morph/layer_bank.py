@@ -209,7 +209,8 @@ class LayerBank(BankSlots):
 
     def resident_ranges(self, i: int) -> list[tuple[int, int]]:
         """(first byte, end) of each weight tensor of the installed layer i (tests check addresses)."""
-        return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in weight_tensors(self.model.layers[i])]
+        return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t
+                in weight_tensors(self.model.layers[i])]
 
     def shutdown(self) -> None:
         self._workers.shutdown(wait=True)

@@ -1,16 +1,15 @@
 """Executes the MorphServe controller's decisions: layer swaps and KV pool resizing, with exact accounting.
 
-At every iteration boundary: finish swaps whose copies are ready (install the layer, resize the pool),
-build a Telemetry snapshot, ask the controller, start the copies it asks for. Quantizing layer p puts the
-variant at the tail of p's arena region and adds the slots in front of it (where the milder variant's bytes
-were) to the KV pool as a chunk owned by that transition; undoing a transition first removes its chunk
-(only when entirely free, LIFO), parks the variant in staging and copies the milder variant back into the
-region. One copy is in flight at a time. In-flight requests keep their KV cache: weight-only quantization
-does not change the KV layout.
+At every iteration boundary: finish swaps whose copies are ready (install the layer, resize the pool), build a Telemetry
+snapshot, ask the controller, start the copies it asks for. Quantizing layer p puts the variant at the tail of p's arena
+region and adds the slots in front of it (where the milder variant's bytes were) to the KV pool as an extent owned by
+that transition; undoing a transition first removes its extent (only when entirely free, LIFO), keeps the variant in
+staging and copies the milder variant back into the region. One copy is in flight at a time. In-flight requests keep
+their KV cache: weight-only quantization does not change the KV layout.
 
-Yield (policy/memory_yield.py) runs the same copies, but a yielded transition's freed slots go back to the
-system (``Arena.release``) instead of into the pool, or the newest transition's free KV chunk leaves the
-pool and is released as it stands; reclaim recommits the slots and undoes the transition as a restore does.
+Yield (policy/memory_yield.py) runs the same copies, but a yielded transition's freed slots go back to the system
+(``Arena.release``) instead of into the pool, or the newest transition's free KV extent leaves the pool and is released
+as it stands; reclaim recommits the slots and undoes the transition as a restore does.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ class MorphRuntime(ResourceManagerBase):
                  kv_blocks_per_freed_slot: float = 1.0, quality: QualitySource | None = None) -> None:
         """``step_token_budget``: the scheduler's token budget per batch (the cost rule reads it);
         ``kv_blocks_per_freed_slot``: the KV blocks each freed slot becomes under pressure (more than 1 when the
-        KV-precision rung writes a layer chunk's free slots as 8-bit blocks: serve/engine/kv_rung.py); ``quality``:
+        KV-precision rung writes a layer extent's free slots as 8-bit blocks: serve/engine/kv_rung.py); ``quality``:
         the quality meter's reading, in the telemetry for the quality floor (None: no meter)."""
         self.config, self.quality = config, quality
         self.prefix_cache = prefix_cache  # EngineConfig.prefix_cache_across_morph
@@ -52,12 +51,8 @@ class MorphRuntime(ResourceManagerBase):
         self.last_step_tokens = 0  # tokens in the last batch (after_schedule); the cost rule reads it
         self.step_token_budget = step_token_budget
         self.kv_blocks_per_freed_slot = kv_blocks_per_freed_slot
-        self.bank = bank
-        self.pool = pool
-        self.ledger = ledger
-        self.kv = kv
-        self.block_size = block_size
-        self.clock = clock
+        self.bank, self.pool, self.ledger, self.kv = bank, pool, ledger, kv
+        self.block_size, self.clock = block_size, clock
         self.stack: list[Transition] = []
         self.pending: list[PendingSwap] = []
         # Transitions accepted but not started: one copy is in flight at a time (one staging range), so a
@@ -76,7 +71,7 @@ class MorphRuntime(ResourceManagerBase):
             raise ValueError(f"morph mode {config.mode!r} needs precisions {missing} that the engine lacks "
                              f"(have {sorted(bank.precisions)}); rebuild the engine with them")
         region = bank.regions[0].num_slots
-        self.blocks_per_layer_chunk = {p: region - bank.slots(0, p) for p in bank.precisions}
+        self.blocks_per_layer_extent = {p: region - bank.slots(0, p) for p in bank.precisions}
         self._configuration_changed()  # the cache's tag names the starting configuration (all full precision)
 
     def quantized_layers(self) -> tuple[tuple[int, str], ...]:
@@ -86,7 +81,8 @@ class MorphRuntime(ResourceManagerBase):
             latest[tr.layer] = (i, tr.to_precision)
         # restores and reclaims left the stack when they started
         accepted = [(p.kind, p.layer, p.target) for p in self.pending if p.kind in ("quantize", "yield")]
-        for j, (kind, layer, target) in enumerate(accepted + [(k, layer, target) for k, layer, target, _ in self.queued]):
+        queued = [(k, layer, target) for k, layer, target, _ in self.queued]
+        for j, (kind, layer, target) in enumerate(accepted + queued):
             if kind in ("quantize", "yield"):
                 latest[layer] = (len(self.stack) + j, target)
             elif target == FULL:
@@ -98,25 +94,26 @@ class MorphRuntime(ResourceManagerBase):
     def telemetry(self, now: float, scheduler: SchedulerView) -> Telemetry:
         oldest = scheduler.oldest_waiting_arrival()
         top = self.stack[-1] if self.stack else None
-        top_free = top is not None and (not top.owner or self._chunk_removable(top.owner))
+        top_free = top is not None and (not top.owner or self._extent_removable(top.owner))
         mem = query_device_memory(self.bank.device)
         critical_unscheduled, ttft_slack = scheduler.slo_signals(now)
         self.last_free = free = self.pressure.free(now) if self.pressure is not None else None
+        idle = not self.pending and not self.queued
         return Telemetry(
             now_s=now, kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-            num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(), num_waiting=scheduler.num_waiting(),
-            oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
+            num_layers=len(self.bank.model.layers), num_running=scheduler.num_running(),
+            num_waiting=scheduler.num_waiting(), oldest_wait_s=(now - oldest) if oldest is not None else 0.0,
             blocks_needed_waiting=scheduler.blocks_needed_by_waiting(),
             critical_decodes_unscheduled=critical_unscheduled, min_ttft_slack_s=ttft_slack,
             step_tokens=self.last_step_tokens, step_token_budget=self.step_token_budget, block_tokens=self.block_size,
             ttft_p95_s=self._ttfts.percentile(now, 95), tbt_p99_s=self._gaps.percentile(now, 99),
-            device_mem_used_bytes=mem.used_bytes if mem else None, device_mem_total_bytes=mem.total_bytes if mem else None,
-            quantized_layers=self.quantized_layers(), pending_restore_chunk_free=top_free and not self.pending and not self.queued,
-            blocks_per_layer_chunk=self.blocks_per_layer_chunk, kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot,
-            memory_free_bytes=free.free_bytes if free else None, memory_source=free.source if free else "",
-            yield_request_bytes=self.yield_request, yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
-            top_is_yielded=top is not None and top.yielded and not self.pending and not self.queued,
-            yielded_layers=self._yielded_layers(), running_tiers=scheduler.running_tiers(),
+            device_mem_used_bytes=mem.used_bytes if mem else None, running_tiers=scheduler.running_tiers(),
+            device_mem_total_bytes=mem.total_bytes if mem else None, quantized_layers=self.quantized_layers(),
+            pending_restore_extent_free=top_free and idle, blocks_per_layer_extent=self.blocks_per_layer_extent,
+            kv_blocks_per_freed_slot=self.kv_blocks_per_freed_slot, memory_free_bytes=free.free_bytes if free else None,
+            memory_source=free.source if free else "", yield_request_bytes=self.yield_request,
+            yielded_bytes=self.ledger.yielded_slots * self.ledger.slot_bytes,
+            top_is_yielded=top is not None and top.yielded and idle, yielded_layers=self._yielded_layers(),
             block_bytes=self.ledger.slot_bytes, quality=self.quality.reading() if self.quality is not None else None)
 
     # ---- the iteration boundary: the engine loop's resource-manager seam (serve/resource_seam.py) ------------
@@ -141,7 +138,7 @@ class MorphRuntime(ResourceManagerBase):
 
     def start(self, decision: MorphDecision) -> None:
         if decision.action == "yield" and decision.precision is None:
-            self._yield_chunk(decision.layers[0], decision.reason)
+            self._yield_extent(decision.layers[0], decision.reason)
             return
         if decision.action == "reclaim" and self.stack and self.stack[-1].layer != decision.layers[0]:
             self._reclaim_as_kv(decision.layers[0], decision.reason)
@@ -169,8 +166,8 @@ class MorphRuntime(ResourceManagerBase):
 
     def _reclaim_as_kv(self, layer: int, reason: str) -> None:
         """Take back the bytes of layer's yielded transition that newer (KV) transitions cover: recommit its
-        slots and give them to the pool as its KV chunk; the transition moves to the top of the stack (its
-        chunk is now the pool's newest), so the restore rule later undoes it in LIFO order as any other."""
+        slots and give them to the pool as its KV extent; the transition moves to the top of the stack (its
+        extent is now the pool's newest), so the restore rule later undoes it in LIFO order as any other."""
         tr = next((t for t in reversed(self.stack) if t.layer == layer), None)
         if tr is None or not tr.yielded:
             self._event("reclaim_skipped", layer=layer, reason="the layer's newest transition gave nothing back")
@@ -180,8 +177,8 @@ class MorphRuntime(ResourceManagerBase):
         self._memory_moved()
         tr.owner, tr.yielded = (f"layer{layer}:{tr.from_precision}->{tr.to_precision}" if tr.blocks else ""), False
         if tr.blocks:
-            chunk = self.pool.add_chunk(tr.owner, tr.blocks)
-            self.kv.map_blocks(chunk.start, list(range(tr.slots.start, tr.slots.end)))
+            extent = self.pool.add_extent(tr.owner, tr.blocks)
+            self.kv.map_blocks(extent.start, list(range(tr.slots.start, tr.slots.end)))
             self.ledger.kv_blocks += tr.blocks
         self.stack.remove(tr)
         self.stack.append(tr)
@@ -190,15 +187,15 @@ class MorphRuntime(ResourceManagerBase):
         self._event("reclaim_memory", layer=layer, as_kv=True, bytes_reclaimed=tr.blocks * self.ledger.slot_bytes,
                     bytes_recommitted=recommitted, kv_blocks_total=self.pool.num_blocks, reason=reason)
 
-    def _yield_chunk(self, layer: int, reason: str) -> None:
-        """Give the newest transition's KV chunk back to the system as it stands (every block of it is free:
+    def _yield_extent(self, layer: int, reason: str) -> None:
+        """Give the newest transition's KV extent back to the system as it stands (every block of it is free:
         the controller checked, and nothing ran since)."""
         top = self.stack[-1] if self.stack else None
-        if top is None or top.layer != layer or top.yielded or not top.owner or not self._chunk_removable(top.owner):
-            self._event("yield_skipped", layer=layer, reason="the newest transition has no free KV chunk")
+        if top is None or top.layer != layer or top.yielded or not top.owner or not self._extent_removable(top.owner):
+            self._event("yield_skipped", layer=layer, reason="the newest transition has no free KV extent")
             return
-        chunk = self.pool.remove_chunk(top.owner)
-        self.kv.unmap_blocks(chunk.start, chunk.num_blocks)
+        extent = self.pool.remove_extent(top.owner)
+        self.kv.unmap_blocks(extent.start, extent.num_blocks)
         self.ledger.kv_blocks -= top.blocks
         released = self.bank.arena.release(top.slots)
         self.ledger.yielded_slots += top.blocks
@@ -214,22 +211,23 @@ class MorphRuntime(ResourceManagerBase):
         """Copy the variant from the host bank into staging (asynchronously); installed at a later boundary."""
         before = self.bank.precision_of(layer)
         if self.bank.slots(layer, target) > self.bank.slots(layer, before):
-            self._event("swap_skipped", layer=layer, to_precision=target, reason=f"{target} is not smaller than {before}")
+            self._event("swap_skipped", layer=layer, to_precision=target,
+                        reason=f"{target} is not smaller than {before}")
             return False
         job = self.bank.copy_async(self.bank.host[layer][target], self.bank.staging)
         self.pending.append(PendingSwap(kind, layer, target, job, reason, self.clock()))
         return True
 
     def _start_restore(self, layer: int, target: str, reason: str, kind: str = "restore") -> bool:
-        """Undo the newest transition: its KV chunk leaves the pool, the current variant moves to staging, and
+        """Undo the newest transition: its KV extent leaves the pool, the current variant moves to staging, and
         the milder variant is copied from the host bank back into the region (asynchronously)."""
         top = self.stack[-1] if self.stack else None
         if top is None or top.layer != layer or top.from_precision != target:
             self._event("restore_skipped", layer=layer, to_precision=target, reason="not the newest transition")
             return False
-        if top.owner and not self._chunk_removable(top.owner):
+        if top.owner and not self._extent_removable(top.owner):
             self._event("restore_skipped", layer=layer, to_precision=target,
-                        reason="its KV chunk is in use (or a newer chunk, the KV rung's, lies above it)")
+                        reason="its KV extent is in use (or a newer extent, the KV rung's, lies above it)")
             return False
         if top.yielded:  # the bytes come back before anything is copied over them
             recommitted = self.bank.arena.recommit(top.slots)
@@ -238,8 +236,8 @@ class MorphRuntime(ResourceManagerBase):
             self._event("reclaim_memory", layer=layer, bytes_reclaimed=top.blocks * self.ledger.slot_bytes,
                         bytes_recommitted=recommitted)
         if top.owner:
-            chunk = self.pool.remove_chunk(top.owner)
-            self.kv.unmap_blocks(chunk.start, chunk.num_blocks)
+            extent = self.pool.remove_extent(top.owner)
+            self.kv.unmap_blocks(extent.start, extent.num_blocks)
             self.ledger.kv_blocks -= top.blocks
             self._event("kv_shrink", layer=layer, blocks_removed=top.blocks, kv_blocks_total=self.pool.num_blocks)
         self.stack.pop()
@@ -247,7 +245,8 @@ class MorphRuntime(ResourceManagerBase):
         self.bank.install(layer, staged)  # serves from staging while the region is rewritten
         self.ledger.layer_slots[layer] = self.bank.slots(layer, target)
         job = self.bank.copy_async(self.bank.host[layer][target], self.bank.tail(layer, target))
-        self.pending.append(PendingSwap("reclaim" if top.yielded else "restore", layer, target, job, reason, self.clock()))
+        self.pending.append(PendingSwap("reclaim" if top.yielded else "restore", layer, target, job, reason,
+                                        self.clock()))
         return True
 
     def complete_ready(self, wait: bool) -> None:
@@ -280,7 +279,7 @@ class MorphRuntime(ResourceManagerBase):
     def _recover_failed_copy(self, p: PendingSwap, exc: Exception) -> object | None:
         """A copy that failed mid-way. A quantize is dropped: nothing was installed and the pool is unchanged,
         so the layer stays at its precision (only staging holds partial bytes). A restore cannot be dropped:
-        its KV chunk is gone and the layer serves from staging, which the next quantize overwrites; it is
+        its KV extent is gone and the layer serves from staging, which the next quantize overwrites; it is
         copied again synchronously, and if that fails too the error propagates (an engine fault)."""
         self.stats.failed_copies += 1
         self._event("swap_failed", level="warning", layer=p.layer, kind=p.kind, to_precision=p.target,
@@ -294,7 +293,7 @@ class MorphRuntime(ResourceManagerBase):
 
     def _finish_quantize(self, p: PendingSwap, before: str, staged, elapsed_ms: float) -> None:
         """Move the staged variant to the region's tail, install it, and give the slots in front of it (where
-        the milder variant's bytes were) to the KV pool as this transition's chunk."""
+        the milder variant's bytes were) to the KV pool as this transition's extent."""
         old = self.bank.tail(p.layer, before)
         new = self.bank.tail(p.layer, p.target)
         self.bank.install(p.layer, self.bank.copy_now(staged, new))
@@ -310,8 +309,8 @@ class MorphRuntime(ResourceManagerBase):
             self._memory_moved()
             self.stats.yields += 1
         elif freed.num_slots:
-            chunk = self.pool.add_chunk(owner, freed.num_slots)
-            self.kv.map_blocks(chunk.start, list(range(freed.start, freed.end)))
+            extent = self.pool.add_extent(owner, freed.num_slots)
+            self.kv.map_blocks(extent.start, list(range(freed.start, freed.end)))
             self.ledger.kv_blocks += freed.num_slots
         self.stack.append(Transition(p.layer, before, p.target, owner, freed.num_slots, freed, yielded))
         if yielded:
@@ -334,7 +333,7 @@ class MorphRuntime(ResourceManagerBase):
             return 0
         free_before = self.pool.num_free
         wanted = free_before + blocks
-        self.queued = collections.deque(q for q in self.queued if q[0] in ("quantize", "yield"))  # no restore under pressure
+        self.queued = collections.deque(q for q in self.queued if q[0] in ("quantize", "yield"))  # no restore now
         self.complete_ready(wait=True)
         while (left := wanted - self.pool.num_free) > 0:
             decision = self.controller.cover_deficit(self.telemetry(self.clock(), scheduler), left)
@@ -353,10 +352,10 @@ class MorphRuntime(ResourceManagerBase):
             self.complete_ready(wait=True)
 
     def next_swap_blocks(self, precision: str) -> int:
-        """The KV blocks the next layer quantized to ``precision`` would add: its chunk, or 0 once the mode may
+        """The KV blocks the next layer quantized to ``precision`` would add: its extent, or 0 once the mode may
         quantize no more layers (what the KV-precision rung weighs its own price against)."""
         left = self.num_quantized < self.controller.max_quantized_layers
-        return self.blocks_per_layer_chunk[precision] if left else 0
+        return self.blocks_per_layer_extent[precision] if left else 0
 
     @property
     def num_quantized(self) -> int:
@@ -394,14 +393,14 @@ class MorphRuntime(ResourceManagerBase):
 
     def extra_reachable_blocks(self, base_blocks: int, num_blocks: int) -> tuple[int, str]:
         """The KV blocks this mode can still add: a dynamic mode quantizing every layer it may to its deepest
-        rung; a static mode has added them all already."""
+        ladder step; a static mode has added them all already."""
         if self.config.strategy != "dynamic":
             return 0, f"layers fixed in mode {self.config.mode}"
         deepest = self.config.ladder[-1]
         layers = self.controller.max_quantized_layers
-        chunk = self.blocks_per_layer_chunk[deepest]
-        return (max(0, base_blocks + layers * chunk - num_blocks),
-                f"{base_blocks} base + {layers} layers at {deepest} x {chunk} blocks")
+        extent = self.blocks_per_layer_extent[deepest]
+        return (max(0, base_blocks + layers * extent - num_blocks),
+                f"{base_blocks} base + {layers} layers at {deepest} x {extent} blocks")
 
     def resource_stats(self) -> MorphResourceStats:
         free = self.last_free
@@ -430,15 +429,16 @@ class MorphRuntime(ResourceManagerBase):
         self.yield_request = nbytes or None
         return self.resource_stats().memory_yield()
 
-    def is_settled(self) -> bool:
+    def is_at_rest(self) -> bool:
         """Nothing in flight, every layer at full precision and no outside memory to watch (the state an
         idle engine sleeps in; otherwise it keeps ticking so the controller can restore, yield or reclaim)."""
-        watching = (self.config.memory_floor_bytes is not None and self.pressure is not None) or bool(self.yield_request)
+        watching = ((self.config.memory_floor_bytes is not None and self.pressure is not None)
+                    or bool(self.yield_request))
         return not self.pending and not self.queued and not self.stack and not watching
 
-    def _chunk_removable(self, owner: str) -> bool:
-        """Chunks leave the pool LIFO: ``owner``'s must be the newest (the KV rung adds chunks too) and free."""
-        return self.pool.chunks[-1].owner == owner and self.pool.chunk_is_free(owner)
+    def _extent_removable(self, owner: str) -> bool:
+        """Extents leave the pool LIFO: ``owner``'s must be the newest (the KV rung adds extents too) and free."""
+        return self.pool.extents[-1].owner == owner and self.pool.extent_is_free(owner)
 
     def _memory_moved(self) -> None:
         if self.pressure is not None:

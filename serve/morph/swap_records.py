@@ -1,4 +1,4 @@
-"""What the morph runtime keeps about its swaps: the stack of transitions (each owning a KV chunk or given back to
+"""What the morph runtime keeps about its swaps: the stack of transitions (each owning a KV extent or given back to
 the system), the copy in flight, the counters its metrics read, and the typed snapshot it reports to the engine."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ class Transition:
     layer: int
     from_precision: str
     to_precision: str
-    owner: str          # the KV chunk's owner id in the pool ("" when the swap freed no whole slot)
+    owner: str          # the KV extent's owner id in the pool ("" when the swap freed no whole slot)
     blocks: int
-    slots: SlotRange    # the arena slots the chunk's blocks occupy (where the milder variant's bytes were)
+    slots: SlotRange    # the arena slots the extent's blocks occupy (where the milder variant's bytes were)
     yielded: bool = False  # the slots were given back to the system instead of the KV pool
 
 

@@ -1,7 +1,7 @@
 """Giving the C heap's free pages back to the operating system (glibc's ``malloc_trim``).
 
 glibc keeps what a process frees in its heap for reuse and returns only the top of it, so a burst of temporaries
-(loading and packing the weights: ~0.9 GB for smollm2-135m at fp32, issue 36) stays resident after it is freed.
+(loading and packing the weights: ~0.9 GB for smollm2-135m at fp32) stays resident after it is freed.
 ``malloc_trim(0)`` releases every free page of every arena (``madvise``), in ~30 ms after a load and ~1 ms
 otherwise; the next allocation there maps fresh pages. Elsewhere (musl, macOS) it does nothing.
 """

@@ -29,7 +29,7 @@ from serve.triton.http_body import (
 )
 from serve.triton.http_front import FrontOptions
 from serve.triton.install import TritonLaunchError
-from serve.triton.llmapi_config import FrontSettings
+from serve.triton.llmapi_config import BlsSettings
 from serve.triton.model_params import validate_params
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
@@ -55,7 +55,7 @@ _DEVICE_MEMORY_HELP = (
     "config.pbtxt's default: on CPU the full-precision weights + 16MiB reserve + a KV pool for ONE request of "
     "max_model_len tokens (the dynamic morph modes act once long requests overlap; SmolLM2-135M fp32: ~940MiB), on "
     "CUDA 0.9 of the device; with auto, a num_kv_blocks or kv_cache_memory parameter fixes the KV pool instead")
-_QUEUE_TIMEOUT_HELP = ("a request without its first token this many seconds after arrival at the HTTP door (or at "
+_QUEUE_TIMEOUT_HELP = ("a request without its first token this many seconds after arrival at the HTTP front end (or at "
                        "the model, over gRPC) is shed: 503 + Retry-After \"overloaded ... retry later\" (default: 30, "
                        "config.pbtxt's; 0: no queue deadline)")
 _PARAM_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server-log", type=Path, default=None, help="file for the server's output (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    p.add_argument("--log-level", default="warning", help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
+    p.add_argument("--log-level", default="warning",
+                   help="level of the launcher's own JSON log on stderr (info adds start/stop events)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     p.add_argument(
         "--allow-repository-api",
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(OPENABLE)}); closed by default: only inference, health, metadata and statistics "
                         "are open (docs/hardening.md)")
     p.add_argument("--grpc-max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="the gRPC front refuses larger messages at the transport (RESOURCE_EXHAUSTED) before reading "
+                   help="the gRPC front end refuses larger messages at the transport (RESOURCE_EXHAUSTED) before "
+                        "reading "
                         "them")
     p.add_argument("--drain-timeout", type=int, default=30,
                    help="seconds tritonserver lets in-flight requests finish after SIGTERM (--exit-timeout-secs)")
@@ -178,11 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-backoff", type=float, default=1.0,
                    help="seconds before the first restart; doubles with each restart in the window up to 30")
     p.add_argument("--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="the HTTP front refuses larger request bodies with 413 before reading them")
+                   help="the HTTP front end refuses larger request bodies with 413 before reading them")
     p.add_argument("--http-max-json-depth", type=int, default=DEFAULT_MAX_JSON_DEPTH,
-                   help="the HTTP front refuses JSON bodies nested deeper with 400 before tritonserver sees them")
+                   help="the HTTP front end refuses JSON bodies nested deeper with 400 before tritonserver sees them")
     p.add_argument("--http-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="connections the HTTP front keeps open at once; one more is answered 503 + Retry-After and "
+                   help="connections the HTTP front end keeps open at once; one more is answered 503 + Retry-After and "
                         "closed")
     p.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a connection has to send a complete request head (after opening, or after its last "
@@ -227,7 +229,8 @@ def params_from_args(args: argparse.Namespace) -> dict[str, object]:
         try:
             merged = json.loads(str(base)) if str(base).strip() else {}
         except json.JSONDecodeError:
-            raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into it") from None
+            raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into "
+                             "it") from None
         if not isinstance(merged, dict):
             raise SystemExit(f"the policy parameter {base!r} is not a JSON object; --policy cannot merge into it")
         params["policy"] = json.dumps({**merged, **overrides})
@@ -241,7 +244,7 @@ def check_params(params: dict[str, object], repository: Path, model_name: str) -
     if not cfg.is_file():
         return  # the server (or write_repository) reports the missing model
     merged = read_config_parameters(fill_config_parameters(cfg.read_text(), params))
-    if "engine_dir" in merged:  # a MorphServe engine model (not a BLS front)
+    if "engine_dir" in merged:  # a MorphServe engine model (not a BLS bls)
         validate_params(merged)
 
 
@@ -254,11 +257,11 @@ def curl_example(srv: TritonServer) -> str:
     return f"curl -s -X POST http://{srv.http_url}/v2/models/{srv.model_name}/generate -d '{body}'"
 
 
-def llmapi_settings(args: argparse.Namespace) -> FrontSettings | None:
+def llmapi_settings(args: argparse.Namespace) -> BlsSettings | None:
     """The tensorrt_llm model's settings the flags make over its model.yaml's; None when no flag is given."""
     if args.llmapi_decoupled is None and args.stop_by_request_id is None:
         return None
-    base = llmapi_config_of(Path(args.model_repository) / LLMAPI_MODEL_NAME).front
+    base = llmapi_config_of(Path(args.model_repository) / LLMAPI_MODEL_NAME).bls
     return dataclasses.replace(base, **{k: v == "true" for k, v in (("decoupled", args.llmapi_decoupled),
                                                                   ("stop_by_request_id", args.stop_by_request_id))
                                         if v is not None})

@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="generate exactly --max-tokens tokens")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    p.add_argument("--url", default=None, help=f"host:port (default {DEFAULT_GRPC_URL} for gRPC, {DEFAULT_HTTP_URL} for HTTP)")
+    p.add_argument("--url", default=None,
+                   help=f"host:port (default {DEFAULT_GRPC_URL} for gRPC, {DEFAULT_HTTP_URL} for HTTP)")
     p.add_argument("--model-name", "--model", dest="model_name", default=DEFAULT_MODEL,
                    help="the model's name on the server, as serve.triton's --model-name (default: %(default)s). "
                         "--model is a deprecated alias kept for old scripts: every other command's --model names an "

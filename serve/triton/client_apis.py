@@ -1,12 +1,12 @@
-"""Which of Triton's APIs clients may reach (issue 44, finding 4): closed by default except inference, health,
-metadata (model metadata and configuration) and statistics, on HTTP and gRPC alike.
+"""Which of Triton's APIs clients may reach (docs/hardening.md, Reliability III, finding 4): closed by default except
+inference, health, metadata (model metadata and configuration) and statistics, on HTTP and gRPC alike.
 
-Before, only the model-repository API was restricted: any client could register a system shared-memory region (the
-precondition of the 2025 Python-backend shared-memory advisories, fixed in Triton 25.07; 2.51 is older), even with
-the Python backend's own region name, which is world-readable in /dev/shm, and could change the server's logging.
-Now:
+Why: Triton 2.51 restricts only the model-repository API by default, so any client could register a system shared-memory
+region (the precondition of the 2025 Python-backend shared-memory advisories, fixed in Triton 25.07; 2.51 is older),
+even with the Python backend's own region name, which is world-readable in /dev/shm, and could change the server's
+logging. Here:
 
-- the client ports are the project's fronts: HTTP (serve/triton/http_front.py) and gRPC
+- the client ports are the project's front ends: HTTP (serve/triton/http_front.py) and gRPC
   (serve/triton/grpc_front.py) refuse every API that is not open (HTTP 403, gRPC PERMISSION_DENIED) before
   tritonserver sees it; ``python -m serve.triton --client-api shared-memory`` (or ``logging``, ``trace``) opens one;
   the model repository has its own switch (``--allow-repository-api``);

@@ -1,18 +1,18 @@
 """Request parameters that are not inputs of the model: what may travel with an inference request, who may set
-it, and what the inference port refuses (issue 44: no client can act for another or for the operator).
+it, and what the inference port refuses (no client can act for another or for the operator).
 
 - ``morphserve_cancel`` (internal): the BLS models (``tensorrt_llm_bls``, ``ensemble``) pass their client's
   cancellation on to the engine model, since the Python backend of Triton 2.51 cannot cancel a BLS request. Its
   value must be an inner request id the BLS model made (:func:`new_inner_request_id`: ``bls-`` and 32 random hex
   digits, never shown to any client), and only a request with exactly that id is cancelled: an empty, malformed
   or unknown id is refused (400). Clients' own request ids (any text; "" for every request through the HTTP
-  door) are never cancel targets, so no client can cancel another's request.
+  front end) are never cancel targets, so no client can cancel another's request.
 - ``morphserve_memory``: yielding or reclaiming memory changes the model's precision for everyone, so it is an
   operator control, served on the operator port only (serve/triton/operator_port.py); on the inference ports
   (HTTP and gRPC) it is refused (400) with a pointer there.
-- ``morphserve_arrival_s`` (internal): when the HTTP door received the request (``time.monotonic()``, the
+- ``morphserve_arrival_s`` (internal): when the HTTP front end received the request (``time.monotonic()``, the
   machine's CLOCK_MONOTONIC, the same in every process), so that the engine's queue deadline counts from the
-  client's arrival, Triton's queue and the model's admission included. The door always sets it (a client's own
+  client's arrival, Triton's queue and the model's admission included. The front end always sets it (a client's own
   value is overwritten); the model takes the earlier of it and its own arrival, so a gRPC client that sets it
   can only make its own deadline come sooner.
 """
@@ -69,11 +69,11 @@ def refuse_operator_controls(parameters: str | Mapping[str, Any] | None) -> None
                          "/engine/control/memory_reclaim (docs/memory-yield.md)")
 
 
-def door_arrival(parameters: str | Mapping[str, Any] | None) -> float | None:
-    """The HTTP door's arrival time (CLOCK_MONOTONIC seconds) a request carries, if any."""
+def front_end_arrival(parameters: str | Mapping[str, Any] | None) -> float | None:
+    """The HTTP front end's arrival time (CLOCK_MONOTONIC seconds) a request carries, if any."""
     value = _params(parameters).get(ARRIVAL_PARAMETER)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"{ARRIVAL_PARAMETER} is set by the HTTP front (a number of seconds), got {value!r}")
+        raise InputError(f"{ARRIVAL_PARAMETER} is set by the HTTP front end (a number of seconds), got {value!r}")
     return float(value)

@@ -1,5 +1,5 @@
 """Error kinds (serve/error_kinds.py) on the Triton transport: the tag a model's error message carries, the HTTP
-status and Retry-After each kind gets at the HTTP door, and the Triton error code the model answers with.
+status and Retry-After each kind gets at the HTTP front end, and the Triton error code the model answers with.
 
 A decoupled model's error reaches a gRPC stream client as a message and nothing else (Triton's
 ``ModelStreamInferResponse.error_message``: no status code, no parameters), so the morphserve model (and the BLS
@@ -7,7 +7,7 @@ models over it) start the message with a tag that only this module writes and re
 
     [overloaded retry_after=10] overloaded: no token within queue_timeout_s=30 s of arrival; retry later ...
 
-The HTTP front answers by the tag's kind (``http_answer``), never by the words after it, and sends the words
+The HTTP front end answers by the tag's kind (``http_answer``), never by the words after it, and sends the words
 without the tag; gRPC clients read the same tag (``GenerationError.kind`` in serve/triton/client.py). A message
 without a tag did not come from our models (tritonserver's own refusals: a stub that died, a model not ready)
 and is answered as internal. The tag is anchored at the start of the message, so text a client gets echoed back
@@ -32,7 +32,7 @@ HTTP_STATUS: dict[ErrorKind, int] = {
     ErrorKind.CANCELLED: 499,  # the client left; nobody reads this status
     ErrorKind.INTERNAL: 500,
 }
-"""The HTTP door's status per kind (docs/hardening.md, "Status codes"); retryable kinds add Retry-After."""
+"""The HTTP front end's status per kind (docs/hardening.md, "Status codes"); retryable kinds add Retry-After."""
 
 TRITON_CODE: dict[ErrorKind, str] = {
     ErrorKind.INVALID_INPUT: "INVALID_ARG",

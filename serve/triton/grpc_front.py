@@ -1,10 +1,10 @@
-"""The project's gRPC door on the client gRPC port: Triton's GRPCInferenceService forwarded, bounded in message size
-and closed to the APIs clients may not use (issue 44, findings 4 and 9).
+"""The project's gRPC front end on the client gRPC port: Triton's GRPCInferenceService forwarded, bounded in message
+size and closed to the APIs clients may not use (docs/hardening.md, Reliability III, findings 4 and 9).
 
 Triton 2.51 accepts gRPC messages up to 2 GB (its server sets the size itself; no flag bounds it): a 100 MB input
 was received and copied (0.7-2 s) before the model refused it, and tritonserver's resident memory grew 41 -> 440 MiB
-and stayed. Its shared-memory and logging APIs were open to every client. This door (grpc.aio, in a thread of the
-launcher, like the HTTP door) takes the client port instead and forwards to tritonserver on an internal loopback
+and stayed. Its shared-memory and logging APIs were open to every client. This front end (grpc.aio, in a thread of the
+launcher, like the HTTP front end) takes the client port instead and forwards to tritonserver on an internal loopback
 port:
 
 - a message larger than ``max_message_bytes`` (4 MiB: a 256 KiB prompt, 3 x 64 x 4 KiB of word lists and a 64 KiB
@@ -101,8 +101,8 @@ class _Forward:
 
 
 class GrpcFront:
-    """The door on ``host:port`` in a daemon thread with its own event loop; ``start()`` binds the port (OSError when
-    it cannot) and returns, ``stop()`` closes it. The backend is tritonserver's internal gRPC address."""
+    """The front end on ``host:port`` in a daemon thread with its own event loop; ``start()`` binds the port (OSError
+    when it cannot) and returns, ``stop()`` closes it. The backend is tritonserver's internal gRPC address."""
 
     def __init__(self, host: str, port: int, backend_url: str, opened: frozenset[str],
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
@@ -117,7 +117,7 @@ class GrpcFront:
     async def _serve(self) -> None:
         import grpc  # noqa: PLC0415
 
-        # the backend answers the model's outputs: no bound beyond what this door lets in; the client side is bounded
+        # the backend answers the model's outputs: no bound beyond what this front end lets in (the client side's)
         channel = grpc.aio.insecure_channel(self.backend_url, options=[("grpc.max_receive_message_length", -1),
                                                                        ("grpc.max_send_message_length", -1)])
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.max_message_bytes),

@@ -1,5 +1,5 @@
-"""The HTTP front's bounds and answers: body size and JSON depth limits, the error it answers with
-(:class:`FrontError`), and the status of a transport failure between the front and tritonserver
+"""The HTTP front end's bounds and answers: body size and JSON depth limits, the error it answers with
+(:class:`FrontError`), and the status of a transport failure between the front end and tritonserver
 (docs/hardening.md). A model's errors are answered by their kind (serve/triton/errors.py).
 
 Kept apart from the server (serve/triton/http_front.py) so that the checks every body meets first read in one place.
@@ -144,14 +144,14 @@ def _check_depth_only(json_part: bytes, max_depth: int) -> None:
 # ---- the URL ------------------------------------------------------------------------------------------------
 
 SPEC_CACHE_SIZE = 64
-"""Model specs the front keeps (by model name and resolved version): more than any repository serves."""
+"""Model specs the front end keeps (by model name and resolved version): more than any repository serves."""
 _VERSION = re.compile(r"[0-9]{1,18}")
 
 
 def resolve_version(version: str) -> str:
     """A URL's model version as Triton resolves it: "" (the model's policy) or an integer, in canonical form. Triton
-    2.51 reads "1.<anything>" as version 1, and the front kept a spec per spelling (issue 44, finding 8: ~12 KB per
-    distinct string); any other spelling is 400."""
+    2.51 reads "1.<anything>" as version 1, and the front end kept a spec per spelling (Reliability III finding 8: ~12
+    KB per distinct string); any other spelling is 400."""
     if version == "":
         return ""
     if not _VERSION.fullmatch(version):
@@ -170,7 +170,7 @@ def path_text(value: str, what: str) -> str:
 # ---- transport failures -------------------------------------------------------------------------------
 
 def grpc_error(exc: Exception) -> FrontError:
-    """A transport failure between the front and tritonserver -> 503 (down or restarting), 504 or 500."""
+    """A transport failure between the front end and tritonserver -> 503 (down or restarting), 504 or 500."""
     code = getattr(exc, "code", None)
     name = getattr(code(), "name", "") if callable(code) else ""
     details = getattr(exc, "details", None)
@@ -182,5 +182,5 @@ def grpc_error(exc: Exception) -> FrontError:
         return FrontError(504, f"tritonserver did not answer in time: {text}")
     if name in ("INVALID_ARGUMENT", "NOT_FOUND"):
         return FrontError(400 if name == "INVALID_ARGUMENT" else 404, text)
-    return FrontError(500, f"internal error between the HTTP front and tritonserver: {name or type(exc).__name__}: "
+    return FrontError(500, f"internal error between the HTTP front end and tritonserver: {name or type(exc).__name__}: "
                            f"{text}")

@@ -1,4 +1,4 @@
-"""The project's own HTTP door on the client port: bounded, typed, and cancelling.
+"""The project's own HTTP front end on the client port: bounded, typed, and cancelling.
 
 Triton 2.51's HTTP server crashes on a deeply nested JSON body (a stack overflow in its parser), answers
 JSON type errors with 500, wraps out-of-range integers and never notices a non-streaming client that
@@ -13,7 +13,7 @@ leaves. This front (aiohttp, asyncio, in a thread of the launcher) takes the cli
 - errors map to the status codes of docs/hardening.md by their kind (serve/triton/errors.py: the tag the model
   puts in front of its message, never its words): 400 bad input, 504 deadline, 503 + Retry-After overloaded /
   draining / restarting, 500 internal;
-- the request carries the door's arrival time (``morphserve_arrival_s``, serve/triton/controls.py): the engine's
+- the request carries the front end's arrival time (``morphserve_arrival_s``, serve/triton/controls.py): the engine's
   queue deadline counts from here;
 - the other KServe v2 paths clients may use (health, metadata, config, infer, statistics) are forwarded to
   tritonserver's own HTTP server, which listens on an internal loopback port, with the same bounds; the APIs closed
@@ -76,7 +76,7 @@ class GrpcBackend:
         self._stubs: list[Any] = []
         self._channels: list[Any] = []
         self._next = itertools.count()
-        # by model name and resolved version; bounded, since both come from the client's URL (issue 44, finding 8)
+        # by model name and resolved version; bounded, since both come from the client's URL (Reliability III finding 8)
         self._specs: OrderedDict[tuple[str, str], ModelSpec] = OrderedDict()
 
     def _stub(self) -> Any:

@@ -1,17 +1,17 @@
-"""The HTTP front's bounds on connections (issue 44, finding 7: 200 slow-header and 100 slow-body connections were all
-still open after 60 s; nothing bounded them but the file-descriptor limit).
+"""The HTTP front end's bounds on connections (Reliability III finding 7: 200 slow-header and 100 slow-body connections
+were all still open after 60 s; nothing bounded them but the file-descriptor limit).
 
 - **Connections**: at most ``max_connections`` open at once; one more is answered at once with 503 + Retry-After
-  and closed (:class:`BoundedSite`, the listening socket of the front), so a flood of idle connections cannot take
+  and closed (:class:`BoundedSite`, the listening socket of the front end), so a flood of idle connections cannot take
   every file descriptor while requests already admitted go on.
 - **Headers**: a connection must deliver a complete request head within ``header_timeout_s`` of opening (and of
   its previous response, on a kept-alive connection), or it is closed: aiohttp's keep-alive timer, which runs from
   the connection's start and closes a connection whose handler still waits for a complete message.
-- **Bodies**: a handler must receive the whole body within ``body_timeout_s`` of its head (the front's
+- **Bodies**: a handler must receive the whole body within ``body_timeout_s`` of its head (the front end's
   ``read_body``), or it is answered 408 and the connection closed.
 
 So a slow client holds a connection for at most ``header_timeout_s + body_timeout_s``, whatever it sends. The
-defaults (1024 connections, 10 s, 30 s) are in serve/triton/http_body.py with the front's other bounds.
+defaults (1024 connections, 10 s, 30 s) are in serve/triton/http_body.py with the front end's other bounds.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""JSON values -> typed gRPC tensors and back, for the HTTP front (serve/triton/http_front.py): a model's declared
+"""JSON values -> typed gRPC tensors and back, for the HTTP front end (serve/triton/http_front.py): a model's declared
 inputs (``ModelSpec`` from its config), its own request bounds checked before a round trip, the
 ``ModelInferRequest`` built from a generate body, and Triton's generate JSON from a response."""
 
@@ -64,7 +64,7 @@ def _limits_from_parameters(params: Mapping[str, Any]) -> RequestLimits | None:
 
     raw = {k: (v.get("string_value", "") if isinstance(v, Mapping) else str(v)) for k, v in params.items()}
     if "engine_dir" not in raw:
-        return None  # not a morphserve engine model (a BLS front): it checks nothing of its own
+        return None  # not a morphserve engine model (a BLS model): it checks nothing of its own
     try:
         server = ServerParams.from_params(raw, default_max_tokens=1)
     except ValueError:
@@ -88,7 +88,7 @@ def spec_from_config(config: Mapping[str, Any]) -> ModelSpec:
 
 def _utf8_len_over(value: str, limit: int) -> int | None:
     """The UTF-8 size of ``value`` when it is over ``limit`` bytes, else None; a string of more than ``limit``
-    characters is over without being encoded (issue 44, finding 11: refusals must be cheap)."""
+    characters is over without being encoded (Reliability III finding 11: refusals must be cheap)."""
     if len(value) > limit:
         return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
     if value.isascii() or 4 * len(value) <= limit:

@@ -13,7 +13,7 @@ Upstream's meanings kept here:
   string / number per answer ("None" while unfinished, as upstream); ``sampling_param_return_perf_metrics`` adds
   the request's perf metrics (times in ns of CLOCK_MONOTONIC, upstream's steady clock; KV blocks; speculation),
   and with them this server's quality outputs (``QUALITY_OUTPUTS``, not upstream's);
-- ``stop`` = true with a request id ends the in-flight request of that id (the front model does it).
+- ``stop`` = true with a request id ends the in-flight request of that id (the BLS model does it).
 
 Where this server differs, it says so: outputs carry their declared types (upstream fills its numeric outputs with
 decimal strings); a request for something the engine lacks (``sampling_param_best_of`` > 1, LoRA, a logits
@@ -110,7 +110,7 @@ def check_parameters(parameters: Mapping[str, Any], internal: frozenset[str]) ->
 
 def llmapi_to_engine(get_input: InputGetter) -> tuple[dict[str, np.ndarray], OutputOptions]:
     """An LLM-API request -> the engine model's input arrays (upstream's defaults made explicit) and the output
-    options the front model applies. InputError names a bad or refused input."""
+    options the BLS model applies. InputError names a bad or refused input."""
     for name, (asks, why) in REFUSED.items():
         arr = get_input(name)
         if arr is not None and asks(arr):
@@ -144,7 +144,8 @@ def llmapi_to_engine(get_input: InputGetter) -> tuple[dict[str, np.ndarray], Out
         out["temperature"] = np.array([1.0], dtype=np.float32)
     out.setdefault("max_tokens", np.array([DEFAULT_MAX_TOKENS], dtype=np.int32))
     out.setdefault("exclude_input_in_output", np.array([False]))
-    options = OutputOptions(stream=_flag(get_input, "streaming"), finish_reason=_flag(get_input, "return_finish_reason"),
+    options = OutputOptions(stream=_flag(get_input, "streaming"),
+                            finish_reason=_flag(get_input, "return_finish_reason"),
                             stop_reason=_flag(get_input, "return_stop_reason"),
                             cumulative_logprob=_flag(get_input, "return_cumulative_logprob"),
                             perf_metrics="return_perf_metrics" in out and bool(out["return_perf_metrics"][0]))
@@ -170,7 +171,8 @@ def _check_ranges(out: Mapping[str, np.ndarray]) -> None:
             continue
         v = float(out[target][0])
         if not (low <= v <= high) or math.isnan(v) or (math.isinf(v) and target != "top_k"):
-            bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}" if math.isfinite(low) else "finite"
+            bound = (f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}" if math.isfinite(low)
+                     else "finite")
             raise InputError(f"{_LLMAPI_NAME[target]} must be {bound}, got {v:g}")
 
 
@@ -185,7 +187,7 @@ def _text(value: str) -> np.ndarray:
 def engine_to_llmapi(outs: Mapping[str, np.ndarray], text: str, options: OutputOptions,
                      declared: frozenset[str]) -> dict[str, np.ndarray]:
     """One engine-model response (its output arrays) -> the LLM-API outputs the request asked for. ``text``: what
-    ``text_output`` carries (the front model accumulates it when streaming); ``declared``: the outputs the
+    ``text_output`` carries (the BLS model accumulates it when streaming); ``declared``: the outputs the
     tensorrt_llm model's config declares."""
     reason = _first_text(outs.get("finish_reason"))
     result: dict[str, np.ndarray] = {"text_output": _text(text)}
@@ -211,7 +213,8 @@ def _first_text(arr: np.ndarray | None) -> str:
     return v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
 
 
-PERF_DTYPES = {name: np.int64 if name.endswith("_ns") else np.float32 if name in ("kv_cache_hit_rate", "acceptance_rate")
+PERF_DTYPES = {name: np.int64 if name.endswith("_ns") else np.float32 if name
+               in ("kv_cache_hit_rate", "acceptance_rate")
                else np.int32 for name in PERF_OUTPUTS}
 """Each perf-metric output's declared type (upstream's config.pbtxt)."""
 

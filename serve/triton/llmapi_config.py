@@ -15,7 +15,7 @@ key, ``morphserve``::
       dtype: auto                        # auto | int8 | fp8
     speculative_config: null             # null: no speculation (this engine drafts with its own layers)
     morphserve:
-      morph_mode: default                # any EngineConfig field, plus the front's settings below
+      morph_mode: default                # any EngineConfig field, plus the BLS model's settings below
       stop_by_request_id: true           # a request with stop=true ends the in-flight request of its id
     triton_config:
       max_batch_size: 0
@@ -54,7 +54,7 @@ FIXED_ARGS: dict[str, tuple[Any, str]] = {
     "tensor_parallel_size": (1, "one device per engine; scale out with replicas (make serve-dynamo)"),
     "pipeline_parallel_size": (1, "one device per engine; scale out with replicas (make serve-dynamo)"),
 }
-# Keys of the ``morphserve`` section the front model reads (everything else there is an EngineConfig field).
+# Keys of the ``morphserve`` section the BLS model reads (everything else there is an EngineConfig field).
 FRONT_KEYS = ("engine_model", "stop_by_request_id")
 TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms")
 TOP_KEYS = (*LLM_ARGS, *FIXED_ARGS, "kv_cache_config", "speculative_config", "morphserve", "triton_config")
@@ -65,7 +65,7 @@ class ModelYamlError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class FrontSettings:
+class BlsSettings:
     """What the ``tensorrt_llm`` model itself does with a request (not the engine's configuration)."""
 
     engine_model: str = ENGINE_MODEL   # the Triton model that hosts the engine
@@ -77,7 +77,7 @@ class FrontSettings:
 @dataclasses.dataclass(frozen=True)
 class LlmApiConfig:
     engine: dict[str, Any]             # EngineConfig field -> value (only the keys the file sets)
-    front: FrontSettings
+    bls: BlsSettings
 
 
 def _bool(value: Any, key: str) -> bool:
@@ -106,7 +106,7 @@ def _unknown(keys: Any, known: tuple[str, ...], where: str) -> None:
 
 
 def parse_model_yaml(text: str, engine_fields: tuple[str, ...]) -> LlmApiConfig:
-    """model.yaml's text -> the engine settings it makes and the front's; ModelYamlError names a bad key.
+    """model.yaml's text -> the engine settings it makes and the BLS model's; ModelYamlError names a bad key.
     ``engine_fields``: EngineConfig's field names (a ``morphserve`` key may set any of them)."""
     try:
         raw = yaml.safe_load(text)
@@ -152,13 +152,13 @@ def parse_model_yaml(text: str, engine_fields: tuple[str, ...]) -> LlmApiConfig:
     engine_model = own.get("engine_model", ENGINE_MODEL)
     if not isinstance(engine_model, str) or not engine_model:
         raise ModelYamlError(f"model.yaml: morphserve.engine_model must be a model name, got {engine_model!r}")
-    front = FrontSettings(
+    bls = BlsSettings(
         engine_model=engine_model,
         stop_by_request_id=_bool(own.get("stop_by_request_id", True), "morphserve.stop_by_request_id"),
         decoupled=_bool(triton.get("decoupled", True), "triton_config.decoupled"),
         cancellation_check_period_ms=_int(triton.get("cancellation_check_period_ms", 100),
                                           "triton_config.cancellation_check_period_ms", 1))
-    return LlmApiConfig(engine, front)
+    return LlmApiConfig(engine, bls)
 
 
 # EngineConfig field -> where overlay_model_yaml writes it (the inverse of the tables above).
@@ -187,9 +187,9 @@ def _drop(doc: dict[str, Any], field: str) -> None:
         own.pop(field, None)
 
 
-def overlay_model_yaml(text: str, engine: Mapping[str, Any], front: FrontSettings | None = None) -> str:
+def overlay_model_yaml(text: str, engine: Mapping[str, Any], bls: BlsSettings | None = None) -> str:
     """``text`` (a model.yaml) with ``engine``'s settings (EngineConfig field -> value; None or "" removes the
-    setting, so the engine's default applies) and, when given, ``front``'s written over it: TensorRT-LLM's names
+    setting, so the engine's default applies) and, when given, ``bls``'s written over it: TensorRT-LLM's names
     where they exist, the rest under ``morphserve``. What ``engine`` does not name is kept as it was."""
     raw = yaml.safe_load(text) if text.strip() else {}
     doc: dict[str, Any] = dict(_section(raw if raw is not None else {}, "the document"))
@@ -209,13 +209,13 @@ def overlay_model_yaml(text: str, engine: Mapping[str, Any], front: FrontSetting
             doc.setdefault(where[0], {})[where[1]] = value
     doc.setdefault("backend", "pytorch")
     doc.setdefault("tensor_parallel_size", 1)
-    if front is not None:
+    if bls is not None:
         own = doc.setdefault("morphserve", {})
-        if front.engine_model != ENGINE_MODEL:
-            own["engine_model"] = front.engine_model
-        own["stop_by_request_id"] = front.stop_by_request_id
-        doc["triton_config"] = {**(doc.get("triton_config") or {}), "max_batch_size": 0, "decoupled": front.decoupled,
-                                "cancellation_check_period_ms": front.cancellation_check_period_ms}
+        if bls.engine_model != ENGINE_MODEL:
+            own["engine_model"] = bls.engine_model
+        own["stop_by_request_id"] = bls.stop_by_request_id
+        doc["triton_config"] = {**(doc.get("triton_config") or {}), "max_batch_size": 0, "decoupled": bls.decoupled,
+                                "cancellation_check_period_ms": bls.cancellation_check_period_ms}
     order = [*LLM_ARGS, *FIXED_ARGS, "kv_cache_config", "speculative_config", "morphserve", "triton_config"]
     ordered = {k: doc[k] for k in sorted(doc, key=lambda k: order.index(k) if k in order else len(order))}
     return _HEADER + yaml.safe_dump(ordered, sort_keys=False, default_flow_style=False)

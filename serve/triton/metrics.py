@@ -42,7 +42,8 @@ class _Histogram:
         else:  # pragma: no cover - older Triton
             self._hist = None
             fs = self._pb.MetricFamily(name=f"{name}_sum", description=description, kind=self._pb.MetricFamily.COUNTER)
-            fc = self._pb.MetricFamily(name=f"{name}_count", description=description, kind=self._pb.MetricFamily.COUNTER)
+            fc = self._pb.MetricFamily(name=f"{name}_count", description=description,
+                                       kind=self._pb.MetricFamily.COUNTER)
             families += [fs, fc]
             self._sum, self._count = fs.Metric(labels=labels), fc.Metric(labels=labels)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from serve.triton.install import TritonLaunchError
-from serve.triton.llmapi_config import FrontSettings, LlmApiConfig, ModelYamlError, overlay_model_yaml, parse_model_yaml
+from serve.triton.llmapi_config import BlsSettings, LlmApiConfig, ModelYamlError, overlay_model_yaml, parse_model_yaml
 
 DEFAULT_MODEL_NAME = "morphserve"
 # TensorRT-LLM's LLM-API model (its one Triton model today), a thin BLS model over the engine model.
@@ -123,19 +123,19 @@ def llmapi_config_of(model_dir: Path) -> LlmApiConfig:
         raise TritonLaunchError(f"{path}: {exc}") from None
 
 
-def write_llmapi_model(src: Path, dest: Path, engine: Mapping[str, object], front: FrontSettings | None,
+def write_llmapi_model(src: Path, dest: Path, engine: Mapping[str, object], bls: BlsSettings | None,
                        copy_code: bool) -> list[Path]:
     """``dest/tensorrt_llm`` from ``src/tensorrt_llm``: 1/model.yaml with ``engine`` (the settings a launcher
-    made, :func:`engine_settings`) and ``front`` (when given) written over the source's, config.pbtxt with the
+    made, :func:`engine_settings`) and ``bls`` (when given) written over the source's, config.pbtxt with the
     transaction policy model.yaml ends up with (as upstream's CI writes it), and 1/model.py (a link to the source,
     or a copy without the checkout fallback). Returns the files written; TritonLaunchError names a bad key."""
     src_model, out = src / LLMAPI_MODEL_NAME, dest / LLMAPI_MODEL_NAME
     (out / "1").mkdir(parents=True, exist_ok=True)
     llmapi_config_of(src_model)  # the source must be valid before anything is written over it
     written = [out / "config.pbtxt", out / "1" / "model.yaml", out / "1" / "model.py"]
-    written[1].write_text(overlay_model_yaml((src_model / "1" / "model.yaml").read_text(), engine, front))
+    written[1].write_text(overlay_model_yaml((src_model / "1" / "model.yaml").read_text(), engine, bls))
     written[0].write_text(_transaction_policy((src_model / "config.pbtxt").read_text(),
-                                              llmapi_config_of(out).front.decoupled))
+                                              llmapi_config_of(out).bls.decoupled))
     code = src_model / "1" / "model.py"
     if copy_code:
         written[2].write_text("".join(ln for ln in code.read_text().splitlines(keepends=True)
@@ -146,7 +146,7 @@ def write_llmapi_model(src: Path, dest: Path, engine: Mapping[str, object], fron
 
 
 def render_model_repository(src: Path, dest: Path, model_name: str, overrides: Mapping[str, object],
-                            also: tuple[str, ...] = (), llmapi: FrontSettings | None = None) -> Path:
+                            also: tuple[str, ...] = (), llmapi: BlsSettings | None = None) -> Path:
     """Make ``dest/<model_name>`` a copy of ``src/<model_name>`` with parameter overrides applied, and
     ``dest/<name>`` a link to ``src/<name>`` for each model in ``also``; the LLM-API model (``tensorrt_llm``) is
     written from its own model.yaml with the engine settings of ``overrides`` and ``llmapi`` (when given) over it
@@ -200,7 +200,7 @@ def _absolute_paths(overrides: Mapping[str, object]) -> dict[str, object]:
 
 
 def write_repository(dest: Path, overrides: Mapping[str, object], src: Path = DEFAULT_MODEL_REPOSITORY,
-                     models: tuple[str, ...] = SERVED_MODELS, llmapi: FrontSettings | None = None) -> list[Path]:
+                     models: tuple[str, ...] = SERVED_MODELS, llmapi: BlsSettings | None = None) -> list[Path]:
     """Write a self-contained model repository to ``dest`` (which must not exist or be empty): each
     model's config.pbtxt with ``overrides`` filled (engine_dir made absolute) and plain copies of its
     version folders, model.py without the checkout fallback, so its imports resolve to the installed
@@ -233,7 +233,8 @@ def write_repository(dest: Path, overrides: Mapping[str, object], src: Path = DE
                 text = "".join(ln for ln in text.splitlines(keepends=True) if CHECKOUT_FALLBACK_MARK not in ln)
             out.write_text(text)
             written.append(out)
-    unused = sorted(set(filled) - {k for n in models for k in read_config_parameters((src / n / "config.pbtxt").read_text())})
+    unused = sorted(set(filled)
+                    - {k for n in models for k in read_config_parameters((src / n / "config.pbtxt").read_text())})
     if unused:
         raise TritonLaunchError(f"unknown model parameter(s) {unused}")
     if LLMAPI_MODEL_NAME in models:

@@ -109,7 +109,8 @@ def _string_list(get_input: InputGetter, name: str, limits: InputLimits) -> tupl
 
 
 def _utf8(value: Any, name: str) -> str:
-    """Text from a tensor element: UTF-8 bytes that decode, or a str without lone surrogates (serve/request_values.py)."""
+    """Text from a tensor element: UTF-8 bytes that decode, or a str without lone surrogates
+    (serve/request_values.py)."""
     try:
         return text(value, name)
     except BadValue as exc:

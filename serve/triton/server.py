@@ -27,7 +27,7 @@ from types import TracebackType
 
 from serve.logging_setup import get_logger
 from serve.triton.client_apis import open_apis, triton_restrictions
-from serve.triton.doors import Doors
+from serve.triton.front_ends import FrontEnds
 from serve.triton.grpc_front import DEFAULT_MAX_MESSAGE_BYTES
 from serve.triton.http_front import FrontOptions
 from serve.triton.install import (
@@ -38,7 +38,7 @@ from serve.triton.install import (
     make_backend_dir,
     server_env,
 )
-from serve.triton.llmapi_config import FrontSettings
+from serve.triton.llmapi_config import BlsSettings
 from serve.triton.operator_port import post_control
 from serve.triton.repository import (
     DEFAULT_MODEL_NAME,
@@ -89,9 +89,9 @@ class TritonServer:
     can then load a Python model that runs as this user). Ports busy before start fail at once.
     ``exit_timeout_s`` is how long tritonserver drains in-flight requests after SIGTERM.
 
-    ``http_port`` and ``grpc_port`` are the project's doors (serve/triton/doors.py: bounded bodies and messages,
-    typed inputs, closed APIs; ``front_options``, ``grpc_max_message_bytes`` set their limits); tritonserver's own
-    servers listen on internal loopback ports behind them (``http_front`` / ``grpc_front=False``: Triton's own).
+    ``http_port`` and ``grpc_port`` are the project's front ends (serve/triton/front_ends.py: bounded bodies and
+    messages, typed inputs, closed APIs; ``front_options``, ``grpc_max_message_bytes`` set their limits); tritonserver's
+    own servers listen on internal loopback ports behind them (``http_front`` / ``grpc_front=False``: Triton's own).
 
     ``operator_port`` (a free one by default) is where the model serves the operator's controls (memory yield,
     drain; serve/triton/operator_port.py), loopback only, when its config.pbtxt declares an ``operator_port``
@@ -126,7 +126,7 @@ class TritonServer:
         grpc_front: bool = True,
         client_apis: Sequence[str] = (),
         grpc_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        llmapi: FrontSettings | None = None,
+        llmapi: BlsSettings | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.model_name = model_name
@@ -143,17 +143,17 @@ class TritonServer:
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.opened = open_apis(tuple(client_apis), repository_api)
-        self.doors = Doors(self.http_port, self.grpc_port, (triton_http_port or free_port()) if http_front
+        self.front_ends = FrontEnds(self.http_port, self.grpc_port, (triton_http_port or free_port()) if http_front
                            else self.http_port, free_port() if grpc_front else self.grpc_port, http_front, grpc_front,
                            front_options, self.opened, grpc_max_message_bytes)
-        self.triton_http_port, self.http_front = self.doors.triton_http_port, http_front
+        self.triton_http_port, self.http_front = self.front_ends.triton_http_port, http_front
         cfg = self.model_repository / model_name / "config.pbtxt"
         declared = cfg.is_file() and "operator_port" in read_config_parameters(cfg.read_text())
         given = str(self.params.get("operator_port", "")).strip()
         self.operator_port: int | None = (int(given) or None) if declared and given else None  # given 0: none
         if declared and not given:
             self.operator_port = self.params["operator_port"] = operator_port or free_port()
-        if len({self.http_port, self.grpc_port, self.metrics_port, *self.doors.internal_ports()}) != \
+        if len({self.http_port, self.grpc_port, self.metrics_port, *self.front_ends.internal_ports()}) != \
                 3 + http_front + grpc_front:
             raise TritonLaunchError(
                 f"HTTP, gRPC and metrics ports must differ, got {self.http_port}, {self.grpc_port}, {self.metrics_port}"
@@ -184,7 +184,7 @@ class TritonServer:
 
     @property
     def triton_http_url(self) -> str:
-        """host:port of tritonserver's own HTTP server (internal, behind the front; = http_url without it)."""
+        """host:port of tritonserver's own HTTP server (internal, behind the front end; = http_url without it)."""
         return f"{LOOPBACK}:{self.triton_http_port}"
 
     @property
@@ -210,7 +210,7 @@ class TritonServer:
             f"--http-address={LOOPBACK}",
             f"--http-port={self.triton_http_port}",
             f"--grpc-address={LOOPBACK}",
-            f"--grpc-port={self.doors.triton_grpc_port}",
+            f"--grpc-port={self.front_ends.triton_grpc_port}",
             f"--metrics-address={LOOPBACK}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
@@ -237,10 +237,10 @@ class TritonServer:
     def busy_ports(self) -> list[int]:
         """Which of this server's ports cannot be bound on 127.0.0.1 right now."""
         busy = []
-        ports = [self.http_port, self.grpc_port, self.metrics_port, *self.doors.internal_ports()]
+        ports = [self.http_port, self.grpc_port, self.metrics_port, *self.front_ends.internal_ports()]
         if self.operator_port is not None:
             ports.append(self.operator_port)
-        for port in self.doors.running_ports():  # the doors keep their ports across restarts of tritonserver
+        for port in self.front_ends.running_ports():  # the front ends keep their ports across restarts of tritonserver
             ports.remove(port)
         for port in ports:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -314,16 +314,16 @@ class TritonServer:
             preexec_fn=_set_parent_death_signal if self.die_with_parent else None,  # noqa: PLW1509
         )
         try:
-            self.doors.start()
+            self.front_ends.start()
         except OSError as e:
             self.stop()
             raise TritonLaunchError(str(e)) from None
         return self
 
     def drain(self) -> None:
-        """Refuse new requests (503) and report not ready on the HTTP front, and tell the engine to admit nothing
+        """Refuse new requests (503) and report not ready on the HTTP front end, and tell the engine to admit nothing
         new (gRPC clients get 503 draining too); in-flight requests go on."""
-        if self.doors.drain():
+        if self.front_ends.drain():
             log.info("draining", http_port=self.http_port)
         if self.operator_port is not None and self.proc is not None and self.proc.poll() is None:
             try:
@@ -368,7 +368,8 @@ class TritonServer:
     def is_ready(self) -> bool:
         """Server ready and the model ready (one pair of HTTP probes)."""
         base = f"http://{self.triton_http_url}"
-        if (self.doors.http and self.doors.http_front is None) or (self.doors.grpc and self.doors.grpc_front is None):
+        if (self.front_ends.http and self.front_ends.http_front is None) or (self.front_ends.grpc
+                                                                             and self.front_ends.grpc_front is None):
             return False
         return self._get(f"{base}/v2/health/ready") == 200 and all(
             self._get(f"{base}/v2/models/{name}/ready") == 200 for name in (self.model_name, *self.also_load))
@@ -396,7 +397,7 @@ class TritonServer:
 
     def stop(self, grace_s: float | None = None, keep_front: bool = False) -> int | None:
         """SIGTERM, wait ``grace_s`` (default exit timeout + 10 s), then SIGKILL the whole process group
-        (the server and its Python-backend stubs), then close the HTTP front unless ``keep_front`` (the
+        (the server and its Python-backend stubs), then close the HTTP front end unless ``keep_front`` (the
         supervisor keeps it between restarts: clients get 503 "restarting" instead of a refused
         connection). Returns the exit code; safe to call twice."""
         proc = self.proc
@@ -422,7 +423,7 @@ class TritonServer:
             self._remove_shm()  # left behind when the server or a stub was killed
             log.info("tritonserver_stopped", model=self.model_name, returncode=rc)
         if not keep_front:
-            self.doors.stop()
+            self.front_ends.stop()
         if self._log_file is not None:
             with contextlib.suppress(OSError):
                 self._log_file.close()  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""A killed launcher leaves no model process behind (issue 44, finding 10).
+"""A killed launcher leaves no model process behind (docs/hardening.md, Reliability III, finding 10).
 
 SIGKILL of ``python -m serve.triton`` with streams in flight: tritonserver got SIGTERM through its parent-death
 signal and exited, but the morphserve model's Python-backend stub was reparented to init and kept running (2.4 GB

@@ -140,7 +140,7 @@ LOG = """I1129 09:23:08.924464 13679 grpc_server.cc:2558] "Started GRPCInference
 {"blocks_removed": 8, "component": "morphserve.morph", "event": "kv_shrink", "kv_blocks_total": 100, "layer": 0, "timestamp": "2026-11-29T09:00:03Z"}
 {"component": "morphserve.morph", "event": "restore", "from_precision": "int8", "layer": 0, "time_ms": 30.0, "timestamp": "2026-11-29T09:00:03Z", "to_precision": "full"}
 {"component": "morphserve.morph", "event": "swap", "layer": 1, "truncat
-"""
+"""  # noqa: E501 - data, not prose
 
 
 def test_parse_morph_events_skips_noise_and_truncated_lines():
@@ -374,7 +374,8 @@ def test_bench_peer_without_peers_prints_the_speculation_rows(tiny_dir, tmp_path
     assert peer.main(["--model", str(tiny_dir), "--speculation-model", str(tiny_dir), "--runs", "1", "--warm-runs",
                       "0", "--quantized-modes", "", "--threads", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert list(result["ours_speculation"]) == ["off", "always", "auto"] and result["speculation_model"] == str(tiny_dir)
+    assert (list(result["ours_speculation"]) == ["off", "always", "auto"]
+            and result["speculation_model"] == str(tiny_dir))
     assert result["ours_speculation"]["always"]["draft_tokens"] > 0
     assert "| speculation always |" in capsys.readouterr().out
 
@@ -394,4 +395,5 @@ def test_bench_peer_cold_runs_reset_the_prefix_cache_and_warm_runs_reuse_it(tiny
          "ours_startup_s": 1.0,
          "bound": {"gemv_read_gbs": 10.0, "weight_bytes_per_token": 1e6, "bound_tok_s": 1e4}}
     table = peer.to_markdown(r)
-    assert "| w | cold |" in table and "| w | warm |" in table and "| 10.0 |" in table  # one run: the value (workload.repeats.cell)
+    # one run: the value (workload.repeats.cell)
+    assert "| w | cold |" in table and "| w | warm |" in table and "| 10.0 |" in table

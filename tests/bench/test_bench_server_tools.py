@@ -32,11 +32,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
         yield srv
 
 
-def test_http_front_cost_measures_both_doors_refusals_and_a_flood(server: TritonServer) -> None:
+def test_http_front_cost_measures_both_front_ends_refusals_and_a_flood(server: TritonServer) -> None:
     from bench import http_front_cost
 
     args = argparse.Namespace(requests=2, stream_requests=1, stream_tokens=4)
-    out = http_front_cost.measure(args, server.http_port, server.triton_http_port, server.doors.triton_grpc_port)
+    out = http_front_cost.measure(args, server.http_port, server.triton_http_port, server.front_ends.triton_grpc_port)
     assert set(out["generate_p50_ms"]) == {"front", "direct", "grpc_direct"}
     assert all(v > 0 for v in out["generate_p50_ms"].values())
     assert all(v >= 0 for v in out["stream_itl_p50_ms"].values())  # gaps between 4 streamed tokens (nan: none)
@@ -45,14 +45,14 @@ def test_http_front_cost_measures_both_doors_refusals_and_a_flood(server: Triton
 
 
 def test_http_door_checks_refuse_bad_bodies_and_answer_ordinary_requests(server: TritonServer) -> None:
-    from bench import http_door_checks as doors
+    from bench import http_door_checks as checks
 
     url = server.http_url
-    deep = doors.deep_bodies(url, None)
+    deep = checks.deep_bodies(url, None)
     assert deep["all_4xx"] and len(deep["refused"]) == 8 and deep["ordinary_answers"] == [32] * 4
-    assert all(400 <= t["status"] < 500 for t in doors.typed(url))
-    assert 400 <= doors.timeout(url)["status"] < 600  # past its timeout_s: refused, never answered
-    load = doors.load(url, 2, 4, 2)
+    assert all(400 <= t["status"] < 500 for t in checks.typed(url))
+    assert 400 <= checks.timeout(url)["status"] < 600  # past its timeout_s: refused, never answered
+    load = checks.load(url, 2, 4, 2)
     assert load["outcomes"] == {"answer": 2} and load["with_first_event"] == 2
     assert 0 < load["first_event_p50_s"] <= load["first_event_p95_s"] <= load["first_event_max_s"]
 
@@ -70,7 +70,8 @@ def test_triton_overhead_times_every_path(server: TritonServer) -> None:
     assert set(rows) == set(triton_overhead.PATHS)
     assert all(len(v) == 1 and 0 < v[0][0] <= v[0][1] for v in rows.values())
     table = triton_overhead.to_markdown(rows)
-    assert "| overhead of the Triton path |" in table and "| overhead of the BLS hop (ensemble vs morphserve) |" in table
+    assert ("| overhead of the Triton path |" in table
+            and "| overhead of the BLS hop (ensemble vs morphserve) |" in table)
 
 
 def _wait(server: TritonServer, pgid: int, t0: float, test, timeout_s: float = 120.0) -> dict:

@@ -45,7 +45,8 @@ def test_one_median_and_spread_format() -> None:
 def _calls(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)):
             out.add(f"{node.func.value.id}.{node.func.attr}")
     return out
 

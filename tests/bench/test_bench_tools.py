@@ -164,7 +164,8 @@ def test_replay_serves_a_synthetic_workload_and_writes_the_replay_schema(tiny_di
 
     out = tmp_path / "r.json"
     assert replay.main(["--model", str(tiny_dir), "--mode", "off", "--num-requests", "3", "--input-len", "8",
-                        "--output-len", "2", "--request-rate", "50", "--threads", "1", "--quiet", "--json", str(out)]) == 0
+                        "--output-len", "2", "--request-rate", "50", "--threads", "1", "--quiet", "--json",
+                        str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["mode"], r["num_requests"], r["completed"], r["failed"]) == ("off", 3, 3, 0)
     assert r["ttft_s"]["p50"] is not None and r["morph"]["swaps"] == 0

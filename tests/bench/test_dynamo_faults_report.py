@@ -59,7 +59,8 @@ def test_a_faults_summary_counts_outcomes_and_phases() -> None:
     log = attempts("\n".join([FAILED, COMPLETED]))
     probe = {"stale_routes": 0, "overlap_blocks": [5, 5]}
     out = summarize(records, window, t0=0.0, t_end=45.0, attempts=log, probe=probe, expected={4: "the text"})
-    assert (out["requests"], out["answered"], out["migrated"], out["retried"], out["failed"], out["lost"]) == (6, 4, 1, 1, 1, 1)
+    counts = (out["requests"], out["answered"], out["migrated"], out["retried"], out["failed"], out["lost"])
+    assert counts == (6, 4, 1, 1, 1, 1)
     assert out["lost_detail"] == {"hung": 1, "truncated": 0, "wrong": 0}
     assert out["lost_examples"][0]["expected"] == "the text" and out["lost_examples"][0]["at_s"] == 4.0
     assert out["failed_errors"] == ["APIConnectionError: refused"]
@@ -72,11 +73,14 @@ def test_a_faults_summary_counts_outcomes_and_phases() -> None:
 
 
 def test_p95_gap_and_the_median_of_repeats() -> None:
-    assert p95([]) is None and p95([3.0]) == 3.0 and p95([float(i) for i in range(1, 101)]) == 95.05  # linear: 1 + 0.95 * 99
+    # linear: 1 + 0.95 * 99
+    assert p95([]) is None and p95([3.0]) == 3.0 and p95([float(i) for i in range(1, 101)]) == 95.05
     assert longest_gap([], 0.0, 7.0) == 7.0
     base = {"requests": 10, "answered": 10, "migrated": 1, "retried": 0, "failed": 0, "lost": 0, "fault_s": 20.0,
-            "outage_s": 30.0, "recover_after_removal_s": 10.0, "longest_gap_s": 5.0, "registrations_clean_after_s": 40.0,
-            "ttft_p95_s": {"before": 0.1, "during": 1.0, "after": 0.1}, "e2e_p95_s": {"before": 1, "during": 9, "after": 1},
+            "outage_s": 30.0, "recover_after_removal_s": 10.0, "longest_gap_s": 5.0,
+            "registrations_clean_after_s": 40.0,
+            "ttft_p95_s": {"before": 0.1, "during": 1.0, "after": 0.1},
+            "e2e_p95_s": {"before": 1, "during": 9, "after": 1},
             "throughput_tok_s": {"before": 30.0, "during": 10.0, "after": 30.0}, "stale_routes": 0}
     repeats = [dict(base), dict(base, lost=2, outage_s=50.0), dict(base, outage_s=None)]
     med = median_of(repeats)

@@ -21,7 +21,8 @@ FP8_LADDER = {"ladder": ["fp8"], "cost_aware": False}
 def test_fp8_kv_rows_are_the_tables_and_differ_from_bf16():
     h200 = KernelTables("h200_sxm")
     heads = (64, 8, 128)  # CodeLlama-34B
-    path = next((package_root() / "data" / "h200_sxm" / "attention" / "trtllm").glob("*/generation_attention_perf.parquet"))
+    path = next((package_root() / "data" / "h200_sxm" / "attention"
+                 / "trtllm").glob("*/generation_attention_perf.parquet"))
     rows = {r["kv_cache_dtype"]: r["latency"] / 1e3 for r in pq.read_table(path).to_pylist()
             if (r["batch_size"], r["step"], r["num_heads"], r["num_key_value_heads"], r["head_dim"], r["window_size"],
                 r["attn_dtype"]) == (32, 2047, *heads, 0, "bfloat16")}

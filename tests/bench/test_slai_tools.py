@@ -95,7 +95,8 @@ def test_triton_slo_inputs_parse_and_check_shapes() -> None:
 def test_capacity_plot_draws_every_config(tmp_path) -> None:
     from workload.plots import capacity_plot
 
-    s = {name: summarize_config({1.0: [point(0.3)], 2.0: [point(t)]}, 2.0) for name, t in (("fcfs:off", 2.5), ("slai:off", 0.8))}
+    s = {name: summarize_config({1.0: [point(0.3)], 2.0: [point(t)]}, 2.0) for name, t
+         in (("fcfs:off", 2.5), ("slai:off", 0.8))}
     assert s["fcfs:off"]["capacity_rps"] == 1.0 and s["slai:off"]["capacity_rps"] == 2.0
     path = capacity_plot(s, 2.0, tmp_path / "capacity.png")
     assert path.stat().st_size > 1000

@@ -68,7 +68,8 @@ def test_manifest_contents_and_checksums(built, tiny_model) -> None:
     assert set(m["versions"]) >= {"torch", "modelopt", "transformers", "project"}
     assert m["full"]["file"] == ed.FULL_WEIGHTS
     records = ed.manifest_files(m)
-    assert {r["file"] for r in records} == {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {ed.MANIFEST}
+    assert {r["file"] for r in records} == {str(p.relative_to(root)) for p in root.rglob("*")
+                                            if p.is_file()} - {ed.MANIFEST}
     for rec in records:
         assert (root / rec["file"]).stat().st_size == rec["bytes"], rec["file"]
         assert ed.sha256_file(root / rec["file"]) == rec["sha256"], rec["file"]
@@ -189,7 +190,8 @@ def test_token_cosine_and_lis_on_hand_made_vectors() -> None:
 def test_gram_cosine_equals_logit_cosine() -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 16, generator=gen, dtype=torch.float64)
-    a, b = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64), torch.randn(2, 7, 16, generator=gen, dtype=torch.float64)
+    a, b = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64), torch.randn(2, 7, 16, generator=gen,
+                                                                                  dtype=torch.float64)
     assert gram_token_cosine(a, b, w.t() @ w) == pytest.approx(token_cosine(a @ w.t(), b @ w.t()), abs=1e-12)
 
 
@@ -353,7 +355,8 @@ def test_cli_help_and_bad_input(tiny_dir, tmp_path) -> None:
         output = [] if "--output" in args else ["--output", str(tmp_path / name)]
         procs[name] = subprocess.Popen([sys.executable, "-m", "builder", *args, *output, *base], cwd=REPO_ROOT,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    help_out = subprocess.run([sys.executable, "-m", "builder", "--help"], cwd=REPO_ROOT, capture_output=True, text=True)
+    help_out = subprocess.run([sys.executable, "-m", "builder", "--help"], cwd=REPO_ROOT, capture_output=True,
+                              text=True)
     assert help_out.returncode == 0
     for flag in ("--model", "--output", "--precisions", "--group-size", "--calib-text", "--calib-tokens", "--seed",
                  "--force", "--no-hf-export", "--legacy-trtllm", "--levels", "--no-levels", "--kv-block-size",

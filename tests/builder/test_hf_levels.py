@@ -58,7 +58,7 @@ def check_level_dir(engine: ed.EngineDir, name: str, rec: dict) -> None:
     assert {int(k): v for k, v in rec["layers"].items()} == plan
     want = {projection_key(i, p): QUANT_ALGO[q] for i, q in plan.items() for p in PROJECTIONS}
     assert hf_quant_config_formats(d) == want, name
-    assert hx.check_checkpoint(d, hx.level_modules(plan)) == rec["quant_algo"]  # modelopt's converter, the engine's reading
+    assert hx.check_checkpoint(d, hx.level_modules(plan)) == rec["quant_algo"]  # converter vs our reading
     assert rec["quant_algo"] == ("MIXED_PRECISION" if len(set(plan.values())) > 1 else QUANT_ALGO[plan[min(plan)]])
     files = {Path(f["file"]).name for f in rec["files"]}
     assert files == {"config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors",
@@ -176,7 +176,8 @@ def test_real_engine_levels_round_trip() -> None:
     """`make build-engines` output: hf/full and one unified checkpoint per default level, each the level's plan read
     by modelopt's converter; no legacy trtllm/; every level served gives the in-memory level's tokens on 6 prompts."""
     if not (REAL_ENGINE / ed.MANIFEST).is_file():
-        skip_outside_ci(f"no engine directory at {REAL_ENGINE}: run `make build-engines` (or set MORPHSERVE_ENGINE_DIR)")
+        skip_outside_ci(f"no engine directory at {REAL_ENGINE}: run `make build-engines` (or set "
+                        "MORPHSERVE_ENGINE_DIR)")
     engine = ed.load_engine_dir(REAL_ENGINE)
     if engine.manifest["build"]["params"]["levels"]["names"] != list(lv.default_levels()):
         skip_outside_ci(f"{REAL_ENGINE} was not built with the default levels (LEVELS=...)")

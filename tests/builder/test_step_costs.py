@@ -33,7 +33,8 @@ def test_build_step_costs_into_the_engine_dir_and_the_engine_reads_them(built, t
     assert "fp32 plain: rows [1, 2, 4" in out and "kernel crossovers: {'fp32_kernel_max_rows'" in out
     measured = [line for line in out.splitlines() if line.startswith("kernel crossovers: ")][0]
     again = cli.main(["--model", str(eng)]) == 0 and capsys.readouterr().out
-    assert "step costs for this machine already in" in again and "kernel crossovers for this machine already in" in again
+    assert ("step costs for this machine already in" in again
+            and "kernel crossovers for this machine already in" in again)
     sc.cache_path().unlink()
     (sc.cache_dir() / cm.CROSSOVERS_FILE).unlink()
     e = LLMEngine(EngineConfig(model=str(eng), morph_mode="default", num_kv_blocks=8, max_model_len=64,
@@ -47,8 +48,8 @@ def test_build_step_costs_into_the_engine_dir_and_the_engine_reads_them(built, t
         crossovers.use(crossovers.DEFAULTS)
 
 
-def test_step_costs_are_timed_under_the_measured_crossovers_with_the_head_a_step_runs(built, tmp_path, monkeypatch,
-                                                                                      capsys) -> None:
+def test_step_costs_are_timed_under_the_measured_crossovers_with_the_head_a_step_runs(
+        built, tmp_path, monkeypatch, capsys) -> None:
     """The crossovers are measured first and the step costs timed under them (a step of 8 tokens runs the kernel
     the crossovers pick for 8 rows, not the previous defaults'); the rest of the step is ``LlamaModel.logits`` (the
     int8 head blocks up to their crossover), not the fp32 head alone."""

@@ -68,7 +68,8 @@ def read_checkpoint(d: Path) -> tuple[dict, dict[str, dict], dict[str, torch.Ten
     else:  # one format for every module not matched by exclude_modules (TensorRT-LLM's QuantConfig)
         assert set(quant) <= DOCUMENTED_QUANT_FIELDS, quant
         if (d / "quant_cfg.json").exists():  # modelopt 0.47 writes an empty one for an unquantized model
-            assert quant["quant_algo"] is None and json.loads((d / "quant_cfg.json").read_text())["quantized_layers"] == {}
+            assert (quant["quant_algo"] is None
+                    and json.loads((d / "quant_cfg.json").read_text())["quantized_layers"] == {})
         excluded = quant.get("exclude_modules") or []
         layer_cfg = {k: v for k, v in quant.items() if k not in ("exclude_modules", "kv_cache_quant_algo")}
         per_module = {m: layer_cfg for m in sorted(modules)
@@ -116,7 +117,8 @@ def check_format(d: Path, engine: ed.EngineDir, layer_precisions: dict[int, str]
     assert {m: c["quant_algo"] for m, c in per_module.items()} == want
     for module, layer_cfg in per_module.items():
         if layer_cfg["quant_algo"] == "W4A16_AWQ":
-            assert (layer_cfg["group_size"], layer_cfg["has_zero_point"], layer_cfg["pre_quant_scale"]) == (group, False, True)
+            got = (layer_cfg["group_size"], layer_cfg["has_zero_point"], layer_cfg["pre_quant_scale"])
+            assert got == (group, False, True)
     layout = expected_layout(config, layer_precisions, DTYPES[dtype], group)
     assert set(tensors) == set(layout), (sorted(set(tensors) - set(layout))[:5], sorted(set(layout) - set(tensors))[:5])
     for name, (dt, shape) in layout.items():
@@ -151,7 +153,8 @@ def check_weights(tensors: dict[str, torch.Tensor], engine: ed.EngineDir, layer_
         variant = engine.layer_variant(i, precision) if precision else None
         for module, projs in MODULE_PROJS.items():
             name = f"{p}{module}."
-            full = torch.cat([w[f"{hf}{'self_attn' if module.startswith('attention') else 'mlp'}.{q}.weight"] for q in projs])
+            full = torch.cat([w[f"{hf}{'self_attn' if module.startswith('attention') else 'mlp'}.{q}.weight"] for q
+                              in projs])
             if precision is None:
                 assert torch.equal(tensors[name + "weight"], full.to(dt)), name
                 continue
@@ -194,7 +197,7 @@ def test_default_levels_are_the_ladders_of_the_modes() -> None:
         if mode.strategy == "dynamic":
             cap = f"{mode.max_quantized_fraction * 100:g}"
             assert f"{mode.ladder[0]}@{cap}" in lv.default_levels(), mode.mode
-            assert all(f"{rung}@{cap}" in lv.default_levels() for rung in mode.ladder[1:]), mode.mode
+            assert all(f"{step}@{cap}" in lv.default_levels() for step in mode.ladder[1:]), mode.mode
 
 
 def test_level_precisions_are_the_ladders_precisions_a_level_checkpoint_can_hold() -> None:
@@ -204,7 +207,8 @@ def test_level_precisions_are_the_ladders_precisions_a_level_checkpoint_can_hold
     from builder.trtllm_export import QUANT_ALGO_PRECISION
     from serve.model.quantized_linear import REGISTRY
 
-    assert lv.LEVEL_PRECISIONS == tuple(p for p in REGISTRY if any(p in m.ladder for m in MODES.values())) == ("int8", "int4")
+    in_ladders = tuple(p for p in REGISTRY if any(p in m.ladder for m in MODES.values()))
+    assert lv.LEVEL_PRECISIONS == in_ladders == ("int8", "int4")
     assert all(REGISTRY[p].trtllm.level for p in lv.LEVEL_PRECISIONS) and not REGISTRY["fp8"].trtllm.level
     assert QUANT_ALGO_PRECISION == {"W8A16": "int8", "W4A16_AWQ": "int4"}
     assert lv.linear_bytes(576, 1536, "int4", 2, 64) == 576 * 1536 // 2 + 4 * 576 * (1536 // 64) + 2 * 1536
@@ -218,7 +222,8 @@ def test_parse_levels() -> None:
     assert lv.parse_levels(" int4@50 ,int8@25.0, int4@12.5+int8@25") == ("int4@50", "int8@25", "int4@12.5+int8@25")
     assert lv.parse_level("int4@12.5+int8@25").dirname == "int4-12.5_int8-25"
     for bad, msg in [("int4", "PRECISION@PERCENT"), ("fp8@50", "not a ladder precision"), ("int4@0", "outside"),
-                     ("int4@101", "outside"), ("int4@50+int8@50", "must increase"), ("int4@10+int4@20", "two segments")]:
+                     ("int4@101", "outside"), ("int4@50+int8@50", "must increase"),
+                     ("int4@10+int4@20", "two segments")]:
         with pytest.raises(lv.LevelSpecError, match=msg):
             lv.parse_levels(bad)
 
@@ -235,7 +240,7 @@ def test_layers_and_reaching_modes_follow_the_controller() -> None:
     assert modes("int4@25") == ["accuracy", "default", "performance"]  # accuracy: its cap, all moved to int4
     assert modes("int4@12") == ["default", "performance"]             # accuracy holds int4 only at its cap
     assert modes("int8@25") == modes("int8@12") == modes("int4@12+int8@25") == ["accuracy"]
-    assert modes("int8@12+int4@25") == []                             # the milder rung sits ahead in swap order
+    assert modes("int8@12+int4@25") == []                             # the milder ladder step sits ahead in swap order
     assert modes("int4@50") == ["default", "performance"] and modes("int4@75") == ["performance"]
     assert modes("int4@100") == ["static-int4"] and modes("int8@100") == ["static-int8"] and modes("int4@90") == []
     assert lv.reaching_modes({0: "int4"}, order) == []                # not a prefix of the swap order
@@ -308,7 +313,8 @@ def test_manifest_levels_section(legacy_built) -> None:
         assert rec["num_quantized"] == len(rec["layers"])
         assert rec["status"] == "exported" and rec["quant_algo"] == "MIXED_PRECISION" and rec["engine_built"] is False
         assert rec["dir"] == f"trtllm/levels/{lv.parse_level(name).dirname}"
-        measured = sum(t.numel() * t.element_size() for t in load_file(str(root / rec["dir"] / "rank0.safetensors")).values())
+        measured = sum(t.numel() * t.element_size() for t
+                       in load_file(str(root / rec["dir"] / "rank0.safetensors")).values())
         assert rec["weight_bytes"] == rec["expected_weight_bytes"] == measured
         assert rec["bytes_freed"] == full["weight_bytes"] - rec["weight_bytes"] > 0
         assert rec["kv_blocks_freed"] == rec["bytes_freed"] // budget["kv_bytes_per_block"] > 0

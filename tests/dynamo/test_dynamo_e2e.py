@@ -148,7 +148,8 @@ def test_too_long_request_is_rejected_and_the_worker_keeps_serving(client) -> No
 
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model="morphserve", prompt="Hi", max_tokens=400)
-    assert client.completions.create(model="morphserve", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert client.completions.create(model="morphserve", prompt="Hi", max_tokens=2,
+                                     temperature=0).usage.completion_tokens == 2
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(cluster, client) -> None:

@@ -1,4 +1,4 @@
-"""The request lifecycle through NVIDIA Dynamo (issue 43): the worker's engine decides deadlines, shedding and
+"""The request lifecycle through NVIDIA Dynamo: the worker's engine decides deadlines, shedding and
 draining from the same EngineConfig fields as the Triton model, and each error kind reaches the client of Dynamo's
 OpenAI frontend as its status: an OpenAI-style error object with code 400 invalid input, 503 overloaded, 504
 deadline exceeded, 503 draining (as the HTTP status, or in the error event of a stream, whose status line is

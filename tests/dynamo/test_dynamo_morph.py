@@ -61,7 +61,7 @@ def test_morph_transitions_change_the_published_total_blocks() -> None:
         assert state["stats"]["swaps_total"] > 0 and state["stats"]["layers_quantized"].get("int4", 0) > 0
         assert worker_metric(worker, "morphserve_swaps_total") == state["stats"]["swaps_total"]
 
-        # Load gone: restores (LIFO, one rung at a time) shrink the pool back; the published value follows.
+        # Load gone: restores (LIFO, one ladder step at a time) shrink the pool back; the published value follows.
         wait_for(lambda: worker_metric(worker, "dynamo_component_total_blocks") == registered, 240, interval_s=0.5,
                  what=f"published total_blocks to return to {registered}")
         state = post_json(control, {})

@@ -154,7 +154,8 @@ def test_chunks_and_finish_reasons() -> None:
 
 def test_engine_data_carries_the_requests_quality() -> None:
     metrics = EngineRequestMetrics(1.0, quantized_layer_tokens=6, kv_8bit_tokens=2, quality_samples=4, quality_agreed=3)
-    data = chunk([6], "length", 3, 8, out=SimpleNamespace(metrics=metrics, stop_reason=None), block_size=16)["engine_data"]
+    data = chunk([6], "length", 3, 8, out=SimpleNamespace(metrics=metrics, stop_reason=None),
+                 block_size=16)["engine_data"]
     assert (data["quantized_layer_tokens"], data["kv_8bit_tokens"], data["quality_samples"]) == (6, 2, 4)
     assert data["quality_agreement"] == 0.75 and data["kv_cache_hit_rate"] == 0.0  # beside the perf metrics
     unsampled = chunk([6], "length", 3, 8, out=SimpleNamespace(metrics=EngineRequestMetrics(1.0), stop_reason=None))

@@ -2,7 +2,7 @@
 parses and validates, regex outputs match fully, the mask changes nothing but forbidden tokens (greedy picks the
 unconstrained argmax wherever the grammar allows it), bad guides are refused (malformed ones before admission, those
 the grammar engine refuses or cannot compile in time as the request's end, kind invalid input), guides compile off
-the admission path (issue 44, finding 3), and guided requests keep their grammar state through preemption,
+the admission path (Reliability III finding 3), and guided requests keep their grammar state through preemption,
 sampling, penalties and prefix caching."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def _chat(e: LLMEngine, text: str) -> str:
 
 
 def _schema_params(schema: dict, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=kw.pop("max_tokens", 160), guided_decoding={"type": "json_schema", "guide": schema}, **kw)
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 160),
+                          guided_decoding={"type": "json_schema", "guide": schema}, **kw)
 
 
 def test_every_output_of_24_schemas_parses_and_validates(engine) -> None:
@@ -102,8 +103,8 @@ def test_regex_outputs_match_fully(engine) -> None:
 
 def test_choice_json_and_grammar_kinds(engine) -> None:
     prompt = _chat(engine, "Is the sky blue? Answer yes or no.")
-    out = engine.generate([prompt], SamplingParams(max_tokens=8, guided_decoding={"type": "choice",
-                                                                                    "guide": ["yes", "no", "maybe"]}))[0]
+    guide = {"type": "choice", "guide": ["yes", "no", "maybe"]}
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, guided_decoding=guide))[0]
     assert out["text"] in ("yes", "no", "maybe") and out["finish_reason"] == "stop"
     # any JSON: a 135M model asked for "a person" rambles past 200 tokens (still JSON so far); one key it ends
     out = engine.generate([_chat(engine, "Give the capital of France as JSON with one key.")],
@@ -196,7 +197,7 @@ def test_bad_guides_are_refused_before_admission(engine, guided, match) -> None:
 
 @pytest.mark.parametrize("guided, match", [
     ({"type": "regex", "guide": "([a-z"}, "invalid regex guide: .*Unclosed"),
-    ({"type": "json_schema", "guide": '{"$ref": "#"}'}, "accepts no text"),     # issue 44: these answered 500
+    ({"type": "json_schema", "guide": '{"$ref": "#"}'}, "accepts no text"),     # these once answered 500
     ({"type": "ebnf_grammar", "guide": "root ::= root"}, "accepts no text"),
 ])
 def test_guides_the_grammar_engine_refuses_end_the_request_as_invalid_input(engine, guided, match) -> None:
@@ -212,8 +213,8 @@ def test_a_guide_that_reaches_a_dead_end_ends_as_invalid_input(engine) -> None:
     """A grammar that allows a first token but nothing after it: the request ends as its own input's fault
     (GuideViolation, invalid input) instead of sampling from no token at all (an engine error, HTTP 500)."""
     grammar = 'root ::= "Yes" tail\ntail ::= tail'
-    out = engine.generate(["Say yes."], SamplingParams(max_tokens=8, guided_decoding={"type": "ebnf_grammar",
-                                                                                       "guide": grammar}))[0]
+    guide = {"type": "ebnf_grammar", "guide": grammar}
+    out = engine.generate(["Say yes."], SamplingParams(max_tokens=8, guided_decoding=guide))[0]
     assert out["error_kind"] == ErrorKind.INVALID_INPUT.value and "allows no token after" in out["error"], out
     assert out["text"] == "Yes"
 
@@ -377,7 +378,8 @@ def test_guided_requests_under_slai_with_layers_swapped_mid_request(smollm) -> N
             if out.finished:
                 r["finish_reason"] = out.finish_reason.value
 
-        rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema in picks]
+        rids = [e.add_request(_chat(e, schema_prompt(s)), _schema_params(schema), callback=collect) for s, schema
+                in picks]
         while len(e.grammars):  # the swaps below must land mid-request: first let every grammar compile
             e.has_unfinished_requests()
             e.grammars.wait(0.1)

@@ -294,12 +294,12 @@ def test_launcher_closes_the_repository_api_by_default(tmp_path: Path):
     inst = TritonInstall(tmp_path, tmp_path / "bin", tmp_path, tmp_path, tmp_path)
     cmd = TritonServer(workdir=tmp_path).command(inst, tmp_path, tmp_path)
     assert "--model-control-mode=none" in cmd and not any(c.startswith("--load-model") for c in cmd)
-    closed = "shared-memory,logging,trace,model-repository:"  # on tritonserver's own ports too (issue 44, finding 4)
+    closed = "shared-memory,logging,trace,model-repository:"  # tritonserver's own ports too (finding 4)
     assert any(c.startswith(f"--http-restricted-api={closed}") for c in cmd)
     assert any(c.startswith(f"--grpc-restricted-protocol={closed}") for c in cmd)
     assert all("0.0.0.0" not in c for c in cmd)
-    opened = TritonServer(workdir=tmp_path, repository_api=True, client_apis=["shared-memory"]).command(inst, tmp_path,
-                                                                                                        tmp_path)
+    opened = TritonServer(workdir=tmp_path, repository_api=True,
+                          client_apis=["shared-memory"]).command(inst, tmp_path, tmp_path)
     assert "--model-control-mode=explicit" in opened
     assert any(c.startswith("--http-restricted-api=logging,trace:") for c in opened)
 

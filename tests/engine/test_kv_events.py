@@ -82,8 +82,8 @@ def check(engine: LLMEngine, bridge: KvEventBridge, view: RouterView) -> None:
 @pytest.mark.parametrize("policy, mode, blocks", [("exact", "performance", 24), ("preserve", "performance", 24),
                                                   ("exact", "off", 16)])
 def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, mode, blocks):
-    """Bursts and calm spells: in performance mode the controller quantizes (the pool grows by a chunk) and
-    restores (the chunk and its cached blocks leave); with morphing off a small pool preempts instead."""
+    """Bursts and calm spells: in performance mode the controller quantizes (the pool grows by an extent) and
+    restores (the extent and its cached blocks leave); with morphing off a small pool preempts instead."""
     rng = random.Random(7)
     clock = FakeClock()
     morph = {"persist_iters": 1, "restore_persist_s": 1.0, "cost_aware": False} if mode != "off" else {}
@@ -111,7 +111,7 @@ def test_published_blocks_equal_the_pools_servable_registrations(tiny, policy, m
             engine.reset_prefix_cache()
             resets += 1
             check(engine, bridge, view)
-    while engine.has_unfinished_requests() or (runtime is not None and not runtime.is_settled()):
+    while engine.has_unfinished_requests() or (runtime is not None and not runtime.is_at_rest()):
         if runtime is not None and runtime.pending:
             runtime.pending[0].job.result()
         engine.step()  # drain, then stay calm until every layer is back at full precision

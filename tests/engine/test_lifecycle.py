@@ -72,14 +72,14 @@ def test_the_queue_deadline_sheds_a_request_that_got_no_token(tiny) -> None:
 
 
 def test_an_earlier_arrival_counts_toward_the_queue_deadline(tiny) -> None:
-    """A front end passes its door's arrival: time spent before the engine saw the request counts."""
+    """A front end passes the request's arrival at it: time spent before the engine saw the request counts."""
     clock, collect = StepClock(), OutputCollector()
     e = make(tiny, clock, max_num_seqs=1, queue_timeout_s=3.0)
     busy = e.add_request([1, 2, 3], LONG, callback=collect)
     early = e.add_request([4, 5, 6], LONG, callback=collect, arrival_time=clock.t - 2.5)
     e.step()
     clock.t += 1.0
-    e.step()  # 3.5 s after its arrival at the door, 1 s after the engine saw it
+    e.step()  # 3.5 s after its arrival at the front end, 1 s after the engine saw it
     assert collect.results[early]["error_kind"] == "overloaded" and not collect.finished(busy)
 
 
@@ -197,7 +197,8 @@ def test_cancellation_and_failures_carry_their_kind(tiny) -> None:
 
 
 def test_error_kinds_of_plain_exceptions() -> None:
-    assert error_kind(ValueError("x")) is ErrorKind.INVALID_INPUT and error_kind(TypeError("x")) is ErrorKind.INVALID_INPUT
+    assert (error_kind(ValueError("x")) is ErrorKind.INVALID_INPUT
+            and error_kind(TypeError("x")) is ErrorKind.INVALID_INPUT)
     assert error_kind(RuntimeError("overloaded: retry later")) is ErrorKind.INTERNAL  # words decide nothing
     assert error_kind(DeadlineExceeded("x")) is ErrorKind.DEADLINE_EXCEEDED and retry_after_of(KeyError()) is None
 

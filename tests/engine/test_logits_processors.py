@@ -92,7 +92,8 @@ def test_min_tokens_matches_transformers(generated: int) -> None:
 def test_all_processors_compose_in_documented_order() -> None:
     logits, history = _case(11)
     words = ((history[-1], 3),)
-    p = SamplingParams(max_tokens=32, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2, min_tokens=20,
+    p = SamplingParams(max_tokens=32, repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2,
+                       min_tokens=20,
                        bad_words=("x",))
     ours = process_row(logits, p, RowContext(history, PROMPT_LEN, (9,), words))
     ref = logits.clone()

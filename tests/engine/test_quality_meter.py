@@ -117,9 +117,12 @@ def test_final_outputs_carry_the_quantized_share_and_sampled_agreement(smollm):
         assert total == stats.quality_samples_total > 0
         assert stats.tokens_quantized_layers_total == 80
         assert stats.quality_agreement is not None and stats.quality_agreement_lower <= stats.quality_agreement
-        rows = {m.name: stat_value(stats, m.stats_key) for m in ENGINE_METRICS if m.name.startswith(("morphserve_quality", "morphserve_tokens_"))}
-        assert rows["morphserve_quality_samples_total"] == total and rows["morphserve_tokens_quantized_layers_total"] == 80
-        assert rows["morphserve_quality_agreement"] == stats.quality_agreement and rows["morphserve_tokens_kv_8bit_total"] == 0
+        rows = {m.name: stat_value(stats, m.stats_key) for m in ENGINE_METRICS
+                if m.name.startswith(("morphserve_quality", "morphserve_tokens_"))}
+        assert (rows["morphserve_quality_samples_total"] == total
+                and rows["morphserve_tokens_quantized_layers_total"] == 80)
+        assert (rows["morphserve_quality_agreement"] == stats.quality_agreement
+                and rows["morphserve_tokens_kv_8bit_total"] == 0)
         assert None not in rows.values() and len(rows) == 7  # what both front ends export from the catalogue
     finally:
         engine.shutdown()

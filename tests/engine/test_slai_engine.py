@@ -25,7 +25,8 @@ def engine(tiny, scheduler: str = "slai", clock=None, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**{**cfg, **kw}), loaded=tiny, clock=clock)
 
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [30, 31, 32], [40, 41, 42, 43, 44, 45, 46]]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [30, 31, 32],
+           [40, 41, 42, 43, 44, 45, 46]]
 
 
 def test_slai_generates_the_same_greedy_tokens_as_fcfs(tiny):
@@ -89,7 +90,8 @@ def test_unset_thetas_are_the_devices_calibration_and_set_ones_win():
     from serve.memory.block_pool import BlockPool
 
     assert SLAI_THETA_BY_DEVICE == {"cpu": (3.0, 6.0), "cuda": (5.0, 10.0)}
-    unset, set_ = EngineConfig(scheduler="slai"), EngineConfig(scheduler="slai", slai_theta_low=2.0, slai_theta_high=4.5)
+    unset, set_ = EngineConfig(scheduler="slai"), EngineConfig(scheduler="slai", slai_theta_low=2.0,
+                                                               slai_theta_high=4.5)
     for device, want in (("cpu", (3.0, 6.0)), ("cuda", (5.0, 10.0))):
         s = make_scheduler(unset, BlockPool(8), FakeClock(), device_type=device)
         assert (s.config.theta_low, s.config.theta_high) == want

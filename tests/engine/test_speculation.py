@@ -178,7 +178,7 @@ def test_a_failed_verification_frees_the_drafts_blocks(smollm):
 
 def test_greedy_equal_through_a_morphing_transition_mid_request(smollm):
     """Layers 3..8 move to int8 after the request has emitted some tokens: drafts then run those layers at int4
-    (the rung below) and the rest at int8; output equals a plain engine whose same layers switch at the same
+    (the ladder step below) and the rest at int8; output equals a plain engine whose same layers switch at the same
     output length (tests/morph_support.py's direct variants)."""
     cfg = dict(num_kv_blocks=128, enable_prefix_caching=False)
     # the test applies the transition itself; restore_persist_s: the controller must not restore the layers

@@ -55,9 +55,9 @@ def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the
     before = [t.clone() for t in weight_tensors(e.model.layers[0])]
 
     morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
-    chunk = e.pool.chunks[-1]
-    assert chunk.num_blocks == region.num_slots - bank.slots(0, "int4") > 0
-    for logical in range(chunk.start, chunk.end):  # every new block sits where the full weights were
+    extent = e.pool.extents[-1]
+    assert extent.num_blocks == region.num_slots - bank.slots(0, "int4") > 0
+    for logical in range(extent.start, extent.end):  # every new block sits where the full weights were
         k = kv.k[0][kv.physical_slot(logical)]
         v = kv.v[e.model_config.num_layers - 1][kv.physical_slot(logical)]
         for t in (k, v):
@@ -65,7 +65,7 @@ def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the
     quant = _ranges(e.model.layers[0])  # the variant lives in the region's tail
     assert all(arena.data_ptr(bank.tail(0, "int4").start) <= a and b <= arena.data_ptr(region.end) for a, b in quant)
 
-    held = e.pool.allocate(e.pool.num_free)  # write KV into the chunk: real bytes over the old weights
+    held = e.pool.allocate(e.pool.num_free)  # write KV into the extent: real bytes over the old weights
     for logical in held:
         kv.k[0][kv.physical_slot(logical)].fill_(7.0)
     e.pool.free(held)
@@ -78,7 +78,7 @@ def test_a_swap_turns_the_layers_own_bytes_into_kv_blocks_and_a_restore_puts_the
 
 
 def test_resident_memory_stays_flat_while_swaps_grow_the_kv_cache(tiny):
-    """KV written into swap chunks costs no new memory: with three layers quantized and the grown pool full of
+    """KV written into swap extents costs no new memory: with three layers quantized and the grown pool full of
     KV, resident memory is within a small constant of what it was before the swaps (measured and printed).
     KV allocated outside the arena would show as growth of about the KV gained (23 MiB here)."""
     big = make_tiny_model(seed=3, tokenizer=tiny.tokenizer, vocab_size=1024, hidden_size=512, intermediate_size=1024,
@@ -148,7 +148,7 @@ def test_a_request_that_fits_only_after_quantizing_is_served_without_preemption(
     clock = FakeClock()
     # layer swaps alone (kv_rung null): the default mode's int8 KV rung would cover this pressure without a swap
     e = morph_engine(tiny, "default", blocks=20, clock=clock, kv_rung=None)
-    gain = morph(e).blocks_per_layer_chunk["int4"]
+    gain = morph(e).blocks_per_layer_extent["int4"]
     assert e.reachable_blocks == 20 + morph(e).controller.max_quantized_layers * gain
     small = [e.add_request([50 + j for j in range(6)], SamplingParams(max_tokens=30, ignore_eos=True))]
     big_prompt = [(13 * j) % 4000 + 10 for j in range(4 * 20 + 40)]  # needs more blocks than the base pool
@@ -173,7 +173,8 @@ def test_a_request_no_configuration_of_the_mode_can_hold_is_refused_with_the_rea
     e = LLMEngine(EngineConfig(num_kv_blocks=20, block_size=4, morph_mode="default", max_model_len=2048),
                   loaded=long_ctx, clock=FakeClock())
     too_big = e.reachable_blocks * 4 + 4 - 8  # prompt + 8 new tokens = one block more than the mode can reach
-    with pytest.raises(ValueError, match=r"can never hold more than \d+ in morph mode 'default' \(20 base \+ 1 layers at int4"):
+    with pytest.raises(ValueError,
+                       match=r"can never hold more than \d+ in morph mode 'default' \(20 base \+ 1 layers at int4"):
         e.add_request(list(range(10, 10 + too_big)), SamplingParams(max_tokens=8, ignore_eos=True))
     assert not e.has_unfinished_requests()
 
@@ -221,7 +222,8 @@ def test_an_engine_whose_iterations_keep_failing_reports_unhealthy_and_refuses_w
         errors = []
         for _ in range(3):
             done = []
-            e.add_request([5, 6, 7], SamplingParams(max_tokens=2), callback=lambda o: done.append(o) if o.finished else None)
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=2), callback=lambda o: done.append(o) if o.finished
+                          else None)
             for _ in range(500):
                 if done:
                     break

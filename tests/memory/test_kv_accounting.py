@@ -61,7 +61,8 @@ def test_accounting_exact_under_random_load(engines, reqs, blocks, budget, max_s
             prompt = [(seed + (31 * i if i % 2 else 0) + 7 * j) % 5000 + 10 for j in range(n_prompt)]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed + i, ignore_eos=True)
             rids[i] = engine.add_request(prompt, params,
-                                         callback=lambda o: o.finished and finished.__setitem__(o.request_id, o.finish_reason.value))
+                                         callback=lambda o: o.finished
+                                         and finished.__setitem__(o.request_id, o.finish_reason.value))
         for i, (_, _, _, abort_at) in enumerate(reqs):
             if abort_at == step and i in rids:
                 engine.abort_request(rids[i])

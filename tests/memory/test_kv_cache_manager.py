@@ -2,7 +2,8 @@
 the shortfall a scheduler actually meets: exact block ids, holds and prefix-hit counts; the shortfall hook
 asked before a preemption, with FCFS's whole-pass deficit and with the deficit SLAI meets; a failing hook.
 (SLAI engines that preempt with morphing off and serve the same workload without preemption when morphing,
-as FCFS does: tests/memory/test_arena.py; random load under both schedulers with morphing: tests/morph/test_morph.py.)"""
+as FCFS does: tests/memory/test_arena.py; random load under both schedulers with morphing:
+tests/morph/test_morph.py.)"""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def test_the_shortfall_hook_covers_what_it_can_and_is_not_asked_again_in_a_step_
     def hook(blocks: int) -> None:
         asked.append(blocks)
         if n := grow.pop(0):
-            pool.add_chunk(f"c{len(asked)}", n)
+            pool.add_extent(f"c{len(asked)}", n)
 
     kv = KVCacheManager(pool, 4, on_shortfall=hook)
     kv.begin_step()
@@ -138,7 +139,7 @@ def three_decodes_each_short_of_a_block(scheduler: Scheduler, clock: SchedulerCl
 def growing_hook(pool: BlockPool, sizes: list[int], asked: list[int]):
     def hook(blocks: int) -> None:
         asked.append(blocks)
-        pool.add_chunk(f"chunk{len(asked)}", sizes.pop(0))
+        pool.add_extent(f"extent{len(asked)}", sizes.pop(0))
     return hook
 
 

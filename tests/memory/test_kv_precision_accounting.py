@@ -33,9 +33,9 @@ def test_a_swap_adds_int8_blocks_in_the_layers_own_bytes(tiny):
         assert e.ledger.slot_bytes == slot[fmt]
         region = morph(e).bank.regions[0]
         morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
-        chunk = e.pool.chunks[-1]
-        gained[fmt], blocks[fmt] = chunk.num_blocks * e.ledger.slot_bytes, chunk.num_blocks
-        phys = e.kv.block_map[chunk.start:chunk.end].tolist()
+        extent = e.pool.extents[-1]
+        gained[fmt], blocks[fmt] = extent.num_blocks * e.ledger.slot_bytes, extent.num_blocks
+        phys = e.kv.block_map[extent.start:extent.end].tolist()
         assert region.start <= min(phys) and max(phys) < region.end
         assert_memory_exact(e)
         held = e.pool.allocate(e.pool.num_free)  # fill the grown pool, then give it back and restore

@@ -44,23 +44,23 @@ def test_retired_blocks_count_nowhere_until_they_come_back():
     assert (pool.num_blocks, pool.num_free, pool.num_retired) == (6, 3, 2)
     pool.check_invariants()
     assert pool.allocate(4) is None  # 3 free: ids 3, 4, 5
-    chunk = pool.add_chunk("kv8:0", 7, quantized=True)
-    assert chunk.start == 8 and pool.num_blocks == 13 and pool.is_quantized(9) and not pool.is_quantized(5)
+    extent = pool.add_extent("kv8:0", 7, quantized=True)
+    assert extent.start == 8 and pool.num_blocks == 13 and pool.is_quantized(9) and not pool.is_quantized(5)
     assert pool.allocate(4) == [3, 4, 5, 8]  # full-precision blocks first, then the 8-bit ones
     try:
         pool.retire([3])
         raise AssertionError("retired a block in use")
     except BlockPoolError:
         pass
-    layer = pool.add_chunk("layer", 4)  # ids 15-18, full precision: free ones the rung may convert
+    layer = pool.add_extent("layer", 4)  # ids 15-18, full precision: free ones the rung may convert
     assert pool.free_full_ids() == [15, 16, 17, 18] and pool.num_free_full == 4  # 9-14: free but 8-bit
     pool.free([8])
     assert pool.free_full_ids() == [15, 16, 17, 18] and pool.num_free_full == 4 and pool.num_free == 11
     pool.free([3])
     assert pool.free_full_ids() == [3, 15, 16, 17, 18] and pool.num_free_full == 5
-    pool.remove_chunk(layer.owner)
+    pool.remove_extent(layer.owner)
     pool.free([4, 5])
-    pool.remove_chunk("kv8:0")
+    pool.remove_extent("kv8:0")
     pool.unretire([6, 7])
     pool.free(held)
     assert (pool.num_blocks, pool.num_free, pool.num_retired) == (8, 8, 0)
@@ -70,7 +70,7 @@ def test_retired_blocks_count_nowhere_until_they_come_back():
 def test_pressure_converts_before_any_layer_swap_and_calm_reverts_lifo(tiny):
     """Eight 30-token prompts on 20 blocks: the rung converts every free slot first (the waiting prompts need 64
     blocks), the morph runtime then swaps what is still short; the pool is exact at every step; once calm, the morph
-    chunk leaves first (LIFO), then the rung's, and the engine is back at its 20 full-precision blocks."""
+    extent leaves first (LIFO), then the rung's, and the engine is back at its 20 full-precision blocks."""
     clock = FakeClock()
     e = morph_engine(tiny, "performance", blocks=20, clock=clock, kv_rung="int8")
     rung = _rung(e)
@@ -80,7 +80,7 @@ def test_pressure_converts_before_any_layer_swap_and_calm_reverts_lifo(tiny):
         e.add_request([(17 * i + j) % 4000 + 10 for j in range(30)], params)
     e.step()
     assert rung.conversions_total == 1 and rung.slots_converted == 20 and rung.kv_blocks_8bit == 63
-    assert e.pool.chunks[1].quantized  # the rung's chunk came before the first layer's
+    assert e.pool.extents[1].quantized  # the rung's extent came before the first layer's
     while e.has_unfinished_requests():
         e.step()
         clock.t += 0.05
@@ -95,22 +95,22 @@ def test_pressure_converts_before_any_layer_swap_and_calm_reverts_lifo(tiny):
     assert morph(e).stats.restores == morph(e).stats.swaps
 
 
-def test_a_layer_restore_waits_while_a_newer_8bit_chunk_lies_above_its_chunk(tiny):
-    """Chunks leave LIFO whoever added them: rung chunk, layer chunk, rung chunk; the second conversion takes the
-    highest free full-precision blocks, the layer chunk's; the layer cannot be restored (its chunk is not the newest
-    and not free) until the rung's newer chunk has gone, and the pool stays exact throughout."""
+def test_a_layer_restore_waits_while_a_newer_8bit_extent_lies_above_its_extent(tiny):
+    """Extents leave LIFO whoever added them: rung extent, layer extent, rung extent; the second conversion takes the
+    highest free full-precision blocks, the layer extent's; the layer cannot be restored (its extent is not the newest
+    and not free) until the rung's newer extent has gone, and the pool stays exact throughout."""
     from policy import FULL, MorphDecision  # noqa: PLC0415
 
     e = morph_engine(tiny, "performance", blocks=20, kv_rung="int8", **CALM)
     rung, m = _rung(e), morph(e)
     held = e.pool.allocate(16)
-    rung.apply(KVRungDecision("convert", 4, "test"))          # blocks 16-19 -> an 8-bit chunk
-    m.apply_now(MorphDecision("quantize", (0,), "int4", "test"))  # a layer chunk above it
+    rung.apply(KVRungDecision("convert", 4, "test"))          # blocks 16-19 -> an 8-bit extent
+    m.apply_now(MorphDecision("quantize", (0,), "int4", "test"))  # a layer extent above it
     e.pool.free(held[-4:])                                      # blocks 12-15 free again
-    rung.apply(KVRungDecision("convert", 4, "test"))          # a second 8-bit chunk, above the layer's
-    assert [c.quantized for c in e.pool.chunks[1:]] == [True, False, True]
-    layer_chunk = e.pool.chunks[2]
-    assert rung.conversions[1].retired == list(range(layer_chunk.end - 4, layer_chunk.end))  # the layer chunk's top
+    rung.apply(KVRungDecision("convert", 4, "test"))          # a second 8-bit extent, above the layer's
+    assert [c.quantized for c in e.pool.extents[1:]] == [True, False, True]
+    layer_extent = e.pool.extents[2]
+    assert rung.conversions[1].retired == list(range(layer_extent.end - 4, layer_extent.end))  # the layer extent's top
     assert_memory_exact(e)
     m.apply_now(MorphDecision("restore", (0,), None, "test"))
     assert e.model.layers[0].precision == "int4" and m.events[-1]["event"] == "restore_skipped"
@@ -285,5 +285,5 @@ def test_random_load_with_the_rung_keeps_memory_and_blocks_exact(tiny, reqs, mod
     e.config.prefix_cache_across_morph = prefix_cache
     _rung(e).pool.register_quantized = prefix_cache == "preserve"
     run_random_load_to_base(e, clock, reqs, seed, shared_prefix=8)
-    assert e.pool.num_retired == 0 and _rung(e).is_settled()
+    assert e.pool.num_retired == 0 and _rung(e).is_at_rest()
     assert int((e.kv.block_format[: e.pool.num_blocks] == Q8_BLOCK).sum()) == 0

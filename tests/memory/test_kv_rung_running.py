@@ -242,7 +242,7 @@ def test_random_load_converting_running_blocks_keeps_memory_and_blocks_exact(tin
     e.config.prefix_cache_across_morph = prefix_cache
     _rung(e).pool.register_quantized = prefix_cache == "preserve"
     run_random_load_to_base(e, clock, reqs, seed, shared_prefix=8, before_step=_forced_conversions(e, seed))
-    assert e.pool.num_retired == 0 and _rung(e).is_settled()
+    assert e.pool.num_retired == 0 and _rung(e).is_at_rest()
 
 
 def test_a_fixed_random_load_rewrites_running_blocks_through_preemption_hits_and_aborts(tiny):

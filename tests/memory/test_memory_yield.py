@@ -1,4 +1,4 @@
-"""Yield and reclaim (issue 36): the pure rule, the runtime with real memory, and the VMM segment arithmetic.
+"""Yield and reclaim: the pure rule, the runtime with real memory, and the VMM segment arithmetic.
 
 The engine tests use a fake pressure source (a number the test sets) and real components otherwise: the
 arena's pages really go back to the kernel (the process's VmRSS falls), the ledger stays exact, and running
@@ -22,20 +22,21 @@ MiB = 2**20
 RSS_NOISE = 1 * MiB
 """What the process may allocate or free between two RSS readings besides the arena (Python objects, the C heap);
 seen ~40 KB once in a run. Small against the >= 40 MiB the checks are about."""
-CHUNK = {"int8": 50, "int4": 75}
+EXTENT = {"int8": 50, "int4": 75}
 BLOCK = MiB  # bytes per block in the pure tests: a layer at int8 frees 50 MiB, at int4 75 MiB
 
 
 def telemetry(now: float, *, free: int | None, quantized=(), top_yielded=False, yielded=0, request=None,
-              chunk_free=True, total=1000, used=100) -> Telemetry:
+              extent_free=True, total=1000, used=100) -> Telemetry:
     return Telemetry(now_s=now, kv_blocks_total=total, kv_blocks_used=used, num_layers=8,
-                     quantized_layers=tuple(quantized), pending_restore_chunk_free=chunk_free,
-                     blocks_per_layer_chunk=CHUNK, memory_free_bytes=free, memory_source="test",
+                     quantized_layers=tuple(quantized), pending_restore_extent_free=extent_free,
+                     blocks_per_layer_extent=EXTENT, memory_free_bytes=free, memory_source="test",
                      yielded_bytes=yielded, top_is_yielded=top_yielded, yield_request_bytes=request, block_bytes=BLOCK)
 
 
 def controller(**kw) -> MorphController:
-    policy = PolicyConfig.for_mode("accuracy", cost_aware=False, memory_floor_bytes=1000 * MiB, **kw)  # ladder int8, int4
+    # ladder int8, int4
+    policy = PolicyConfig.for_mode("accuracy", cost_aware=False, memory_floor_bytes=1000 * MiB, **kw)
     return MorphController(policy, (5, 2, 7, 0, 3, 6, 1, 4))
 
 
@@ -50,7 +51,7 @@ def test_yield_sizes_the_step_to_the_shortfall_in_swap_order() -> None:
     assert c.decide(telemetry(2.0, free=2000 * MiB)).action == "none"
 
 
-def test_yield_takes_a_free_kv_chunk_on_top_first_and_then_moves_layers_down_the_ladder() -> None:
+def test_yield_takes_a_free_kv_extent_on_top_first_and_then_moves_layers_down_the_ladder() -> None:
     c = controller()
     d = c.decide(telemetry(1.0, free=990 * MiB, quantized=[(5, "int8")]))
     assert (d.action, d.layers, d.precision) == ("yield", (5,), None)
@@ -228,7 +229,7 @@ def test_tokens_while_yielded_equal_an_engine_that_quantized_the_same_layers(tin
     assert ey.pool.num_blocks == ey.pool.base_blocks  # nothing went to the pool
 
 
-def test_a_free_kv_chunk_is_yielded_as_it_stands(tiny) -> None:
+def test_a_free_kv_extent_is_yielded_as_it_stands(tiny) -> None:
     outside = Outside(10 * 2**30)
     e = LLMEngine(EngineConfig(num_kv_blocks=40, block_size=4, max_num_seqs=4, max_model_len=256,
                                morph_mode="default", memory_floor="1GiB", memory_pressure_source="none",
@@ -319,7 +320,7 @@ def test_operator_memory_control_body() -> None:
 
 def test_yielded_bytes_under_newer_kv_transitions_come_back_as_kv(tiny) -> None:
     """Load went on after a yield, so KV steps stacked newer transitions on top. Reclaim does not wait for
-    them to be restored: the buried transition's slots come back as its KV chunk (the pool grows, nothing is
+    them to be restored: the buried transition's slots come back as its KV extent (the pool grows, nothing is
     yielded) and the transition moves to the top, where the restore rule undoes it first, LIFO as ever."""
     from tests.morph.test_morph import assert_memory_exact
 
@@ -334,8 +335,8 @@ def test_yielded_bytes_under_newer_kv_transitions_come_back_as_kv(tiny) -> None:
     e.request_memory_yield(None)
     d = boundary(e)
     assert (d.action, d.layers) == ("reclaim", (first,)) and "as KV blocks" in d.reason
-    chunk = morph(e).stack[-1].blocks
-    assert e.ledger.yielded_slots == 0 and e.pool.num_blocks == grown + chunk
+    extent = morph(e).stack[-1].blocks
+    assert e.ledger.yielded_slots == 0 and e.pool.num_blocks == grown + extent
     assert [t.layer for t in morph(e).stack] == [second, first] and not any(t.yielded for t in morph(e).stack)
     assert_memory_exact(e)
     morph(e).apply_now(MorphDecision("restore", (first,), None, "calm"))

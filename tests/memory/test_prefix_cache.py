@@ -83,14 +83,14 @@ def test_clear_cache_forgets_every_prefix_and_bumps_the_epoch():
     pool.check_invariants()
 
 
-def test_cached_blocks_do_not_pin_a_kv_chunk():
+def test_cached_blocks_do_not_pin_a_kv_extent():
     pool = BlockPool(2, max_blocks=6)
-    pool.add_chunk("layer-3", 2)
+    pool.add_extent("layer-3", 2)
     a = pool.allocate(4)
     pool.register(a[3], H[3])
     pool.free(a)
-    assert pool.num_cached == 1 and pool.chunk_is_free("layer-3")
-    pool.remove_chunk("layer-3")                      # the cached block in it is evicted with it
+    assert pool.num_cached == 1 and pool.extent_is_free("layer-3")
+    pool.remove_extent("layer-3")                      # the cached block in it is evicted with it
     assert (pool.num_blocks, pool.num_free, pool.num_cached) == (2, 2, 0) and pool.lookup([H[3]]) == []
     pool.check_invariants()
 
@@ -158,7 +158,7 @@ def _hits(e: LLMEngine) -> int:
 
 def test_exact_serves_a_block_only_under_the_configuration_that_computed_it(tiny):
     e = morph_engine(tiny, "performance", blocks=40)             # prefix_cache_across_morph="exact" (default)
-    prompt = [(7 * j) % 500 + 30 for j in range(17)]             # 4 full blocks of 4 looked up (the last token computes)
+    prompt = [(7 * j) % 500 + 30 for j in range(17)]             # 4 full blocks of 4 looked up; token 17 computes
     full = e.generate([prompt], GREEDY)[0]["token_ids"]
     cached = e.pool.num_cached
     assert cached > 0

@@ -1,4 +1,4 @@
-"""Resident memory stays flat under long load (issue 36): what used to grow is bounded, and the soak reports it.
+"""Resident memory stays flat under long load: what could grow is bounded, and the soak reports it.
 
 - oneDNN compiles a matmul for every new row count and keeps it (~0.6 MiB, up to 1024 per cache by default);
   importing ``serve`` bounds both of its caches (serve/__init__.py), so new batch shapes stop adding memory

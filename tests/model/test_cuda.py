@@ -100,12 +100,13 @@ def test_nvml_reports_the_device_memory():
 
 
 def test_morphing_engine_in_bfloat16_keeps_device_memory_flat(model):
-    """Swaps and restores under load on the GPU: exact accounting, chunk blocks in the layer's own bytes,
+    """Swaps and restores under load on the GPU: exact accounting, extent blocks in the layer's own bytes,
     and no allocation beyond the arena (torch's allocated bytes do not move while KV capacity grows)."""
     clock = FakeClock()
     engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=16, block_size=16,
                                     max_num_batched_tokens=256, max_num_seqs=16, morph_mode="performance",
-                                    policy_overrides={"persist_iters": 1, "restore_persist_s": 1.0, "cost_aware": False}),
+                                    policy_overrides={"persist_iters": 1, "restore_persist_s": 1.0,
+                                                      "cost_aware": False}),
                        loaded=model, clock=clock)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
@@ -134,7 +135,8 @@ def test_swap_mid_decode_on_the_gpu_keeps_state(model):
         return LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
                                       morph_mode="performance",
                                       policy_overrides={"kv_high": 1.0, "queue_delay_high_s": 1e9,
-                                                        "restore_persist_s": 1e9, "cost_aware": False}), loaded=model, clock=FakeClock())
+                                                        "restore_persist_s": 1e9, "cost_aware": False}), loaded=model,
+                         clock=FakeClock())
 
     precision = "int4" if _capability() >= (8, 0) else "int8"
 
@@ -198,7 +200,7 @@ def test_cost_aware_default_measures_this_gpu_and_serves_a_burst(model):
                        loaded=model, clock=clock)
     costs = morph(engine).costs
     assert costs is not None and costs.device == torch.cuda.get_device_name(CUDA), costs
-    assert set(costs.precisions) == {FULL, *morph(engine).bank.precisions}  # every rung the mode can take
+    assert set(costs.precisions) == {FULL, *morph(engine).bank.precisions}  # every ladder step the mode can take
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for i in range(10):
         engine.add_request([(7 * i + j) % 250 + 1 for j in range(60)], params)

@@ -1,5 +1,5 @@
 """The decode kernel over block tables that mix fp32 and int8 blocks (attention_mixed_avx2.cpp, the KV-precision
-rung's tables): each block read in place from its own grid over the same arena bytes, against float64 attention and
+KV rung's tables): each block read in place from its own grid over the same arena bytes, against float64 attention and
 torch SDPA over the same blocks read back (the dense path's values); bit for bit the single-format kernels on tables
 of one format; :meth:`PagedKVCache.decode_index` sends a batch to the kernel that can read it."""
 
@@ -26,7 +26,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def _mixed_cache(kvh: int, hd: int, slots: int, g: torch.Generator,
                  fmt: str = "int8") -> tuple[PagedKVCache, list[int], list[int]]:
-    """A cache as the rung builds it: fp32 slots over an arena and an 8-bit grid over the same bytes. The first half
+    """A cache as the KV rung builds it: fp32 slots over an arena and an 8-bit grid over the same bytes. The first half
     of the slots serve fp32 blocks (in scattered order), the 8-bit blocks lying wholly in the second half's bytes
     serve 8-bit ones; every block of both layers is written through :meth:`PagedKVCache.write` with K and V whose
     magnitude varies by token and head over two orders (a scale read for the wrong token or head, or K's for V, is

@@ -187,7 +187,8 @@ def _causal_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 @needs_ops
 @pytest.mark.parametrize(("group", "kv_heads", "hd"), [(1, 2, 64), (3, 3, 64), (4, 1, 72), (7, 2, 32), (2, 1, 8)])
-@pytest.mark.parametrize(("n", "cached"), [(1, 0), (5, 0), (16, 0), (17, 0), (47, 0), (100, 0), (1, 30), (20, 5), (33, 64)])
+@pytest.mark.parametrize(("n", "cached"),
+                         [(1, 0), (5, 0), (16, 0), (17, 0), (47, 0), (100, 0), (1, 30), (20, 5), (33, 64)])
 def test_prompt_attention_matches_causal_attention_in_float64(group: int, kv_heads: int, hd: int, n: int,
                                                               cached: int) -> None:
     """Causal attention of n query tokens after ``cached`` ones, read from the strided q/k/v of fused qkv rows (as
@@ -212,7 +213,8 @@ def test_prompt_attention_rejects_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         OPS.prefill_attention_(q, torch.randn(4, 4, 16), torch.randn(4, 4, 16), out, 1.0)
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        OPS.prefill_attention_(torch.randn(4, 6, 12), torch.randn(4, 2, 12), torch.randn(4, 2, 12), torch.empty(4, 72), 1.0)
+        OPS.prefill_attention_(torch.randn(4, 6, 12), torch.randn(4, 2, 12), torch.randn(4, 2, 12), torch.empty(4, 72),
+                               1.0)
     with pytest.raises(RuntimeError, match="out must be"):
         OPS.prefill_attention_(q, kv, kv, torch.empty(3, 96), 1.0)
     with pytest.raises(RuntimeError, match="heads adjacent"):
@@ -678,9 +680,9 @@ def test_rope_kv_write_q8_equals_rotate_quantize_and_index_copy(heads: int, kv_h
 def test_weight_only_kernels_compute_each_row_as_if_alone(m: int) -> None:
     """Rows computed together (several tiles of 4, over several 64-row weight sub-ranges: for_tiles) equal each row
     computed alone, bit for bit: a speculative verify reads the LM head's int8 blocks and morphed layers at k + 1
-    rows per sequence and must round as the plain one-row step does. Not so the fp32-activation kernels (``int8_linear``,
-    ``int4_linear``, used only with ``MORPHSERVE_QACTIVATIONS=fp32``): they split a row's sum into 4 / T chains by
-    tile size T; there a verify over morphed layers may flip a near tie, which bench.speculation counts."""
+    rows per sequence and must round as the plain one-row step does. Not so the fp32-activation kernels
+    (``int8_linear``, ``int4_linear``, used only with ``MORPHSERVE_QACTIVATIONS=fp32``): they split a row's sum into 4 /
+    T chains by tile size T; there a verify over morphed layers may flip a near tie, which bench.speculation counts."""
     n, k, group = 200, 576, 64
     g = _gen(m * 7 + 3)
     x = torch.randn(m, k, generator=g)

@@ -67,7 +67,8 @@ def test_trtllm_tensor_bytes_are_the_deployment_formats() -> None:
     assert registry.trtllm_tensor_bytes("int8", n, k, 2) == (n * k, 2 * n, 0)
     assert registry.trtllm_tensor_bytes("int4", n, k, 2) == (n * k // 2, 2 * n * (k // 128), 2 * k)
     assert registry.trtllm_tensor_bytes("fp8", n, k, 2) == (n * k, 4, 0)
-    assert registry.trtllm_tensor_bytes("int4", n, k, 2, group_size=64, scale_bytes=4) == (n * k // 2, 4 * n * (k // 64), 2 * k)
+    assert registry.trtllm_tensor_bytes("int4", n, k, 2, group_size=64, scale_bytes=4) == (
+        n * k // 2, 4 * n * (k // 64), 2 * k)
     assert registry.trtllm_tensor_bytes("int8", n, k, 2, scale_bytes=4) == (n * k, 4 * n, 0)
     assert [f.trtllm.quant_algo for f in REGISTRY.values()] == ["W8A16", "W4A16_AWQ", "FP8"]
     with pytest.raises(ValueError, match="unknown precision"):
@@ -76,7 +77,8 @@ def test_trtllm_tensor_bytes_are_the_deployment_formats() -> None:
 
 def test_the_registry_check_catches_grouping_that_disagrees_with_the_trtllm_scales(monkeypatch) -> None:
     int8 = REGISTRY["int8"]
-    monkeypatch.setitem(REGISTRY, "int8", dataclasses.replace(int8, trtllm=dataclasses.replace(int8.trtllm, scales="group")))
+    monkeypatch.setitem(REGISTRY, "int8",
+                        dataclasses.replace(int8, trtllm=dataclasses.replace(int8.trtllm, scales="group")))
     with pytest.raises(RuntimeError, match="TensorRT-LLM scales"):
         registry.check_registry()
 

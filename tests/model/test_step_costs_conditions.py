@@ -50,7 +50,8 @@ def test_a_busy_host_makes_the_step_costs_untrusted(tiny) -> None:
     with busy_loop():
         costs, conditions, verdict = measure_checked(layers, shape, torch.device("cpu"), torch.float32, repeats=3)
     assert not verdict.trusted and any("other processes" in r for r in verdict.reasons), verdict
-    assert costs.meta["trusted"] is False and costs.meta["conditions"]["other_share"] == round(conditions.other_share, 4)
+    assert (costs.meta["trusted"] is False
+            and costs.meta["conditions"]["other_share"] == round(conditions.other_share, 4))
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ def test_int4_unpacking_inverts_modelopts_packing() -> None:
     assert torch.equal(layer.codes(), (codes + 8).to(torch.int32)) and layer.pre_quant_scale is None
     assert torch.equal(layer.scales_and_zeros()[0], scales.to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="group_size 128 in the config, 64 in the tensors"):
-        REGISTRY["int4"].from_unified(UnifiedTensors("m", {"weight": packed, "weight_scale": scales}), {"group_size": 128})
+        REGISTRY["int4"].from_unified(UnifiedTensors("m", {"weight": packed, "weight_scale": scales}),
+                                      {"group_size": 128})
     with pytest.raises(ValueError, match="zero point"):
         REGISTRY["int4"].from_unified(UnifiedTensors("m", {"weight": packed, "weight_scale": scales}),
                                       {"has_zero_point": True})

@@ -96,8 +96,8 @@ def test_a_table_three_times_too_slow_is_corrected_after_two_probes(tiny, tmp_pa
 def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkeypatch) -> None:
     """The real embedded model's engine directory with its table (this machine's entry) multiplied by 3: the default
     mode's controller starts on it, and after the serving iterations (probes at 4 and 8) and one idle iteration it
-    weighs the table measured again, which the speculation manager (always) gets too; the kernel crossovers are measured again for
-    real and made current."""
+    weighs the table measured again, which the speculation manager (always) gets too; the kernel crossovers are
+    measured again for real and made current."""
     from serve.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams

@@ -43,7 +43,7 @@ def morph_engine(tiny, mode="performance", blocks=20, clock=None, dtype=None, sc
 
 def assert_memory_exact(engine: LLMEngine) -> None:
     """The arena is exactly partitioned (layer weights + staging + KV blocks), every installed layer's weights
-    lie where the layout says, and every KV chunk is the slots its transition freed, inside that layer's
+    lie where the layout says, and every KV extent is the slots its transition freed, inside that layer's
     region, right in front of the variant that replaced the milder one."""
     led, m, kv, arena = engine.ledger, morph(engine), engine.kv, engine.memory.arena
     led.check()
@@ -61,12 +61,12 @@ def assert_memory_exact(engine: LLMEngine) -> None:
         assert all(lo <= a and b <= hi for a, b in bank.resident_ranges(i)), f"layer {i} outside {where}"
         if i not in restoring:
             assert led.layer_slots[i] == bank.slots(i, layer.precision)
-    chunks = [c for c in engine.pool.chunks[1:] if not c.quantized]
-    with_chunks = [t for t in m.stack if t.owner]
-    assert sum(c.num_blocks for c in chunks) == sum(t.blocks for t in m.stack if not t.yielded)
-    assert led.yielded_slots == sum(t.blocks for t in m.stack if t.yielded)  # given back: in no chunk
-    assert [c.owner for c in chunks] == [t.owner for t in with_chunks]
-    for c, t in zip(chunks, with_chunks):
+    extents = [c for c in engine.pool.extents[1:] if not c.quantized]
+    with_extents = [t for t in m.stack if t.owner]
+    assert sum(c.num_blocks for c in extents) == sum(t.blocks for t in m.stack if not t.yielded)
+    assert led.yielded_slots == sum(t.blocks for t in m.stack if t.yielded)  # given back: in no extent
+    assert [c.owner for c in extents] == [t.owner for t in with_extents]
+    for c, t in zip(extents, with_extents):
         assert kv.block_map[c.start:c.end].tolist() == list(range(t.slots.start, t.slots.end))
         region = bank.regions[t.layer]
         assert region.start <= t.slots.start and t.slots.end <= region.end
@@ -75,25 +75,25 @@ def assert_memory_exact(engine: LLMEngine) -> None:
 
 def assert_kv_rung_exact(engine: LLMEngine, rung: KVPrecisionRung) -> None:
     """The KV rung's conversions: each one's retired blocks are out of service full-precision blocks (the base pool's
-    or a layer chunk's), its chunk is in the pool
+    or a layer extent's), its extent is in the pool
     (in order) and maps to exactly its 8-bit blocks, every 8-bit block lies wholly inside its retired slots' bytes,
     and no two conversions share a byte."""
     pool, kv = engine.pool, engine.kv
-    ours = [c for c in pool.chunks if c.quantized]
+    ours = [c for c in pool.extents if c.quantized]
     assert [c.owner for c in ours] == [conv.owner for conv in rung.conversions]
     assert pool.num_retired == rung.slots_converted
-    slot, cell = kv.full.layout.block_bytes, kv.q8.layout.block_bytes
+    slot, block8 = kv.full.layout.block_bytes, kv.q8.layout.block_bytes
     taken: set[int] = set()
     for c, conv in zip(ours, rung.conversions):
         assert not any(pool.is_quantized(i) for i in conv.retired)
-        assert kv.block_map[c.start:c.end].tolist() == conv.cells
+        assert kv.block_map[c.start:c.end].tolist() == conv.blocks_8bit
         assert bool((kv.block_format[c.start:c.end] == Q8_BLOCK).all())
         spans = {kv.physical_slot(i) for i in conv.retired}
-        for p in conv.cells:
-            first, last = p * cell // slot, ((p + 1) * cell - 1) // slot
+        for p in conv.blocks_8bit:
+            first, last = p * block8 // slot, ((p + 1) * block8 - 1) // slot
             assert all(s in spans for s in range(first, last + 1)), f"8-bit block {p} outside its slots"
-        assert not taken & set(conv.cells)
-        taken |= set(conv.cells)
+        assert not taken & set(conv.blocks_8bit)
+        taken |= set(conv.blocks_8bit)
 
 
 def decode_with_swap_at(make_engine, swap_step: int | None, precision: str = "int4",
@@ -141,7 +141,7 @@ def drain_and_settle(engine: LLMEngine, clock: FakeClock, max_steps: int = 5000)
     asynchronous and the fake clock does not wait for them, so each iteration first lets the copy in flight
     land (as a real iteration's forward time would)."""
     steps = 0
-    while engine.has_unfinished_requests() or not all(m.is_settled() for m in engine.resources):
+    while engine.has_unfinished_requests() or not all(m.is_at_rest() for m in engine.resources):
         if morph(engine).pending:
             morph(engine).pending[0].job.result()
         engine.step()
@@ -230,12 +230,12 @@ def test_swap_mid_decode_equals_an_independent_reference_and_recomputes_nothing(
     assert [engine.model.layers[i].precision for i in (0, 1)] == ["int4", "int4"]
 
 
-def test_restore_waits_for_its_chunk_to_be_free(tiny):
+def test_restore_waits_for_its_extent_to_be_free(tiny):
     clock = FakeClock()
     e = morph_engine(tiny, "performance", blocks=8, clock=clock, restore_persist_s=0.0)
     morph(e).apply_now(MorphDecision("quantize", (0,), "int4", "test"))
     top = morph(e).stack[-1]
-    held = e.pool.allocate(e.pool.num_free)            # occupy every block, including the chunk's
+    held = e.pool.allocate(e.pool.num_free)            # occupy every block, including the extent's
     morph(e).start(MorphDecision("restore", (0,), None, "test"))
     assert e.model.layers[0].precision == "int4" and morph(e).stack[-1] is top
     assert morph(e).events[-1]["event"] == "restore_skipped"
@@ -256,7 +256,7 @@ def test_ladder_int8_then_int4_and_back_in_reverse(tiny):
     for layer, prec in ((0, "int8"), (1, None), (0, None)):
         m.apply_now(MorphDecision("restore", (layer,), prec, "test"))
         assert_memory_exact(e)
-    assert m.is_settled() and e.pool.num_blocks == e.pool.base_blocks
+    assert m.is_at_rest() and e.pool.num_blocks == e.pool.base_blocks
 
 
 def test_budget_too_small_is_a_clear_error(tiny):

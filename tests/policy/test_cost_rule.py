@@ -12,7 +12,7 @@ from policy import MorphController, PolicyConfig, StepCosts
 from policy.cost_rule import cost_ladder, requests_admitted
 from serve.model import step_costs as sc
 from tests.morph_support import morph
-from tests.policy.test_policy import CHUNK, SWAP_ORDER, FakeEngine, step
+from tests.policy.test_policy import EXTENT, SWAP_ORDER, FakeEngine, step
 from workload.repeats import cell, spread, summarize_runs
 from workload.replay import parse_mode
 
@@ -65,7 +65,7 @@ def test_slow_machine_under_memory_pressure_quantizes_the_fewest_layers_that_cov
         d = step(ctl(SLOW_INT4, max_layers_per_step=8), eng2, usage=0.5, num_running=2, num_waiting=4,
                  blocks_needed_waiting=free + deficit)
         assert d.action == "quantize", d.reason
-        assert len(d.layers) == math.ceil(deficit / CHUNK["int4"]), (deficit, d.reason)
+        assert len(d.layers) == math.ceil(deficit / EXTENT["int4"]), (deficit, d.reason)
         assert d.layers == SWAP_ORDER[:len(d.layers)] and "pays" in d.reason
     assert not eng.quantized and c.costs is SLOW_INT4
 
@@ -92,11 +92,11 @@ def test_quantize_before_preempt_always_pays() -> None:
 
 
 def test_the_ladder_comes_from_the_measured_costs() -> None:
-    chunks = {"int8": 50, "int4": 75}
-    assert cost_ladder(("int8", "int4"), costs(int4=1.7, int8=1.1), chunks) == ("int8", "int4")  # int8 first
-    assert cost_ladder(("int8", "int4"), costs(int4=0.7, int8=0.9), chunks) == ("int4",)  # int4 dominates
-    assert cost_ladder(("int8", "int4"), costs(int4=1.2, int8=1.2), chunks) == ("int4",)  # same cost, more blocks
-    # a mode whose ladder lists both rungs quantizes new layers to the cheaper one
+    extents = {"int8": 50, "int4": 75}
+    assert cost_ladder(("int8", "int4"), costs(int4=1.7, int8=1.1), extents) == ("int8", "int4")  # int8 first
+    assert cost_ladder(("int8", "int4"), costs(int4=0.7, int8=0.9), extents) == ("int4",)  # int4 dominates
+    assert cost_ladder(("int8", "int4"), costs(int4=1.2, int8=1.2), extents) == ("int4",)  # same cost, more blocks
+    # a mode whose ladder lists both ladder steps quantizes new layers to the cheaper one
     c = ctl(costs(int4=1.7, int8=1.02), ladder=("int8", "int4"), max_layers_per_step=8)
     d = step(c, FakeEngine(), usage=0.5, num_running=2, num_waiting=2, blocks_needed_waiting=600)
     assert d.action == "quantize" and d.precision == "int8"
@@ -154,7 +154,8 @@ def test_measure_and_the_per_machine_cache(tiny, tmp_path, monkeypatch) -> None:
     try:
         layers, shape, head = cost_inputs(e.model, morph(e).bank)
         measured = sc.measure(layers, shape, e.model.device, e.model.dtype, head=head, token_counts=(1, 8), repeats=1)
-        assert set(measured.layer_s) == {"full", "int8", "int4"} and all(v > 0 for r in measured.layer_s.values() for v in r)
+        assert (set(measured.layer_s) == {"full", "int8", "int4"}
+                and all(v > 0 for r in measured.layer_s.values() for v in r))
         key = sc.machine_key(e.model.device, e.model.dtype, shape)
         assert key["device"] == sc.device_name(torch.device("cpu")) and key["layer_shape"] == list(shape)
         sc.store(sc.cache_path(), key, measured)
@@ -212,8 +213,9 @@ def test_h200_costs_from_gpu_check_quantize_only_where_the_kernels_win() -> None
     tok_s = {"full": (106.0, 823.6, 1750.3, 26330), "int8": (72.2, 596.1, 2209.2, 33866),
              "int4": (86.1, 654.5, 2203.5, 34564)}
     counts = (1, 8, 32, 512)
-    h200 = StepCosts("NVIDIA H200", counts, {p: tuple(n / v / 16 for n, v in zip(counts, row)) for p, row in tok_s.items()})
-    assert cost_ladder(("int8", "int4"), h200, CHUNK) == ("int4",)
+    h200 = StepCosts("NVIDIA H200", counts,
+                     {p: tuple(n / v / 16 for n, v in zip(counts, row)) for p, row in tok_s.items()})
+    assert cost_ladder(("int8", "int4"), h200, EXTENT) == ("int4",)
     small = {**QUEUEING, "num_running": 1}
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=1).action == "none"
     assert step(ctl(h200), FakeEngine(), **small, step_tokens=512).action == "quantize"
@@ -228,8 +230,8 @@ def test_bench_triton_reports_the_median_run() -> None:
 
 
 @pytest.mark.parametrize("fake, swaps", [(SLOW_INT4, False), (FAST_INT4, True)])
-def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_say_it_helps(tiny, tmp_path, monkeypatch,
-                                                                                       fake, swaps) -> None:
+def test_engine_under_compute_pressure_quantizes_only_where_the_machine_costs_say_it_helps(
+        tiny, tmp_path, monkeypatch, fake, swaps) -> None:
     """A real engine reading (fake) costs from its per-machine cache: requests queue on the sequence cap with
     KV blocks free; slow int4 never swaps, fast int4 does."""
     from serve.config import EngineConfig

@@ -11,7 +11,8 @@ from policy.kv_rung import KV_PRICE_PCT, LAYER_PRICE_PCT, KVRungRule, KVRungTele
 
 def _t(used: int, total: int = 100, free_slots: int = 10, now: float = 0.0, **kw) -> KVRungTelemetry:
     return KVRungTelemetry(now_s=now, kv_blocks_total=total, kv_blocks_used=used, free_full_slots=free_slots,
-                           blocks_per_slot=3.75, kv_blocks_8bit=kw.pop("blocks8", 0), top_free=kw.pop("top_free", False),
+                           blocks_per_slot=3.75, kv_blocks_8bit=kw.pop("blocks8", 0),
+                           top_free=kw.pop("top_free", False),
                            **kw)
 
 
@@ -33,15 +34,15 @@ def test_no_free_slot_or_a_cheaper_layer_swap_means_no_conversion():
     rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
     d = rule.decide(_t(used=99, free_slots=0))
     assert d.action == "none" and "no free full-precision slot" in d.reason
-    # a layer swap that frees a huge chunk is cheaper per block than 8-bit KV (an absurd layer, to show the weighing)
-    d = rule.decide(_t(used=90, free_slots=10, layer_chunk_blocks=10**9, layer_precision="int8"))
+    # a layer swap that frees a huge extent is cheaper per block than 8-bit KV (an absurd layer, to show the weighing)
+    d = rule.decide(_t(used=90, free_slots=10, layer_extent_blocks=10**9, layer_precision="int8"))
     assert d.action == "none" and "layer swap to int8 costs less" in d.reason
-    rung, layer = rule.price_per_block(_t(used=90, free_slots=10, layer_chunk_blocks=56), 10)
+    rung, layer = rule.price_per_block(_t(used=90, free_slots=10, layer_extent_blocks=56), 10)
     assert rung < layer / 10  # at the stated prices the rung is far cheaper than an int4 swap of 56 blocks
     assert KV_PRICE_PCT["int8"] < LAYER_PRICE_PCT["int4"]
 
 
-def test_calm_reverts_the_newest_free_chunk_after_calm_s_lifo():
+def test_calm_reverts_the_newest_free_extent_after_calm_s_lifo():
     rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
     calm = dict(total=130, free_slots=0, blocks8=40, top_blocks=40, top_slots=10)
     d = rule.decide(_t(used=20, now=0.0, top_free=False, **calm))
@@ -69,8 +70,8 @@ def test_the_policy_field_is_validated():
 
 def test_without_free_slots_it_rewrites_just_the_running_blocks_the_pressure_needs():
     """No free slot left: cold running blocks, each gaining 2.75 blocks, only as many as bring usage back to the middle
-    of the band (0.725 here: 100 used need 138 blocks, 38 more = 14 blocks) or cover the waiting prompts, never more than
-    there are; none when there is none."""
+    of the band (0.725 here: 100 used need 138 blocks, 38 more = 14 blocks) or cover the waiting prompts, never more
+    than there are; none when there is none."""
     rule = KVRungRule("int8", kv_high=0.85, kv_low=0.6, calm_s=5.0)
     d = rule.decide(_t(used=100, total=100, free_slots=0, cold_blocks=40))
     assert d.action == "convert" and (d.slots, d.blocks) == (0, 14) and "14 cold block(s) of running" in d.reason
@@ -93,7 +94,7 @@ def test_a_shortfall_takes_free_slots_then_running_blocks_and_a_cheaper_swap_kee
     assert (d.action, d.slots, d.blocks) == ("convert", 2, 3) and "shortfall of 12" in d.reason  # 12 - 5.5 -> 3
     d = rule.for_shortfall(_t(used=100, total=100, free_slots=0, cold_blocks=30), 3)
     assert (d.slots, d.blocks) == (0, 2)
-    d = rule.decide(_t(used=100, free_slots=0, cold_blocks=40, layer_chunk_blocks=10**9, layer_precision="int8"))
+    d = rule.decide(_t(used=100, free_slots=0, cold_blocks=40, layer_extent_blocks=10**9, layer_precision="int8"))
     assert d.action == "none" and "layer swap to int8 costs less" in d.reason
 
 

@@ -13,20 +13,20 @@ from policy import MODES, MorphController, MorphDecision, PolicyConfig, Telemetr
 
 NUM_LAYERS = 8
 SWAP_ORDER = (5, 2, 7, 0, 3, 6, 1, 4)  # a stand-in for the builder's LIS order
-CHUNK = {"int8": 50, "int4": 75}  # KV blocks one layer adds at each precision
+EXTENT = {"int8": 50, "int4": 75}  # KV blocks one layer adds at each precision
 BASE_TOTAL = 1000
 
 
 class FakeEngine:
     """Applies decisions to a model of the engine's layer/KV state and builds telemetry from it.
 
-    Like the real engine it keeps a stack of transitions (one KV chunk each); a layer's place in
-    ``quantized_layers`` is the place of its newest chunk, so the last entry always owns the top chunk.
+    Like the real engine it keeps a stack of transitions (one KV extent each); a layer's place in
+    ``quantized_layers`` is the place of its newest extent, so the last entry always owns the top extent.
     """
 
     def __init__(self, num_layers: int = NUM_LAYERS) -> None:
         self.num_layers = num_layers
-        self.stack: list[tuple[int, str]] = []  # (layer, precision reached), one chunk each
+        self.stack: list[tuple[int, str]] = []  # (layer, precision reached), one extent each
         self.now = 0.0
 
     @property
@@ -36,9 +36,9 @@ class FakeEngine:
 
     @property
     def total(self) -> int:
-        return BASE_TOTAL + sum(CHUNK[p] for p in self.quantized.values())
+        return BASE_TOTAL + sum(EXTENT[p] for p in self.quantized.values())
 
-    def telemetry(self, *, usage: float = 0.1, dt: float = 0.05, chunk_free: bool = True, **kw: object) -> Telemetry:
+    def telemetry(self, *, usage: float = 0.1, dt: float = 0.05, extent_free: bool = True, **kw: object) -> Telemetry:
         self.now += dt
         return Telemetry(
             now_s=self.now,
@@ -46,8 +46,8 @@ class FakeEngine:
             kv_blocks_used=min(self.total, round(usage * self.total)),
             num_layers=self.num_layers,
             quantized_layers=tuple(self.quantized.items()),
-            pending_restore_chunk_free=chunk_free,
-            blocks_per_layer_chunk=CHUNK,
+            pending_restore_extent_free=extent_free,
+            blocks_per_layer_extent=EXTENT,
             **kw,  # type: ignore[arg-type]
         )
 
@@ -59,7 +59,7 @@ class FakeEngine:
         elif d.action == "restore":
             for layer in d.layers:
                 assert layer in self.quantized, f"restored layer {layer} that is not quantized"
-                assert self.stack[-1][0] == layer, "restore must be LIFO: the layer owns the top chunk"
+                assert self.stack[-1][0] == layer, "restore must be LIFO: the layer owns the top extent"
                 self.stack.pop()
                 after = self.quantized.get(layer)
                 assert after == d.precision, f"restore of {layer} should reach {after}, decision says {d.precision}"
@@ -150,7 +150,7 @@ def test_layers_capped_by_step_and_fraction() -> None:
     wants_many = {"num_waiting": 9, "blocks_needed_waiting": 5000}
     assert len(step(ctl, eng, **wants_many).layers) == 2
     assert len(step(ctl, eng, **wants_many).layers) == 2
-    d = step(ctl, eng, **wants_many)  # 4 of 8 quantized = 0.5: no room, single-rung ladder
+    d = step(ctl, eng, **wants_many)  # 4 of 8 quantized = 0.5: no room, single-step ladder
     assert d.action == "none" and "nothing left to quantize" in d.reason
     assert len(eng.quantized) == 4
 
@@ -198,11 +198,11 @@ def test_ladder_requantizes_in_swap_order_once_fraction_reached() -> None:
     assert eng.quantized == {5: "int4", 2: "int4"}
 
 
-def test_requantize_gain_is_the_chunk_difference() -> None:
+def test_requantize_gain_is_the_extent_difference() -> None:
     ctl = controller("accuracy", persist_iters=1, max_layers_per_step=8, max_quantized_fraction=0.25)
     t = Telemetry(now_s=0, kv_blocks_total=1100, kv_blocks_used=1050, num_layers=8, num_waiting=1,
                   blocks_needed_waiting=100, quantized_layers=((5, "int8"), (2, "int8")),
-                  blocks_per_layer_chunk=CHUNK)
+                  blocks_per_layer_extent=EXTENT)
     d = ctl.decide(t)  # deficit 50 blocks; int8 -> int4 adds 25 per layer -> 2 layers
     assert d.action == "quantize" and d.layers == (5, 2) and d.precision == "int4"
 
@@ -256,23 +256,23 @@ def test_calm_interrupted_restarts_the_period() -> None:
     assert step(ctl, eng, dt=1.0, **CALM).action == "restore"
 
 
-def test_no_restore_while_requests_wait_or_chunk_busy() -> None:
+def test_no_restore_while_requests_wait_or_extent_busy() -> None:
     ctl = controller("default", persist_iters=1, max_layers_per_step=1, restore_persist_s=1.0)
     eng = quantized_engine(ctl, 1)
     for _ in range(10):
         assert step(ctl, eng, dt=1.0, usage=0.1, num_waiting=1).action == "none"
     for _ in range(10):
-        d = step(ctl, eng, dt=1.0, usage=0.1, chunk_free=False)
+        d = step(ctl, eng, dt=1.0, usage=0.1, extent_free=False)
         assert d.action == "none"
     assert "still in use" in d.reason
-    assert step(ctl, eng, dt=1.0, usage=0.1, chunk_free=True).action == "restore"
+    assert step(ctl, eng, dt=1.0, usage=0.1, extent_free=True).action == "restore"
 
 
 def test_no_restore_that_would_recreate_pressure() -> None:
     ctl = controller("default", persist_iters=1, max_layers_per_step=8, max_quantized_fraction=1.0,
                      kv_low=0.6, kv_high=0.61, restore_persist_s=0.0)
     t = Telemetry(now_s=0, kv_blocks_total=1075, kv_blocks_used=640, num_layers=8,
-                  quantized_layers=((5, "int4"),), pending_restore_chunk_free=True, blocks_per_layer_chunk=CHUNK)
+                  quantized_layers=((5, "int4"),), pending_restore_extent_free=True, blocks_per_layer_extent=EXTENT)
     d = ctl.decide(t)  # 59.5% now, 64% after giving back 75 blocks
     assert d.action == "none" and "would leave" in d.reason
 
@@ -347,7 +347,8 @@ def test_controller_and_telemetry_validation() -> None:
     with pytest.raises(ValueError, match="kv_blocks_used"):
         Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=11, num_layers=4)
     with pytest.raises(ValueError, match="twice"):
-        Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=1, num_layers=4, quantized_layers=((1, "int4"), (1, "int8")))
+        Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=1, num_layers=4,
+                  quantized_layers=((1, "int4"), (1, "int8")))
     with pytest.raises(ValueError):
         MorphDecision("quantize", (), "int4", "x")
     t = Telemetry(now_s=0, kv_blocks_total=10, kv_blocks_used=4, num_layers=4)
@@ -359,7 +360,7 @@ def test_controller_and_telemetry_validation() -> None:
 signal = st.fixed_dictionaries({
     "usage": st.floats(0.0, 1.0),
     "dt": st.floats(0.0, 3.0),
-    "chunk_free": st.booleans(),
+    "extent_free": st.booleans(),
     "num_waiting": st.integers(0, 4),
     "oldest_wait_s": st.sampled_from([0.0, 0.02, 0.3]),
     "blocks_needed_waiting": st.integers(0, 2500),
@@ -368,7 +369,7 @@ signal = st.fixed_dictionaries({
 calm_signal = st.fixed_dictionaries({
     "usage": st.floats(0.0, 0.45),
     "dt": st.floats(0.0, 3.0),
-    "chunk_free": st.booleans(),
+    "extent_free": st.booleans(),
 })
 # Workloads come in phases (a burst, a lull), each held for a few iterations, so that both
 # hysteresis thresholds are actually crossed.
@@ -400,7 +401,7 @@ def test_invariants_over_random_telemetry(
         d = ctl.decide(t)
         assert d.reason
         if d.action == "restore":
-            assert t.pending_restore_chunk_free
+            assert t.pending_restore_extent_free
             assert ctl.config.strategy == "dynamic"
         eng.apply(d)  # asserts: no double quantize at one precision, restores only quantized layers, LIFO
         assert len(eng.quantized) <= limit

@@ -126,7 +126,8 @@ def test_one_context_length_rule_for_the_engine_and_the_budget(tiny) -> None:
     for configured in (100, 100000, None):
         engine = LLMEngine(EngineConfig(max_model_len=configured, num_kv_blocks=8), loaded=tiny)
         try:
-            assert engine.max_model_len == EngineConfig(max_model_len=configured).context_length(512) == min(configured or 512, 512)
+            want = min(configured or 512, 512)
+            assert engine.max_model_len == EngineConfig(max_model_len=configured).context_length(512) == want
         finally:
             engine.shutdown()
     assert budget(EngineConfig(device_memory="auto", max_model_len=100000), "cpu", 512).kv_blocks == 512 // 16
@@ -145,7 +146,8 @@ def test_auto_budget_rule() -> None:
     assert budget(auto, "cuda", 8192).budget_bytes == int(AUTO_CUDA_FRACTION * 80 * 2**30)
     assert budget(auto, "cuda", 8192).kv_blocks is None
     fixed = EngineConfig(device_memory="auto", num_kv_blocks=7)
-    assert budget(fixed, "cpu", 8192) == budget(fixed, "cuda", 8192) == budget(EngineConfig(num_kv_blocks=7), "cpu", 8192)
+    assert budget(fixed, "cpu", 8192) == budget(fixed, "cuda", 8192) == budget(EngineConfig(num_kv_blocks=7), "cpu",
+                                                                               8192)
     assert budget(fixed, "cpu", 8192).kv_blocks == 7 and budget(fixed, "cpu", 8192).budget_bytes is None
     sized = EngineConfig(device_memory="auto", kv_cache_memory="64MiB")
     assert budget(sized, "cpu", 8192) == budget(EngineConfig(kv_cache_memory="64MiB"), "cpu", 8192)

@@ -100,7 +100,7 @@ def test_floor_holds_under_the_bound_and_restores_when_it_stays_under():
     assert v.hold and not v.restore  # under for 6 s, but only the bound's width: agreement 1.0 is not under
     v = floor.check(9.0, bad, quantized=True)
     assert v.hold and v.restore and "restore first" in v.reason and "under for 7.00 s" in v.reason
-    assert floor.check(9.5, bad, quantized=True).restore  # not taken (its KV chunk in use, say): still asked
+    assert floor.check(9.5, bad, quantized=True).restore  # not taken (its KV extent in use, say): still asked
     floor.restored(10.0)
     v = floor.check(11.0, bad, quantized=True)
     assert v.hold and not v.restore  # the next restore waits restore_s again

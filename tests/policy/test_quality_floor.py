@@ -31,7 +31,8 @@ def test_off_by_default_pressure_quantizes_whatever_the_reading():
 
 
 def test_no_further_quantizing_step_while_the_lower_bound_is_under_the_floor():
-    ctl, eng = controller(cost_aware=False, persist_iters=1, quality_floor=0.9, max_quantized_fraction=1.0), FakeEngine()
+    ctl, eng = controller(cost_aware=False, persist_iters=1, quality_floor=0.9,
+                          max_quantized_fraction=1.0), FakeEngine()
     assert step(ctl, eng, **HOT).action == "quantize"  # no reading yet: full precision meets the floor
     d = step(ctl, eng, quality=LOW, **HOT)
     assert d.action == "none" and "the quality floor holds" in d.reason
@@ -52,12 +53,12 @@ def test_restores_first_when_it_stays_under_even_under_pressure():
     assert len(eng.quantized) == 4 and eng.now == pytest.approx(0.1)  # two steps of 2 layers each
     d = step(ctl, eng, quality=LOW, dt=1.0, **HOT)  # under since now
     assert d.action == "none" and "under for 0.00 s" in d.reason
-    d = step(ctl, eng, quality=LOW, dt=1.0, chunk_free=False, **HOT)
+    d = step(ctl, eng, quality=LOW, dt=1.0, extent_free=False, **HOT)
     assert d.action == "none" and "under for 1.00 s" in d.reason
-    d = step(ctl, eng, quality=LOW, dt=1.0, chunk_free=False, **HOT)
-    assert d.action == "none" and "restore first" in d.reason and "KV chunk is still in use" in d.reason
+    d = step(ctl, eng, quality=LOW, dt=1.0, extent_free=False, **HOT)
+    assert d.action == "none" and "restore first" in d.reason and "KV extent is still in use" in d.reason
     newest = eng.stack[-1][0]
-    d = step(ctl, eng, quality=LOW, dt=0.5, **HOT)  # the chunk is free now: the restore waited for it only
+    d = step(ctl, eng, quality=LOW, dt=0.5, **HOT)  # the extent is free now: the restore waited for it only
     assert d.action == "restore" and "restore first" in d.reason and "(LIFO)" in d.reason
     assert len(eng.quantized) == 3 and newest not in eng.quantized  # the newest transition went first
     d = step(ctl, eng, quality=LOW, dt=1.0, **HOT)

@@ -1,4 +1,5 @@
-"""Load shedding on arrival (policy/shedding.py): the start-rate meter and the decision, then the real engine's meter."""
+"""Load shedding on arrival (policy/shedding.py): the start-rate meter and the decision, then the real engine's
+meter."""
 
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ import pytest
 from policy import MorphController, PolicyConfig, Telemetry
 
 SWAP_ORDER = (3, 1, 0, 2)
-CHUNK = {"int4": 10}
+EXTENT = {"int4": 10}
 
 
 def telemetry(now: float, **kw: object) -> Telemetry:
-    return Telemetry(now_s=now, kv_blocks_total=100, kv_blocks_used=10, num_layers=4, blocks_per_layer_chunk=CHUNK,
+    return Telemetry(now_s=now, kv_blocks_total=100, kv_blocks_used=10, num_layers=4, blocks_per_layer_extent=EXTENT,
                      **kw)  # type: ignore[arg-type]
 
 
@@ -43,13 +43,14 @@ def test_slo_pressure_can_be_switched_off() -> None:
     cfg = PolicyConfig.for_mode("performance", critical_decodes_high=None, ttft_slack_low_s=None,
                                 queue_delay_high_s=10.0)
     ctl = MorphController(cfg, SWAP_ORDER)
-    assert ctl.decide(telemetry(0.1, num_waiting=1, critical_decodes_unscheduled=9, min_ttft_slack_s=-1.0)).action == "none"
+    assert ctl.decide(telemetry(0.1, num_waiting=1, critical_decodes_unscheduled=9,
+                                min_ttft_slack_s=-1.0)).action == "none"
 
 
 def test_slo_pressure_blocks_restore() -> None:
     ctl = MorphController(PolicyConfig.for_mode("performance", restore_persist_s=0.0, queue_delay_high_s=10.0),
                           SWAP_ORDER)
-    q = {"quantized_layers": ((3, "int4"),), "pending_restore_chunk_free": True}
+    q = {"quantized_layers": ((3, "int4"),), "pending_restore_extent_free": True}
     d = ctl.decide(telemetry(0.1, critical_decodes_unscheduled=1, **q))
     assert d.action == "quantize"  # pressure wins over calm
     assert ctl.decide(telemetry(0.2, **q)).action == "restore"

@@ -13,7 +13,7 @@ from policy.speculation import (
     SpeculationTelemetry,
     batch_bucket,
     expected_tokens,
-    rung_below,
+    precision_below,
 )
 
 # engines/smollm2-135m/step_costs.json as measured on the 2-core AMD EPYC (avx512) on 2026-12-04 (seconds)
@@ -45,7 +45,7 @@ def controller(mode: str = "auto", **kw) -> SpeculationController:
 def test_batch_1_drafts_with_int8_when_acceptance_is_high():
     c = controller(prior_acceptance=0.9)
     d = c.decide(tele(batch=1))
-    assert d.speculate and d.rung == "int8" and 1 <= d.k <= 4 and d.predicted_gain > 1.05
+    assert d.speculate and d.precision == "int8" and 1 <= d.k <= 4 and d.predicted_gain > 1.05
     assert "predicted x" in d.reason and "batch 1" in d.reason
 
 
@@ -100,12 +100,12 @@ def test_prefill_in_the_batch_off_mode_and_no_costs():
     d = SpeculationController(SpeculationConfig(mode="auto"), None).decide(tele())
     assert not d.speculate and "no measured step costs" in d.reason
     d = SpeculationController(SpeculationConfig(mode="always"), None).decide(tele())
-    assert d.speculate and d.k == 3 and d.rung == "int8"
+    assert d.speculate and d.k == 3 and d.precision == "int8"
 
 
-def test_quantized_layers_draft_one_rung_below_and_the_cost_model_reads_them():
-    assert [rung_below(p, "int8") for p in ("full", "int8", "int4")] == ["int8", "int4", "int4"]
-    assert rung_below("full", "int4") == "int4"
+def test_quantized_layers_draft_one_ladder_step_below_and_the_cost_model_reads_them():
+    assert [precision_below(p, "int8") for p in ("full", "int8", "int4")] == ["int8", "int4", "int4"]
+    assert precision_below("full", "int4") == "int4"
     c = controller()
     morphed = ("int8",) * 15 + ("full",) * 15
     assert c.draft_s(morphed, "int8", 1) == pytest.approx(
@@ -143,7 +143,7 @@ def test_a_load_change_moves_every_prediction_alike():
     assert c.correction("verify", 1) > 1.0
 
 
-def test_an_unmeasured_rung_is_probed_at_once_and_its_first_measurements_replace_the_priors():
+def test_an_unmeasured_draft_precision_is_probed_at_once_and_its_first_measurements_replace_the_priors():
     """A prior that predicts no gain (acceptance 0.5) does not keep a fresh controller plain for ``probe_every``
     iterations: it probes at its first decision; one verification at acceptance 1.0 and one draft / verify time
     each replace the prior and the 1.0 corrections outright, and the next decision drafts on them."""

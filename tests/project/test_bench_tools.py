@@ -1,4 +1,4 @@
-"""bench/ a newcomer can read (issue 43): every tool with a command line has a row in docs/bench-tools.md (what it
+"""bench/ a newcomer can read: every tool with a command line has a row in docs/bench-tools.md (what it
 answers, its command) and a smoke test that the row names and that really runs or imports the tool."""
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def test_every_bench_tool_is_documented_and_smoke_tested() -> None:
 
 
 def test_the_check_finds_an_undocumented_or_untested_tool() -> None:
-    rows = {"bench.swap_cost": " `tests/bench/test_bench_tools.py` ", "bench.quant_decode": " `tests/bench/test_traces.py` ",
+    rows = {"bench.swap_cost": " `tests/bench/test_bench_tools.py` ",
+            "bench.quant_decode": " `tests/bench/test_traces.py` ",
             "bench.peer": " `tests/no_such_test.py` "}
     assert missing_smoke_tests(rows, {"bench.swap_cost", "bench.quant_decode", "bench.peer", "bench.soak"}) == [
         "bench.peer: names a test file that does not exist", "bench.peer: no test named in its row runs it",

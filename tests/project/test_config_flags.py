@@ -53,9 +53,11 @@ def test_older_spellings_still_work_for_the_replay() -> None:
 
     args = build_parser().parse_args(["--threads", "1", "--slo-ttft", "3", "--max-num-seqs", "5"])
     cfg = engine_config(args, "off")
-    assert (cfg.num_threads, cfg.slo_ttft_s, cfg.max_num_seqs, cfg.device, cfg.model) == (1, 3.0, 5, "cpu", "smollm2-135m")
+    assert (cfg.num_threads, cfg.slo_ttft_s, cfg.max_num_seqs, cfg.device, cfg.model) == (
+        1, 3.0, 5, "cpu", "smollm2-135m")
     own = engine_config(args, "default+speculation=off+kv_cache_dtype=int8+kv_high=0.8")  # a mode's own settings
-    assert (own.speculation, own.kv_cache_dtype, own.policy_overrides, cfg.speculation) == ("off", "int8", {"kv_high": 0.8}, "auto")
+    assert (own.speculation, own.kv_cache_dtype, own.policy_overrides, cfg.speculation) == (
+        "off", "int8", {"kv_high": 0.8}, "auto")
     slai = engine_config(args, "off+scheduler=slai+quality_meter=0")  # compared with fcfs / the meter in one command
     assert (slai.scheduler, slai.quality_meter, slai.policy_overrides, cfg.scheduler) == ("slai", 0.0, {}, "fcfs")
 
@@ -126,7 +128,8 @@ def test_every_cli_takes_its_engine_flags_from_config_flags() -> None:
 def test_the_flag_check_finds_a_hand_written_engine_flag(tmp_path: Path) -> None:
     f = tmp_path / "cli.py"
     f.write_text('import argparse\np = argparse.ArgumentParser()\np.add_argument("--threads")\n'
-                 'p.add_argument("--max-num-seqs", type=int)\ng = p.add_argument_group("x")\ng.add_argument("--model")\n')
+                 'p.add_argument("--max-num-seqs", type=int)\ng = '
+                 'p.add_argument_group("x")\ng.add_argument("--model")\n')
     assert hand_written_engine_flags([f]) == ["cli.py:4: --max-num-seqs", "cli.py:6: --model"]
 
 

@@ -1,4 +1,4 @@
-"""The documentation stays true to the code (issue 32). Fast: no server, no model.
+"""The documentation stays true to the code. Fast: no server, no model.
 
 - README.md: at most 400 lines; every `make` target it names exists in the Makefile; every `--flag` it gives a
   `python -m X` command (or a make variable that carries flags, such as WORKER_ARGS) exists in X's argument
@@ -45,7 +45,8 @@ PARSER_MODULES = {"serve.dynamo": "serve.dynamo.cli"}
 # make variables that carry flags of one module (Makefile: WORKER_ARGS goes to every Dynamo worker, ...).
 MAKE_ARG_VARS = {"WORKER_ARGS": "serve.dynamo", "BUILD_ARGS": "builder", "COSTS_ARGS": "builder.step_costs",
                  "BENCH_ARGS": "bench.triton", "AIPERF_ARGS": "bench.aiperf", "PEER_ARGS": "bench.peer",
-                 "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak", "GPU_CHECK_ARGS": "bench.gpu_check",
+                 "SERVER_PEER_ARGS": "bench.peer_servers", "SOAK_ARGS": "bench.soak",
+                 "GPU_CHECK_ARGS": "bench.gpu_check",
                  "PLAN_ARGS": "sim", "HOSTS_ARGS": "serve.dynamo.hosts", "FAULTS_ARGS": "bench.dynamo_faults"}
 # Top-level entries of the repository a path in the docs may start with (engines/, gpu-check/, ... are outputs).
 TRACKED_ROOTS = {"serve", "policy", "builder", "bench", "sim", "tests", "docs", "triton_models", "Makefile",
@@ -282,7 +283,8 @@ def names_missing(doc: str, names: set[str], what: str) -> list[str]:
 def config_pbtxt_parameters() -> set[str]:
     from serve.triton.repository import read_config_parameters
 
-    return {k for cfg in (REPO / "triton_models").glob("*/config.pbtxt") for k in read_config_parameters(cfg.read_text())}
+    return {k for cfg in (REPO / "triton_models").glob("*/config.pbtxt") for k
+            in read_config_parameters(cfg.read_text())}
 
 
 def environment_variables() -> set[str]:
@@ -395,12 +397,14 @@ def test_the_checks_catch_a_planted_error(tmp_path: Path) -> None:
     bench.mkdir()
     (bench / "run_a.json").write_text("{}")
     (bench / "run_b.json").write_text("{}")
-    assert check_benchmark_index("- [run_a.json](run_a.json)\n", bench) == ["docs/benchmarks/README.md does not list run_b.json"]
+    assert check_benchmark_index("- [run_a.json](run_a.json)\n",
+                                 bench) == ["docs/benchmarks/README.md does not list run_b.json"]
     doc_text = "## `python -m serve.triton`\n\n| `--engine-dir` |\n"
     problems = check_config_doc_flags(doc_text, ("serve.triton",))
     assert "configuration.md, section `python -m serve.triton`: flag --http-port missing" in problems
     assert not any("--engine-dir" in p for p in problems)
-    assert names_missing("`kv_high` and `kv_low`", {"kv_high", "kv_lowest"}, "x") == ["configuration.md: x kv_lowest missing"]
+    assert names_missing("`kv_high` and `kv_low`", {"kv_high", "kv_lowest"},
+                         "x") == ["configuration.md: x kv_lowest missing"]
 
 
 def test_every_entry_point_parser_is_found() -> None:

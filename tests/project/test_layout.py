@@ -1,4 +1,4 @@
-"""The house stays the way it is drawn: every import of every module follows the allowed arrows.
+"""The layout stays as docs/architecture.md draws it: every import of every module follows the allowed arrows.
 
 Rooms and arrows (README "Layout"): policy is pure (stdlib only) and everyone may use it; serve.model is the
 bottom of the runtime; serve.memory and serve.morph sit above it; serve.engine above those; serve.triton
@@ -44,8 +44,10 @@ ALLOWED: dict[str, set[str]] = {
                      "serve.logging_setup", "serve.error_kinds", "serve.resource_seam", "policy"},
     "serve.triton": {"serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
                      "serve.error_kinds", "serve.request_values", "serve.operator_auth", "policy"},
-    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup", "serve.metrics_catalogue",
-                     "serve.request_tracker", "serve.error_kinds", "serve.request_values", "serve.operator_auth", "policy"},
+    "serve.dynamo": {"serve.engine", "serve.model", "serve.config", "serve.config_flags", "serve.logging_setup",
+                     "serve.metrics_catalogue",
+                     "serve.request_tracker", "serve.error_kinds", "serve.request_values", "serve.operator_auth",
+                     "policy"},
     "serve.generate": {"serve.engine", "serve.config", "serve.config_flags", "serve.logging_setup", "policy"},
     "triton_models": {"serve.engine", "serve.triton", "serve.config", "serve.logging_setup", "serve.request_tracker",
                       "serve.error_kinds", "serve.operator_auth", "policy"},
@@ -53,12 +55,14 @@ ALLOWED: dict[str, set[str]] = {
     "builder": {"serve.model", "serve.logging_setup", "policy", "serve.engine", "serve.morph", "serve.config",
                 "serve.config_flags"},
     # sim (the planner) runs the real engine loop, scheduler and morph runtime on a virtual clock; nothing imports it
-    "sim": {"workload", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config", "serve.config_flags",
+    "sim": {"workload", "serve", "serve.engine", "serve.morph", "serve.memory", "serve.model", "serve.config",
+            "serve.config_flags",
             "serve.logging_setup", "serve.resource_seam", "policy"},
     # what the planner and the tools share: workloads, the replay loop, latency summaries, repeats, plots, quality
-    "workload": {"serve", "serve.engine", "serve.morph", "serve.model", "serve.config", "serve.config_flags", "serve.process",
-                 "policy"},
-    "bench": {"workload", "serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model", "serve.triton", "serve.dynamo", "serve.config",
+    "workload": {"serve", "serve.engine", "serve.morph", "serve.model", "serve.config", "serve.config_flags",
+                 "serve.process", "policy"},
+    "bench": {"workload", "serve", "serve.engine", "serve.guided", "serve.morph", "serve.memory", "serve.model",
+              "serve.triton", "serve.dynamo", "serve.config",
               "serve.config_flags", "serve.logging_setup", "serve.generate", "policy", "builder"},
 }
 # Third-party packages a room may not import (policy: anything outside the standard library).
@@ -187,7 +191,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_in_a_circle() -> None:
-    """Lazy (function-level) imports count: a circle hidden inside a function is still a circle (issue 33)."""
+    """Lazy (function-level) imports count: a circle hidden inside a function is still a circle."""
     assert import_circles(import_graph()) == []
 
 
@@ -198,7 +202,7 @@ def test_the_circle_check_finds_a_planted_circle() -> None:
 
 MAX_LINES = 450
 LONG_FILE_REASON = "(Over ~450 lines on purpose:"
-"""A module may be longer only when its docstring says why, starting with these words (issue 33)."""
+"""A module may be longer only when its docstring says why, starting with these words."""
 
 
 def long_files_without_reason(paths: list[Path]) -> list[str]:
@@ -229,9 +233,10 @@ TEST_ROOMS = {"policy", "model", "process", "memory", "morph", "engine", "triton
 
 
 def test_tests_live_in_the_room_of_what_they_test() -> None:
-    """tests/<room>/test_*.py (issue 33): a test file at the top or in an unknown folder is out of place."""
+    """tests/<room>/test_*.py: a test file at the top or in an unknown folder is out of place."""
     tests = REPO_ROOT / "tests"
     misplaced = [str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
-                 if "__pycache__" not in p.parts and (len(p.relative_to(tests).parts) != 2 or p.parent.name not in TEST_ROOMS)]
+                 if "__pycache__" not in p.parts
+                 and (len(p.relative_to(tests).parts) != 2 or p.parent.name not in TEST_ROOMS)]
     assert misplaced == []
     assert all((tests / room / "__init__.py").is_file() for room in TEST_ROOMS)  # packages: no name shadows ours

@@ -1,5 +1,6 @@
 """ruff, with the project's rules (pyproject.toml [tool.ruff]), over the whole tree: clean, so make test and CI fail on
-an unused import or an undefined name; and a planted unused import is caught."""
+an unused import, an undefined name or a line over 120 columns; a planted unused import and a planted 121-column line
+are caught."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def test_a_planted_unused_import_fails(tmp_path: Path) -> None:
     planted.write_text("import os\n\n\ndef f() -> int:\n    return 1\n")
     proc = ruff("--config", str(REPO / "pyproject.toml"), str(planted), cwd=tmp_path)
     assert proc.returncode == 1 and "F401" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_planted_121_column_line_fails(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text("x = 1  # " + "a" * 112 + "\n")
+    assert len(planted.read_text().splitlines()[0]) == 121
+    proc = ruff("--config", str(REPO / "pyproject.toml"), str(planted), cwd=tmp_path)
+    assert proc.returncode == 1 and "E501" in proc.stdout, proc.stdout + proc.stderr

@@ -43,7 +43,8 @@ def test_gemm_lookup_equals_the_parquet_rows_at_measured_points(a100: KernelTabl
     checked = 0
     for r in rows:
         if r["gemm_dtype"] in names:
-            assert a100.gemm_s(names[r["gemm_dtype"]], r["m"], 12288, 4096) == pytest.approx(r["latency"] / 1e3, rel=1e-12)
+            want = pytest.approx(r["latency"] / 1e3, rel=1e-12)
+            assert a100.gemm_s(names[r["gemm_dtype"]], r["m"], 12288, 4096) == want
             checked += 1
     assert checked >= 60  # 21 m values x 3 dtypes
     # the issue's example: int4_wo at m=1 is ~0.025 ms against bf16's ~0.067 ms
@@ -68,12 +69,15 @@ def test_step_time_at_measured_points_is_the_sum_of_table_values(a100: KernelTab
     expected = (cfg.num_layers * (gemms + attn + model.elementwise_s(32))
                 + a100.gemm_s(FULL, 32, cfg.vocab_size, cfg.hidden_size) + 0.001)
     assert model.step_s(batch, [FULL] * cfg.num_layers) == pytest.approx(expected)
-    path = next((package_root() / "data" / "a100_sxm" / "attention" / "trtllm").glob("*/generation_attention_perf.parquet"))
-    row = [r for r in pq.read_table(path).to_pylist() if (r["batch_size"], r["step"], r["num_heads"], r["num_key_value_heads"],
+    path = next((package_root() / "data" / "a100_sxm" / "attention"
+                 / "trtllm").glob("*/generation_attention_perf.parquet"))
+    row = [r for r in pq.read_table(path).to_pylist()
+           if (r["batch_size"], r["step"], r["num_heads"], r["num_key_value_heads"],
            r["head_dim"], r["window_size"], r["kv_cache_dtype"]) == (32, 127, 32, 32, 128, 0, "bfloat16")]
     assert len(row) == 1 and attn == pytest.approx(row[0]["latency"] / 1e3)
     quantized = model.step_s(batch, ["int4"] * 16 + [FULL] * 16)
-    assert quantized == pytest.approx(expected + 16 * (model.layer_linears_s("int4", 32) - model.layer_linears_s(FULL, 32)))
+    assert quantized == pytest.approx(expected + 16
+                                      * (model.layer_linears_s("int4", 32) - model.layer_linears_s(FULL, 32)))
 
 
 def test_layer_bytes_and_kernel_names_are_the_format_registrys(a100: KernelTables) -> None:
@@ -110,7 +114,8 @@ def test_a_precision_the_tables_lack_is_refused_not_invented() -> None:
     with pytest.raises(TableError, match="no int4_wo.*fp8"):
         h200.gemm_s("int4", 1, 4096, 4096)
     target = table_target("h200_sxm", "llama-2-7b", 16, 0.001)
-    args = replay_parser().parse_args(["--device-memory", "0.9", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"])
+    args = replay_parser().parse_args(["--device-memory", "0.9", "--max-num-seqs", "256", "--max-num-batched-tokens",
+                                       "8192"])
     with pytest.raises(TableError, match="needs \\['int4'\\]"):
         build_engine(engine_config(args, "default"), target, VirtualClock())
     engine = build_engine(engine_config(args, 'default+ladder=["fp8"]'), target, VirtualClock())
@@ -128,17 +133,20 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
         from sim.target import Target
 
         bank = morph(real).bank
-        sizes = [{p: (bank.nbytes(i, p) if p != FULL else bank.regions[i].num_slots * bank.slot_bytes) for p in bank.host[i]}
+        sizes = [{p: (bank.nbytes(i, p) if p != FULL else bank.regions[i].num_slots * bank.slot_bytes) for p
+                  in bank.host[i]}
                  for i in range(len(bank.regions))]
         target = Target(system="local", device="cpu", model_name="smollm2-135m", model_config=real.model_config,
-                        layer_nbytes=sizes, non_arena_bytes=real.ledger.non_arena_bytes, slot_bytes=real.ledger.slot_bytes,
+                        layer_nbytes=sizes, non_arena_bytes=real.ledger.non_arena_bytes,
+                        slot_bytes=real.ledger.slot_bytes,
                         device_bytes=None, h2d_bytes_per_s=1e10, d2d_bytes_per_s=1e10, step_model=None,
                         swap_order=list(morph(real).controller.swap_order), notes={})
         sim = build_engine(EngineConfig(morph_mode="default", device_memory="600MiB",
-                                        policy_overrides={"cost_aware": False, "kv_rung": None}), target, VirtualClock())
+                                        policy_overrides={"cost_aware": False, "kv_rung": None}), target,
+                           VirtualClock())
         assert sim.ledger.as_dict() == real.ledger.as_dict()
         assert (sim.pool.num_blocks, sim.pool.max_blocks) == (real.pool.num_blocks, real.pool.max_blocks)
-        assert morph(sim).blocks_per_layer_chunk == morph(real).blocks_per_layer_chunk
+        assert morph(sim).blocks_per_layer_extent == morph(real).blocks_per_layer_extent
         assert sim.reachable_blocks == real.reachable_blocks
     finally:
         real.shutdown()
@@ -146,7 +154,7 @@ def test_the_planner_arena_is_the_engines_for_the_same_sizes() -> None:
 
 def _telemetry(**kw) -> Telemetry:
     base = dict(now_s=10.0, kv_blocks_total=1000, kv_blocks_used=950, num_layers=32, num_running=40, num_waiting=12,
-                oldest_wait_s=0.4, blocks_needed_waiting=300, quantized_layers=(), blocks_per_layer_chunk={"int4": 34})
+                oldest_wait_s=0.4, blocks_needed_waiting=300, quantized_layers=(), blocks_per_layer_extent={"int4": 34})
     return Telemetry(**{**base, **kw})
 
 
@@ -154,7 +162,8 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
     """The controller inside a plan is policy.MorphController, configured from the same PolicyConfig; fed the
     same telemetry sequence as a controller built the way the real runtime builds it, it decides the same."""
     target = table_target("a100_sxm", "llama-2-7b", 16, 0.001)
-    args = replay_parser().parse_args(["--device-memory", "24GiB", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"])
+    args = replay_parser().parse_args(["--device-memory", "24GiB", "--max-num-seqs", "256", "--max-num-batched-tokens",
+                                       "8192"])
     config = engine_config(args, "default")
     engine = build_engine(config, target, VirtualClock())
     planned = morph(engine).controller
@@ -164,7 +173,8 @@ def test_the_planner_runs_the_servers_controller_and_it_decides_the_same() -> No
     reference = MorphController(policy, list(range(32)), target.step_costs(["int4"]))
     assert planned.config == reference.config
     sequence = [_telemetry(now_s=10.0 + 0.05 * i, step_tokens=400 + i, step_token_budget=8192) for i in range(6)]
-    sequence += [_telemetry(now_s=20.0 + i, kv_blocks_used=100, num_waiting=0, blocks_needed_waiting=0, oldest_wait_s=0.0,
+    sequence += [_telemetry(now_s=20.0 + i, kv_blocks_used=100, num_waiting=0, blocks_needed_waiting=0,
+                            oldest_wait_s=0.0,
                             quantized_layers=((0, "int4"), (1, "int4"))) for i in range(8)]
     got = [planned.decide(t) for t in sequence]
     want = [reference.decide(t) for t in sequence]

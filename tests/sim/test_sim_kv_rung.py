@@ -39,7 +39,7 @@ def test_the_rungs_8bit_blocks_are_the_engines_fp8_layout_and_attention_mixes_th
     rung = e.resource_manager(KVPrecisionRung)
     cfg = load_model_config("codellama-34b")
     assert [m.name for m in e.resources] == ["kv_precision", "morph"]
-    assert rung.cell_bytes == kv_bytes_per_block(cfg, 16, e.dtype, "fp8")
+    assert rung.block_8bit_bytes == kv_bytes_per_block(cfg, 16, e.dtype, "fp8")
     assert rung.slot_bytes == kv_bytes_per_block(cfg, 16, e.dtype) == e.ledger.slot_bytes
     model = e.executor.step_model
     full, half, all8 = (model.attention_s(BatchShape(decode_kv_lens=[2048] * 32, decode_kv8=s)) for s in (0, 0.5, 1))

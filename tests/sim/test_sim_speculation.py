@@ -1,4 +1,4 @@
-"""Self-speculative decoding in a plan (sim/speculation.py): the charged time is the draft's forwards a rung down
+"""Self-speculative decoding in a plan (sim/speculation.py): the charged time is the draft's forwards a ladder step down
 plus one verification, over the tokens it yields on average (hand-computed on a stub step model); the decision is the
 server's controller's (drafts at batch 1, not at a large batch); a plan reports TPOT without and with it, and says
 when it does not model it."""
@@ -22,7 +22,7 @@ from sim.speculation import (
     ModelledSpeculation,
     SimSpeculation,
     charged_s,
-    default_rung,
+    default_draft_precision,
     draft_precisions,
     draft_s,
     verify_s,
@@ -47,18 +47,19 @@ class StubSteps:
     def step_s(self, batch: BatchShape, precisions: Sequence[str], head: str = FULL) -> float:
         self.calls.append((list(batch.decode_kv_lens), list(precisions), head))
         rows = len(batch.decode_kv_lens)
-        return rows * (sum(self.LAYER[p] for p in precisions) + self.HEAD[head]) + 1e-6 * sum(batch.decode_kv_lens) + 1e-3
+        return rows * (sum(self.LAYER[p] for p in precisions)
+                       + self.HEAD[head]) + 1e-6 * sum(batch.decode_kv_lens) + 1e-3
 
 
-def test_the_draft_serves_each_layer_one_rung_down() -> None:
+def test_the_draft_serves_each_layer_one_ladder_step_down() -> None:
     assert draft_precisions([FULL, "int8", "int4", "fp8"], "int8") == ["int8", "int4", "int4", "fp8"]
     assert draft_precisions([FULL, "int8"], "int4") == ["int4", "int4"]
     assert draft_precisions([FULL, "fp8"], "fp8") == ["fp8", "fp8"]  # the 8-bit draft of tables without int8_wo
-    assert default_rung({FULL, "int8", "int4"}) == "int8" and default_rung({FULL, "fp8"}) == "fp8"
+    assert default_draft_precision({FULL, "int8", "int4"}) == "int8" and default_draft_precision({FULL, "fp8"}) == "fp8"
 
 
 def test_a_drafting_iteration_is_charged_draft_plus_verify_over_the_expected_tokens() -> None:
-    """Two sequences at contexts 10 and 20 drafting 2 and 1 tokens, two full-precision layers, rung int8, a = 0.5:
+    """Two sequences at contexts 10 and 20 drafting 2 and 1 tokens, two full-precision layers, precision int8, a = 0.5:
     draft step 0: rows (10, 20), int8 layers and head: 2 x (0.5 + 0.5 + 1) ms + 30 us + 1 ms = 5.030 ms;
     draft step 1: row 11 only: 2 ms + 11 us + 1 ms = 3.011 ms;
     verify: rows 10, 11, 12, 20, 21 at full: 5 x (1 + 1 + 2) ms + 74 us + 1 ms = 21.074 ms;
@@ -78,8 +79,9 @@ def test_a_drafting_iteration_is_charged_draft_plus_verify_over_the_expected_tok
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"acceptance": 1.5, "k": 3, "rung": "int8"}, "acceptance"), ({"acceptance": 0.9, "k": 0, "rung": "int8"}, "-k"),
-    ({"acceptance": 0.9, "k": 3, "rung": "int2"}, "rung"),
+    ({"acceptance": 1.5, "k": 3, "precision": "int8"}, "acceptance"),
+    ({"acceptance": 0.9, "k": 0, "precision": "int8"}, "-k"),
+    ({"acceptance": 0.9, "k": 3, "precision": "int2"}, "rung"),
 ])
 def test_bad_assumptions_are_refused(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -119,8 +121,8 @@ def _plan(tmp_path: Path, name: str, *extra: str) -> dict:
     return json.loads((tmp_path / name).read_text())
 
 
-def test_a_plan_reports_tpot_without_and_with_speculation_and_says_when_it_does_not_model_it(tmp_path: Path,
-                                                                                               capsys) -> None:
+def test_a_plan_reports_tpot_without_and_with_speculation_and_says_when_it_does_not_model_it(
+        tmp_path: Path, capsys) -> None:
     plain = _plan(tmp_path, "plain.json")
     assert plain["plan"]["speculation"]["modelled"] is False
     assert "--speculation-acceptance" in plain["plan"]["speculation"]["why"]

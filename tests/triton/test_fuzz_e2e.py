@@ -1,6 +1,6 @@
-"""The fuzz run (issue 44): hypothesis over the input parser and the HTTP and gRPC doors of a real server, bounded (a
+"""The fuzz run: hypothesis over the input parser and the HTTP and gRPC front ends of a real server, bounded (a
 few hundred examples, derandomized so CI sees the same ones), asserting zero 5xx for client-caused errors; the
-bodies that answered 500 before issue 44 (the probe's and this fuzz's own, run against the code before it) are kept in
+bodies that once answered 500 (the Reliability III probe's and this fuzz's own) are kept in
 fuzz_500_corpus.jsonl and replayed first.
 
 A client-caused error is anything the client sent: every body here is answered 200 or 4xx (503 / 504 only as load
@@ -85,8 +85,9 @@ SPEC = ModelSpec("morphserve", "", 0, {n: InputSpec(n, *_DT[k]) for n, k in MORP
 
 @FUZZ
 @given(bodies)
-def test_the_door_parses_any_body_into_a_request_or_a_400(body: dict[str, Any]) -> None:
-    """The HTTP door's checks (JSON, types, ranges, text, limits): a gRPC request or FrontError(400), nothing else."""
+def test_the_front_end_parses_any_body_into_a_request_or_a_400(body: dict[str, Any]) -> None:
+    """The HTTP front end's checks (JSON, types, ranges, text, limits): a gRPC request or FrontError(400), nothing
+    else."""
     try:
         build_request(SPEC, "", load_json(_raw(body), 32, check_text=False))
     except FrontError as e:
@@ -96,7 +97,7 @@ def test_the_door_parses_any_body_into_a_request_or_a_400(body: dict[str, Any]) 
 @FUZZ
 @given(st.dictionaries(keys, values, max_size=5))
 def test_the_model_parses_any_parameters_into_a_request_or_an_input_error(parameters: dict[str, Any]) -> None:
-    """The model's parser (gRPC parameters, what BLS models and the door forward): ParsedRequest or InputError."""
+    """The model's parser (gRPC parameters, what BLS models and the front end forward): ParsedRequest or InputError."""
     text = np.array([b"hi"], dtype=np.object_)
     try:
         parse_request(lambda name: text if name == "text_input" else None, 4, 4, parameters=json.dumps(parameters))
@@ -158,7 +159,7 @@ grpc_values = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), floats,
 @given(parameters=st.dictionaries(st.one_of(st.sampled_from(NAMES), st.text(min_size=1, max_size=8)), grpc_values,
                                   max_size=4))
 def test_no_grpc_parameters_are_answered_internal(server: TritonServer, parameters: dict[str, Any]) -> None:
-    """Over gRPC (straight to the model through the gRPC door): an error is the client's, never INTERNAL."""
+    """Over gRPC (straight to the model through the gRPC front end): an error is the client's, never INTERNAL."""
     from serve.error_kinds import ErrorKind
     from serve.triton.client import request_inputs
 

@@ -1,5 +1,5 @@
 """Hardening against the real tritonserver on free loopback ports: the repository API is refused,
-malformed input gets clear errors (typed 400s from the HTTP front), deeply nested bodies never reach
+malformed input gets clear errors (typed 400s from the HTTP front end), deeply nested bodies never reach
 tritonserver, a client that leaves cancels its request, overload is refused with "retry later" and every
 request ends, the queue deadline sheds load with 503 + Retry-After, a crashed server comes back, a second
 server on busy ports fails clearly, SIGTERM drains (503 to new requests), no shared memory is left
@@ -115,7 +115,7 @@ BAD_BODIES = [
     ({"text_input": "hi", "max_tokens": 4, "top_p": 0}, "top_p"),
     ({"text_input": "", "max_tokens": 4}, "empty"),
 ]
-# JSON type and range errors: Triton 2.51's parser answered 500 or wrapped the value; the HTTP front
+# JSON type and range errors: Triton 2.51's parser answered 500 or wrapped the value; the HTTP front end
 # checks them against the model's inputs and answers 400 naming the field.
 TYPED_BODIES = [
     ({"text_input": 5}, "text_input"), ({"text_input": None}, "text_input"), ({"text_input": {"a": 1}}, "text_input"),
@@ -341,7 +341,7 @@ def test_crash_is_restarted_sigterm_drains_and_no_shm_is_left(tmp_path: Path) ->
         os.kill(_tritonserver_pid(p.pid), signal.SIGKILL)  # type: ignore[arg-type]
         _read_ready_line(p, 300)
         url = f"127.0.0.1:{http}"
-        # A body that used to crash tritonserver 2.51 (stack overflow in its JSON parser): refused at the door.
+        # A body that used to crash tritonserver 2.51 (stack overflow in its JSON parser): refused at the front end.
         deep = b'{"text_input": ' + b"[" * 60000 + b'"x"' + b"]" * 60000 + b"}"
         status, text = _post(f"http://{url}/v2/models/{MODEL}/generate", deep, timeout=60)
         assert status == 400 and "max_json_depth" in text, (status, text)

@@ -1,6 +1,6 @@
 """The HTTP front (serve/triton/http_front.py) without a tritonserver: bounded bodies, typed inputs,
 status codes by error kind (never by the words of a message), Triton's JSON and SSE formats, cancellation of a
-request whose client left, the door's arrival passed to the engine, draining, and the forwarding of the other
+request whose client left, the front end's arrival passed to the engine, draining, and the forwarding of the other
 KServe v2 paths. A fake gRPC backend stands in for tritonserver."""
 
 from __future__ import annotations
@@ -112,17 +112,17 @@ def test_request_tensors_follow_the_model_config() -> None:
     assert shape == [1]
 
 
-def test_reserved_triton_parameters_are_400_at_the_door() -> None:
-    """tritonserver refuses every triton_* request parameter but one, and answered that refusal 500 through the door
-    (found by test_fuzz_e2e: {"text_input": "", "triton_x": ""}); the door refuses them 400 itself."""
+def test_reserved_triton_parameters_are_400_at_the_front_end() -> None:
+    """tritonserver refuses every triton_* request parameter but one, and answered that refusal 500 through the front
+    end (found by test_fuzz_e2e: {"text_input": "", "triton_x": ""}); the front end refuses them 400 itself."""
     with pytest.raises(FrontError, match="'triton_x'.*reserved") as e:
         build_request(MORPHSERVE, "", {"text_input": "x", "triton_x": ""})
     assert e.value.status == 400
     req = build_request(MORPHSERVE, "", {"text_input": "x", "triton_enable_empty_final_response": False})
-    assert req.parameters["triton_enable_empty_final_response"].bool_param  # the door streams with it on
+    assert req.parameters["triton_enable_empty_final_response"].bool_param  # the front end streams with it on
 
 
-def test_the_models_own_limits_are_checked_at_the_door() -> None:
+def test_the_models_own_limits_are_checked_at_the_front_end() -> None:
     spec = spec_from_config({"name": "morphserve", "input": [
         {"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},
         {"name": "stop", "data_type": "TYPE_STRING", "dims": ["-1"]},
@@ -371,9 +371,9 @@ def test_a_client_that_leaves_cancels_its_request() -> None:
     _run(scenario)
 
 
-def test_the_door_passes_its_arrival_to_the_engine_model() -> None:
-    """The engine's queue deadline counts from the client's arrival at the door: the request carries it (a
-    client's own value is overwritten); the door itself keeps no deadline (the engine decides)."""
+def test_the_front_end_passes_its_arrival_to_the_engine_model() -> None:
+    """The engine's queue deadline counts from the client's arrival at the front end: the request carries it (a
+    client's own value is overwritten); the front end itself keeps no deadline (the engine decides)."""
     limited = ModelSpec("morphserve", "", 0, dict(MORPHSERVE.inputs), RequestLimits(1 << 20, 64, 4096, 4096))
 
     async def scenario(client: TestClient, backend: FakeBackend, front: FrontApp) -> None:
@@ -426,10 +426,11 @@ def test_tritonserver_down_is_503_not_a_refused_connection() -> None:
     asyncio.run(main())
 
 
-# ---- issue 44: closed APIs, bounded connections, cheap refusals ------------------------------------------------------
+# ---- Reliability III: closed APIs, bounded connections, cheap refusals
+# ------------------------------------------------
 
 def test_apis_closed_to_clients_are_refused_before_tritonserver_sees_them() -> None:
-    """Finding 4: shared memory, logging, trace and the repository answer 403 at the door, unknown paths 404; the
+    """Finding 4: shared memory, logging, trace and the repository answer 403 at the front end, unknown paths 404; the
     open ones (health, metadata, config, infer) are forwarded."""
     async def scenario(client: TestClient, backend: FakeBackend, front: FrontApp) -> None:
         for path, says in (("/v2/systemsharedmemory/region/pb/register", "shared-memory"),
@@ -465,7 +466,8 @@ def test_connections_over_the_limit_get_503_at_once() -> None:
         extra = socket.create_connection(("127.0.0.1", front.port))
         extra.settimeout(5)
         reply = extra.recv(4096)
-        assert reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply and b"too many open connections" in reply
+        assert (reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply
+                and b"too many open connections" in reply)
         assert extra.recv(4096) == b""  # and closed
         for s in [*held, extra]:
             s.close()
@@ -474,7 +476,7 @@ def test_connections_over_the_limit_get_503_at_once() -> None:
 
 
 def test_a_body_over_the_models_limits_is_refused_by_its_size_first() -> None:
-    """Finding 11 (a flood of refused 940 KB bodies slowed other clients 5x): the door checks a field's size before
+    """Finding 11 (a flood of refused 940 KB bodies slowed other clients 5x): the front end checks a field's size before
     its type and text, so such a body costs one parse and a length, not an encode and a walk of every character."""
     limits = RequestLimits(262144, 64, 4096, 4096)
     spec = ModelSpec("morphserve", "", 0, dict(MORPHSERVE.inputs), limits)
@@ -486,10 +488,10 @@ def test_a_body_over_the_models_limits_is_refused_by_its_size_first() -> None:
 
 
 @pytest.mark.parametrize("body", [{}, {"min_tokens": 1}, {"max_new_tokens": 2, "x": 1}, {"max_tokens": 2}])
-def test_a_body_without_a_required_input_is_400_at_the_door(body: dict[str, Any]) -> None:
+def test_a_body_without_a_required_input_is_400_at_the_front_end(body: dict[str, Any]) -> None:
     """A body of parameters only sent tritonserver a request of no inputs, which it answered 500 ("expected number of
     inputs between 1 and 43 but got 0"; bench.reliability_probe's fuzz, 2026-12-04). Inputs the model's config does
-    not mark optional are checked at the door, whatever else the body holds."""
+    not mark optional are checked at the front end, whatever else the body holds."""
     spec = spec_from_config({"name": "morphserve", "input": [
         {"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},
         {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": ["1"], "optional": True}]})

@@ -1,10 +1,10 @@
-"""Issue 44, finding 10: a killed launcher leaves no model process behind. SIGKILL of ``python -m serve.triton`` with
-live streams used to leave the morphserve model's Python-backend stub running, reparented to init (2.4 GB resident,
+"""Reliability III finding 10: a killed launcher leaves no model process behind. SIGKILL of ``python -m serve.triton``
+with live streams used to leave the morphserve model's Python-backend stub running, reparented to init (2.4 GB resident,
 two threads at ~100 % CPU, SIGTERM ignored, still there 8 minutes later). Against the real launcher: after its SIGKILL
-with 8 live streams no process of it is alive 20 s later (the model's watchdog, serve/triton/stale.py); after a
-SIGKILL of tritonserver the supervisor restarts it and exactly one model process serves; a model process a killed
-launcher left behind is ended by the next launcher of the same repository before it starts. The first fails on
-593e192 when tritonserver dies with the launcher; the others with their guard planted out (docs/hardening.md)."""
+with 8 live streams no process of it is alive 20 s later (the model's watchdog, serve/triton/stale.py); after a SIGKILL
+of tritonserver the supervisor restarts it and exactly one model process serves; a model process a killed launcher left
+behind is ended by the next launcher of the same repository before it starts. The first fails on 593e192 when
+tritonserver dies with the launcher; the others with their guard planted out (docs/hardening.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Each error kind gets the same client-visible status over HTTP and gRPC, against a real tritonserver (issue 43):
+"""Each error kind gets the same client-visible status over HTTP and gRPC, against a real tritonserver:
 invalid input 400, overloaded 503 + Retry-After, deadline exceeded 504, draining 503 + Retry-After (gRPC stream
 clients read the kind and Retry-After from the message's tag, serve/triton/errors.py). The engine decides them
 (serve/engine/lifecycle.py); and rewording every engine message into another kind's words (a second server whose

@@ -22,7 +22,7 @@ from serve.triton.llmapi import (
     llmapi_to_engine,
     perf_metric_arrays,
 )
-from serve.triton.llmapi_config import FrontSettings, ModelYamlError, overlay_model_yaml, parse_model_yaml
+from serve.triton.llmapi_config import BlsSettings, ModelYamlError, overlay_model_yaml, parse_model_yaml
 from serve.triton.model_params import engine_config_kwargs
 from serve.triton.repository import DEFAULT_MODEL_REPOSITORY, engine_settings, read_config_parameters
 from serve.triton.trtllm import MORPHSERVE_INPUTS
@@ -96,7 +96,8 @@ def test_upstream_defaults_made_explicit() -> None:
 
 
 @pytest.mark.parametrize("given, temperature", [
-    ({"sampling_param_top_k": np.array([1], dtype=np.int32), "sampling_param_temperature": np.array([0.8], np.float32)}, 0.0),
+    ({"sampling_param_top_k": np.array([1], dtype=np.int32), "sampling_param_temperature": np.array([0.8], np.float32)},
+     0.0),
     ({"sampling_param_top_k": np.array([40], dtype=np.int32)}, 1.0),
     ({"sampling_param_top_p": np.array([0.9], dtype=np.float32)}, 1.0),
     ({"sampling_param_top_p": np.array([0.0], dtype=np.float32)}, 0.0),
@@ -115,7 +116,8 @@ def test_inputs_map_to_the_engine_models() -> None:
         sampling_param_max_tokens=np.array([7], dtype=np.int32), sampling_param_seed=np.array([5], dtype=np.uint64),
         sampling_param_stop=np.array([b"\n", b"stop"], dtype=np.object_), streaming=np.array([True]),
         sampling_param_exclude_input_from_output=np.array([True]), return_cumulative_logprob=np.array([True]),
-        sampling_param_return_perf_metrics=np.array([True]), sampling_param_presence_penalty=np.array([0.5], np.float32),
+        sampling_param_return_perf_metrics=np.array([True]),
+        sampling_param_presence_penalty=np.array([0.5], np.float32),
         return_finish_reason=np.array([True]), return_stop_reason=np.array([True])))
     assert arrays["max_tokens"].tolist() == [7] and arrays["seed"].tolist() == [5]
     assert arrays["stop"].tolist() == [b"\n", b"stop"] and arrays["stream"].tolist() == [True]
@@ -197,18 +199,19 @@ def test_quality_outputs_are_the_requests_counts_with_their_declared_types() -> 
 
 def test_model_yaml_round_trip() -> None:
     engine = {"model": "/m", "max_num_seqs": 8, "enable_prefix_caching": False, "kv_cache_dtype": "int8",
-              "morph_mode": "default", "device_memory": "auto", "speculation": "off", "policy_overrides": {"kv_high": 0.7}}
-    front = FrontSettings(stop_by_request_id=False, decoupled=False, cancellation_check_period_ms=50)
-    text = overlay_model_yaml("", engine, front)
+              "morph_mode": "default", "device_memory": "auto", "speculation": "off",
+              "policy_overrides": {"kv_high": 0.7}}
+    bls = BlsSettings(stop_by_request_id=False, decoupled=False, cancellation_check_period_ms=50)
+    text = overlay_model_yaml("", engine, bls)
     assert "max_batch_size: 8" in text and "enable_block_reuse: false" in text and "speculative_config: null" in text
     parsed = parse_model_yaml(text, FIELDS)
-    assert parsed.engine == engine and parsed.front == front
+    assert parsed.engine == engine and parsed.bls == bls
     # written over: the settings named change (a cleared one goes), the rest stays
     again = parse_model_yaml(overlay_model_yaml(text, {"max_num_seqs": 4, "kv_cache_dtype": None,
                                                        "speculation": "auto"}), FIELDS)
     assert again.engine == {**{k: v for k, v in engine.items() if k != "kv_cache_dtype"}, "max_num_seqs": 4,
                             "speculation": "auto"}
-    assert again.front == front
+    assert again.bls == bls
 
 
 def test_the_shipped_model_yaml_says_what_the_engine_models_config_says() -> None:
@@ -219,7 +222,7 @@ def test_the_shipped_model_yaml_says_what_the_engine_models_config_says() -> Non
     pbtxt, _ = engine_config_kwargs(params, EngineConfig, DEFAULT_MODEL_REPOSITORY.parent)
     for field, value in shipped.engine.items():
         assert pbtxt.get(field, getattr(EngineConfig(), field)) == value, field
-    assert shipped.front.decoupled  # the shipped model streams (its config.pbtxt is decoupled)
+    assert shipped.bls.decoupled  # the shipped model streams (its config.pbtxt is decoupled)
     assert "decoupled: true" in (DEFAULT_MODEL_REPOSITORY / "tensorrt_llm" / "config.pbtxt").read_text()
     assert engine_settings({"engine_dir": "x", "max_num_seqs": 4, "max_tokens_limit": 9, "scheduler": ""}) == {
         "model": "x", "max_num_seqs": 4, "scheduler": None}

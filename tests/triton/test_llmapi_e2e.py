@@ -30,7 +30,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
 from serve.triton.install import TritonLaunchError  # noqa: E402
-from serve.triton.llmapi_config import FrontSettings  # noqa: E402
+from serve.triton.llmapi_config import BlsSettings  # noqa: E402
 from serve.triton.operator_port import post_control  # noqa: E402
 from serve.triton.repository import write_repository  # noqa: E402
 from serve.triton.server import TritonServer, free_port  # noqa: E402
@@ -255,15 +255,18 @@ def test_perf_metrics_are_the_engines_counts(server) -> None:
     block = after["block_size"]
     assert second["kv_cache_reused_block"] > 0
     assert second["kv_cache_reused_block"] * block == after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    assert second["kv_cache_alloc_total_blocks"] == second["kv_cache_reused_block"] + second["kv_cache_alloc_new_blocks"]
+    assert (second["kv_cache_alloc_total_blocks"]
+            == second["kv_cache_reused_block"] + second["kv_cache_alloc_new_blocks"])
     assert second["kv_cache_hit_rate"] == pytest.approx(
         second["kv_cache_reused_block"] / (second["kv_cache_reused_block"] + second["kv_cache_missed_block"]))
     assert first["kv_cache_reused_block"] == 0 and first["kv_cache_hit_rate"] == 0
-    assert second["total_draft_tokens"] == after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    assert (second["total_draft_tokens"]
+            == after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"])
     assert second["total_accepted_draft_tokens"] == (after["spec_decode_num_accepted_tokens"]
                                                      - before["spec_decode_num_accepted_tokens"])
     assert second["total_draft_tokens"] > 0
-    assert second["acceptance_rate"] == pytest.approx(second["total_accepted_draft_tokens"] / second["total_draft_tokens"])
+    assert second["acceptance_rate"] == pytest.approx(second["total_accepted_draft_tokens"]
+                                                      / second["total_draft_tokens"])
     times = [second[k] for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
                                  "last_token_time_ns")]
     assert 0 < times[0] <= times[1] <= times[2] <= times[3], times
@@ -277,7 +280,8 @@ def test_finish_and_stop_reasons_and_cumulative_logprob(server) -> None:
                                       "sampling_param_exclude_input_from_output": True})
     assert status == 200, body
     assert body["finish_reason"] == "stop" and body["stop_reason"] == "," and body["cumulative_logprob"] < 0
-    status, body = _generate(server, {"text_input": PROMPT, "sampling_param_max_tokens": 3, "return_finish_reason": True,
+    status, body = _generate(server,
+                             {"text_input": PROMPT, "sampling_param_max_tokens": 3, "return_finish_reason": True,
                                       "return_stop_reason": True})
     assert body["finish_reason"] == "length" and body["stop_reason"] == "None"
 
@@ -308,8 +312,8 @@ def test_quality_outputs_of_both_engine_models(tmp_path: Path) -> None:
 
     params = {**PARAMS, "morph_mode": "default", "kv_cache_dtype": "int8", "quality_meter": 1000, "speculation": "off"}
     with running_server(params, tmp_path) as srv:
-        status, body = _generate(srv, {"text_input": PROMPT, "sampling_param_max_tokens": 8, "return_finish_reason": True,
-                                       "sampling_param_return_perf_metrics": True})
+        status, body = _generate(srv, {"text_input": PROMPT, "sampling_param_max_tokens": 8,
+                                       "return_finish_reason": True, "sampling_param_return_perf_metrics": True})
         assert status == 200 and body["finish_reason"] == "length", body
         assert body["kv_8bit_tokens"] == 8 and 0 <= body["quantized_layer_tokens"] <= 8
         assert 0 < body["quality_samples"] <= 8 and 0.0 <= body["quality_agreement"] <= 1.0
@@ -323,7 +327,8 @@ def test_quality_outputs_of_both_engine_models(tmp_path: Path) -> None:
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
         try:
-            client.async_stream_infer(MODEL, client_inputs(PROMPT, 4, sampling_param_return_perf_metrics=np.array([True])),
+            client.async_stream_infer(MODEL,
+                                      client_inputs(PROMPT, 4, sampling_param_return_perf_metrics=np.array([True])),
                                       request_id="q1", outputs=[grpcclient.InferRequestedOutput("quality_samples")])
             result, error = got.get(timeout=120)
         finally:
@@ -340,7 +345,7 @@ def test_unary_model_runs_upstreams_cancel_sequence(tmp_path: Path) -> None:
     request after them answers as the first; streaming is refused; a model.yaml with an unknown key is refused before
     the server starts, naming it (the models' own load reads it with the same parser: test_llmapi_contract.py)."""
     srv = TritonServer(params=PARAMS, log_path=tmp_path / "unary.log", also_load=[MODEL],
-                       llmapi=FrontSettings(decoupled=False))
+                       llmapi=BlsSettings(decoupled=False))
     srv.start()
     try:
         srv.wait_ready(timeout=300)

@@ -1,9 +1,9 @@
-"""No client of the inference ports can act for another client or for the operator (issue 44, findings 1 and 2),
+"""No client of the inference ports can act for another client or for the operator (Reliability III findings 1 and 2),
 against a real tritonserver in the shipped dynamic morph mode: while four clients stream, a client that sends
 ``morphserve_cancel`` (empty, or a well-formed id it made up) or ``morphserve_memory`` over HTTP or gRPC is
 refused 400 with a clear error; the four streams finish in full, every layer stays at full precision and nothing
-is given back. The operator port (loopback only) yields and reclaims (issue 43, "operator controls off the data
-plane")."""
+is given back. The operator port (loopback only) yields and reclaims (operator controls off the data
+plane)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def wait_for(cond, what: str, timeout: float = 90.0) -> None:
 
 
 def stream(srv: TritonServer, i: int, started: threading.Event, out: dict[int, Any]) -> None:
-    """One client streaming over HTTP (through the door, whose requests all carry Triton request id "")."""
+    """One client streaming over HTTP (through the front end, whose requests all carry Triton request id "")."""
     try:
         c = generate_http(f"Client {i}: count slowly: 1, 2,", url=srv.http_url, stream=True, max_tokens=TOKENS,
                           ignore_eos=True, temperature=0.0, timeout=300, on_text=lambda _t: started.set())
@@ -114,9 +114,10 @@ def test_a_client_cannot_cancel_others_or_yield_memory_and_the_operator_can(serv
         th.join(timeout=300)
     assert results == {i: (TOKENS, "length") for i in range(4)}  # every other client's stream finished in full
     assert metric(server, "morphserve_layers_quantized") == 0 and metric(server, "morphserve_swaps_total") == 0
-    assert metric(server, "morphserve_memory_yielded_bytes") == 0 and metric(server, "morphserve_memory_yields_total") == 0
+    assert (metric(server, "morphserve_memory_yielded_bytes") == 0
+            and metric(server, "morphserve_memory_yields_total") == 0)
 
-    # the operator port can: a yield gives bytes back (a KV chunk or a quantized layer's), reclaim takes them back
+    # the operator port can: a yield gives bytes back (a KV extent or a quantized layer's), reclaim takes them back
     answer = post_control(server.operator_port, "memory_yield", {"size": "1MiB"})
     assert answer["status"] == "ok" and answer["memory_yield"]["yield_request_bytes"] == 2**20, answer
     wait_for(lambda: metric(server, "morphserve_memory_yielded_bytes") >= 2**20, "the yield")
@@ -159,7 +160,8 @@ def test_with_the_operator_key_memory_is_released_and_resumed(tmp_path, monkeypa
                 assert status == 401 and "detail" in answer and KEY not in json.dumps(answer), (path, answer)
         after_refusals = stats()
         assert after_refusals["memory_yielded_bytes"] == 0 and not sum(after_refusals["layers_quantized"].values())
-        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200, {"state": "running", "parked_tags": []})
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200,
+                                                                            {"state": "running", "parked_tags": []})
 
         status, answer = operator_request(port, "POST", "/release_memory", {"tags": ["model_weights", "kv_cache"]},
                                           key=KEY, timeout=300)
@@ -181,5 +183,6 @@ def test_with_the_operator_key_memory_is_released_and_resumed(tmp_path, monkeypa
         resumed = stats()
         assert resumed["memory_yielded_bytes"] == 0 and not sum(resumed["layers_quantized"].values())
         assert resumed["memory_held_bytes"] == start["memory_held_bytes"]
-        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200, {"state": "running", "parked_tags": []})
+        assert operator_request(port, "GET", "/memory_status", key=KEY) == (200,
+                                                                            {"state": "running", "parked_tags": []})
         assert http(srv, body) == (200, before)

@@ -1,8 +1,8 @@
-"""Issue 44 ("Reliability III"), findings 3-9 and 11, against a real tritonserver behind the project's doors: what an
-anonymous client sends cannot stall admission, reach a closed API, crash a request into a 500, hold a connection, grow
-a cache or push a 100 MB message through the transport. Each test names the finding it guards and fails on the code
-before it (docs/hardening.md, "Reliability III", says how each was shown to fail). Findings 1-2: test_operator_e2e.py;
-10: test_launcher_kill_e2e.py; the fuzz run: test_fuzz_e2e.py."""
+"""Reliability III (docs/hardening.md), findings 3-9 and 11, against a real tritonserver behind the project's front
+ends: what an anonymous client sends cannot stall admission, reach a closed API, crash a request into a 500, hold a
+connection, grow a cache or push a 100 MB message through the transport. Each test names the finding it guards and fails
+on the code before it (docs/hardening.md, "Reliability III", says how each was shown to fail). Findings 1-2:
+test_operator_e2e.py; 10: test_launcher_kill_e2e.py; the fuzz run: test_fuzz_e2e.py."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def _rss_mib(pid: int) -> float:
 
 def test_a_100mb_grpc_input_is_refused_at_the_transport(server: TritonServer) -> None:
     """Finding 9: a 100 MB input was received and copied by tritonserver (RSS 41 -> 440 MiB, kept) before the model
-    refused it. Now the gRPC door refuses it at the transport (RESOURCE_EXHAUSTED) and tritonserver never sees it."""
+    refused it. Now the gRPC front end refuses it at the transport (RESOURCE_EXHAUSTED) and tritonserver never sees
+    it."""
     import tritonclient.grpc as grpcclient
 
     before = _rss_mib(server.proc.pid)  # type: ignore[union-attr]
@@ -123,7 +124,7 @@ def test_a_100mb_grpc_input_is_refused_at_the_transport(server: TritonServer) ->
     finally:
         client.close()
     assert _rss_mib(server.proc.pid) - before < 50  # type: ignore[union-attr]
-    with GrpcStream(server.grpc_url, MODEL) as s:  # and the door goes on serving streams
+    with GrpcStream(server.grpc_url, MODEL) as s:  # and the front end goes on serving streams
         s.send(request_inputs("hi", max_tokens=2, stream=True))
         assert list(s.responses(timeout=120))[-1]["final"]
 
@@ -155,7 +156,8 @@ CLIENT_ERRORS: list[tuple[str, bytes | dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize("model, body, says", CLIENT_ERRORS, ids=range(len(CLIENT_ERRORS)))
-def test_client_text_and_integers_are_400_with_the_reason(server: TritonServer, model: str, body: Any, says: str) -> None:
+def test_client_text_and_integers_are_400_with_the_reason(server: TritonServer, model: str, body: Any,
+                                                          says: str) -> None:
     """Findings 5 and 6 (and unsatisfiable guides, finding 3): 400 naming the field, never 500 or a wrapped value."""
     status, text = generate(server, body, model)
     assert status == 400 and says in json.loads(text)["error"], (status, text)
@@ -180,7 +182,7 @@ def test_grpc_parameters_are_range_checked_before_narrowing(server: TritonServer
 # ---- finding 8: caches keyed by client text ------------------------------------------------------------------------
 
 def test_the_spec_cache_is_keyed_by_resolved_version_and_bounded(server: TritonServer) -> None:
-    """Finding 8: /v2/models/morphserve/versions/1.<random>/generate grew the front's spec cache ~12 KB per distinct
+    """Finding 8: /v2/models/morphserve/versions/1.<random>/generate grew the front end's spec cache ~12 KB per distinct
     string (Triton reads "1.<anything>" as version 1). Now such versions are 400, "1" and "01" are one entry."""
     body = {"text_input": "hi", "max_tokens": 1}
     for i in range(100):
@@ -188,11 +190,12 @@ def test_the_spec_cache_is_keyed_by_resolved_version_and_bounded(server: TritonS
         assert status == 400 and "model version must be a positive integer" in text, (status, text)
     for version in ("1", "01", "001"):
         assert post(server, f"/v2/models/{MODEL}/versions/{version}/generate", body)[0] == 200
-    specs = server.doors.http_front.app.backend._specs  # type: ignore[union-attr]
+    specs = server.front_ends.http_front.app.backend._specs  # type: ignore[union-attr]
     assert {v for m, v in specs} <= {"", "1"} and len(specs) <= SPEC_CACHE_SIZE  # one entry per model and version
 
 
-# ---- finding 7: slow clients ------------------------------------------------------------------------------------------
+# ---- finding 7: slow clients
+# ------------------------------------------------------------------------------------------
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
     """True when the server closed ``sock`` (end of file, or an answer then end of file) within ``seconds``."""

@@ -179,8 +179,8 @@ def fake_pb_utils() -> types.ModuleType:
     pb.MetricFamily = FakeMetricFamily
     pb.TritonError = FakeTritonError
     pb.Tensor = FakeTensor
-    pb.InferenceResponse = lambda output_tensors=None, error=None: types.SimpleNamespace(tensors=output_tensors,
-                                                                                           error=error)
+    pb.InferenceResponse = lambda output_tensors=None, error=None: types.SimpleNamespace(
+        tensors=output_tensors, error=error)
     return pb
 
 
@@ -239,7 +239,8 @@ def histogram(name: str) -> FakeMetric:
 
 
 def finished_counts() -> dict[str, float]:
-    return {m.labels["finish_reason"]: m.value for m in FakeMetricFamily.families["morphserve_requests_finished_total"].metrics}
+    return {m.labels["finish_reason"]: m.value for m
+            in FakeMetricFamily.families["morphserve_requests_finished_total"].metrics}
 
 
 def test_triton_histograms_from_a_scripted_output_sequence(triton_model) -> None:
@@ -334,7 +335,8 @@ def test_triton_gauges_read_engine_stats(triton_model, tiny) -> None:
     assert value("morphserve_kv_blocks_total") == stats.kv_blocks_total == 32
     assert value("morphserve_generation_tokens_total") == stats.num_generated_tokens == 3
     assert value("morphserve_engine_healthy") == 1.0 and stats.as_dict()["num_running"] == 0
-    kv = {m.labels["kv_cache_block_type"]: m.value for m in FakeMetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics}
+    kv = {m.labels["kv_cache_block_type"]: m.value for m
+          in FakeMetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics}
     assert kv["max"] == 32 and kv["tokens_per"] == stats.block_size
 
 
@@ -345,8 +347,10 @@ def test_triton_quality_outputs_ride_with_the_perf_metrics_as_named(triton_model
 
     named = frozenset({"text_output", "quantized_layer_tokens", "quality_samples", "quality_agreement"})
     for rid, perf, metrics, want in [
-            ("s", True, RequestMetrics(0.0, quantized_layer_tokens=2, kv_8bit_tokens=2, quality_samples=2, quality_agreed=1),
-             {"text_output": [b"tt"], "quantized_layer_tokens": [2], "quality_samples": [2], "quality_agreement": [0.5]}),
+            ("s", True, RequestMetrics(0.0, quantized_layer_tokens=2, kv_8bit_tokens=2, quality_samples=2,
+                                       quality_agreed=1),
+             {"text_output": [b"tt"], "quantized_layer_tokens": [2], "quality_samples": [2],
+              "quality_agreement": [0.5]}),
             ("u", True, RequestMetrics(0.0, quantized_layer_tokens=2),
              {"text_output": [b"tt"], "quantized_layer_tokens": [2], "quality_samples": [0]}),
             ("n", False, RequestMetrics(0.0, quantized_layer_tokens=2, quality_samples=2, quality_agreed=1),

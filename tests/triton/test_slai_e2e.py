@@ -29,7 +29,8 @@ MODEL = "morphserve"
 TIGHT_TBT_S = 2.0   # generous for a shared 2-core machine; relaxed requests get 30 s
 PARAMS: dict[str, Any] = {
     "engine_dir": "smollm2-135m", "morph_mode": "off", "scheduler": "slai", "max_model_len": 512,
-    "num_kv_blocks": 256, "max_num_seqs": 2,  # 2 running at once: the rest of a burst queues "max_num_batched_tokens": 64, "max_tokens_limit": 64,
+    "num_kv_blocks": 256, "max_num_seqs": 2,  # 2 running at once: the rest of a burst queues "max_num_batched_tokens":
+                                              # 64, "max_tokens_limit": 64,
     "poll_interval_s": 0.02, "num_threads": 1, "slo_tbt_s": 30.0,
 }
 

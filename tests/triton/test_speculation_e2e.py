@@ -1,4 +1,4 @@
-"""The per-request opt-out of self-speculative decoding over every Triton door, against a real tritonserver whose
+"""The per-request opt-out of self-speculative decoding over every Triton front end, against a real tritonserver whose
 engine drafts on every iteration it can (``speculation`` = always): the morphserve model's input ``speculate`` =
 false (a gRPC tensor, an HTTP generate key) and TensorRT-LLM's ``num_draft_tokens`` = 0 on ``ensemble`` and
 ``tensorrt_llm_bls`` (the tensors tensorrtllm_backend's client script sends). A request that opts out drafts
@@ -79,8 +79,8 @@ def _trtllm_grpc(srv: TritonServer, model: str, opt_out: bool) -> str:
     return answer.text
 
 
-# door -> (send one greedy request of TOKENS tokens, opting out or not) -> the completion's text
-DOORS: dict[str, Callable[[TritonServer, bool], str]] = {
+# front end -> (send one greedy request of TOKENS tokens, opting out or not) -> the completion's text
+FRONT_ENDS: dict[str, Callable[[TritonServer, bool], str]] = {
     "morphserve-grpc-speculate": lambda srv, off: generate_grpc(
         PROMPT, url=srv.grpc_url, max_tokens=TOKENS, **({"speculate": False} if off else {})).text,
     "morphserve-http-speculate": lambda srv, off: generate_http(
@@ -94,13 +94,13 @@ DOORS: dict[str, Callable[[TritonServer, bool], str]] = {
 
 
 @pytest.mark.parametrize("opt_out", [True, False], ids=["opted-out", "default"])
-@pytest.mark.parametrize("door", sorted(DOORS))
-def test_opting_out_drafts_nothing_and_the_default_drafts(server: TritonServer, expected: str, door: str,
+@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
+def test_opting_out_drafts_nothing_and_the_default_drafts(server: TritonServer, expected: str, front_end: str,
                                                           opt_out: bool) -> None:
     before = drafts(server)
-    assert DOORS[door](server, opt_out) == expected
+    assert FRONT_ENDS[front_end](server, opt_out) == expected
     after = drafts(server)
     if opt_out:
-        assert after == before, f"{door}: the opted-out request drafted {after - before} times"
+        assert after == before, f"{front_end}: the opted-out request drafted {after - before} times"
     else:
-        assert after > before, f"{door}: the request did not draft (speculation = always)"
+        assert after > before, f"{front_end}: the request did not draft (speculation = always)"

@@ -238,7 +238,8 @@ def test_concurrent_grpc_streams_match_engine_greedy(triton_server: TritonServer
     assert set(results) == set(PROMPTS)
     for prompt in PROMPTS:
         c = results[prompt]
-        assert c.text == reference_greedy[prompt], f"{prompt!r}: server {c.text!r} != engine {reference_greedy[prompt]!r}"
+        assert c.text == reference_greedy[prompt], \
+            f"{prompt!r}: server {c.text!r} != engine {reference_greedy[prompt]!r}"
         assert c.finish_reason in ("length", "stop")
         if c.num_output_tokens and c.num_output_tokens > 1:
             assert len(c.chunks) > 1, "stream=true must stream more than one response"
@@ -334,7 +335,8 @@ def test_bad_input_answered_with_clear_error(triton_server: TritonServer, case: 
     ("body", "expected"),
     [
         ({"max_tokens": 4}, "text_input"),
-        ({"text_input": "hi", "max_tokens": "four"}, "max_tokens must be an integer"),  # the HTTP front's type check
+        # the HTTP front end's type check
+        ({"text_input": "hi", "max_tokens": "four"}, "max_tokens must be an integer"),
         ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"text_input": "hi", "max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens_limit"),
         ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature"),

@@ -153,7 +153,7 @@ def test_batched_outputs_have_trtllm_shapes() -> None:
 def test_controls_no_client_can_use() -> None:
     """Cancellation only of a server-made inner id (an empty, malformed or client-chosen id is refused); memory
     control refused on the inference path; the internal parameters are never inputs (serve/triton/controls.py)."""
-    from serve.triton.controls import cancel_target, door_arrival, new_inner_request_id
+    from serve.triton.controls import cancel_target, front_end_arrival, new_inner_request_id
     from serve.triton.input_error import InputError
 
     inner = new_inner_request_id()
@@ -167,7 +167,7 @@ def test_controls_no_client_can_use() -> None:
             parse_parameters({"morphserve_memory": memory, "max_tokens": 4})
     assert set(parse_parameters({"morphserve_cancel": inner, "morphserve_arrival_s": 5.0, "max_tokens": 4})) == {
         "max_tokens"}
-    assert door_arrival({"morphserve_arrival_s": 12.5}) == 12.5 and door_arrival({}) is None
+    assert front_end_arrival({"morphserve_arrival_s": 12.5}) == 12.5 and front_end_arrival({}) is None
     for bad in ("now", True, float("nan")):
         with pytest.raises(InputError, match="morphserve_arrival_s"):
-            door_arrival({"morphserve_arrival_s": bad})
+            front_end_arrival({"morphserve_arrival_s": bad})

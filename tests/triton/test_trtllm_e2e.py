@@ -114,7 +114,8 @@ def run_client(srv: TritonServer, model: str, inputs: dict[str, np.ndarray], str
     tensors = [_tensor(name, arr) for name, arr in inputs.items()]
     outputs = [grpcclient.InferRequestedOutput("text_output")]
     if log_probs:
-        outputs += [grpcclient.InferRequestedOutput("cum_log_probs"), grpcclient.InferRequestedOutput("output_log_probs")]
+        outputs += [grpcclient.InferRequestedOutput("cum_log_probs"),
+                    grpcclient.InferRequestedOutput("output_log_probs")]
     results: queue.Queue = queue.Queue()
 
     def callback(q: queue.Queue, result: Any, error: Any) -> None:
@@ -366,7 +367,8 @@ def test_trtllm_metric_families_have_trtllm_meanings(server) -> None:
     req = _series(m, "nv_trt_llm_request_metrics", "request_type")
     assert set(kv) == {"max", "free", "used", "tokens_per", "fraction"}
     assert set(req) == {"active", "max", "scheduled", "context", "waiting"}
-    assert kv["max"] == metric_value(m, "morphserve_kv_blocks_total", model="morphserve") == SERVER_PARAMS["num_kv_blocks"]
+    assert kv["max"] == metric_value(m, "morphserve_kv_blocks_total",
+                                     model="morphserve") == SERVER_PARAMS["num_kv_blocks"]
     assert kv["tokens_per"] == 16 and kv["used"] == 0 and kv["free"] == kv["max"] and kv["fraction"] == 0
     assert req["max"] == SERVER_PARAMS["max_num_seqs"] and req["active"] == req["waiting"] == req["scheduled"] == 0
     assert metric_value(m, "morphserve_num_preemptions_total", model="morphserve") is not None

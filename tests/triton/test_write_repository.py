@@ -47,7 +47,8 @@ def _installed_env(root: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(site), str(src)], check=True, cwd=root)
     shutil.rmtree(src)
-    assert (site / "serve" / "model" / "kernels" / "linear_avx2.cpp").is_file(), "installed copies build the CPU kernels"
+    assert (site / "serve" / "model" / "kernels"
+            / "linear_avx2.cpp").is_file(), "installed copies build the CPU kernels"
     third_party = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     (site / "third_party.pth").write_text(third_party + "\n")
     return env_dir / "bin"
@@ -120,7 +121,7 @@ def test_written_repository_serves_outside_the_checkout(tmp_path: Path, capsys: 
     written = parse_model_yaml((repo / "tensorrt_llm" / "1" / "model.yaml").read_text(),
                                tuple(f.name for f in dataclasses.fields(EngineConfig)))
     assert written.engine["morph_mode"] == "default" and written.engine["policy_overrides"] == {"kv_high": 0.7}
-    assert written.engine["max_model_len"] == 256 and written.front.decoupled
+    assert written.engine["max_model_len"] == 256 and written.bls.decoupled
     assert params["llmapi_config"] == "../tensorrt_llm/1/model.yaml"
     srv.start()
     try:

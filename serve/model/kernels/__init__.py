@@ -1,9 +1,9 @@
 """Our CPU kernels (AVX2 + FMA): weight-only int8 / int4 linears (``qlinear_avx2.cpp`` with fp32 activations,
 ``q8act_avx2.cpp`` with int8 activations, the default: :func:`int8_activations`), the fp32 linears
 (``linear_avx2.cpp`` on plain weights, ``blocked_linear_avx2.cpp`` on oneDNN's blocked layout, with the non-owning
-oneDNN view of such weights), paged decode and prompt attention (``attention_avx2.cpp``; over int8 KV ``attention_q8_avx2.cpp``, over tables
-mixing fp32 and int8 blocks ``attention_mixed_avx2.cpp``), RMSNorm (``norm_avx2.cpp``) and the fused
-SwiGLU / RoPE + KV write (``elementwise_avx2.cpp``), one extension module.
+oneDNN view of such weights), paged decode and prompt attention (``attention_avx2.cpp``; over int8 KV
+``attention_q8_avx2.cpp``, over tables mixing fp32 and int8 blocks ``attention_mixed_avx2.cpp``), RMSNorm
+(``norm_avx2.cpp``) and the fused SwiGLU / RoPE + KV write (``elementwise_avx2.cpp``), one extension module.
 
 torch's own CPU kernels (``aten._weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``) are fast on
 AVX-512 but slower than fp32 on AVX2-only CPUs; these are memory-bound GEMVs with fp32 activations and
@@ -12,9 +12,10 @@ fp32 accumulation over the same integer weights and bf16 scales (README "Quantiz
 The extension is compiled once per machine with ``torch.utils.cpp_extension.load`` (gcc + ninja, ~30-60 s)
 into a cache directory: ``make install`` builds it (``python -m serve.model.kernels --build``), otherwise the
 first quantized layer built on CPU does and logs it. ``MORPHSERVE_KERNEL_CACHE`` overrides the directory
-(default ``~/.cache/morphserve/kernels/<torch version>``; one subdirectory per content hash of the sources). When the CPU lacks AVX2/FMA, the compiler is
-missing or the build fails, one warning is logged and :func:`ops` returns None: the quantized layers then
-use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchmarks compare the two).
+(default ``~/.cache/morphserve/kernels/<torch version>``; one subdirectory per content hash of the sources). When the
+CPU lacks AVX2/FMA, the compiler is missing or the build fails, one warning is logged and :func:`ops` returns None: the
+quantized layers then use torch's kernels. ``MORPHSERVE_QKERNELS=torch`` forces that fallback (benchmarks compare the
+two).
 
 **ISA variants** (serve/model/kernels/isa.py, docs/cpu-kernels.md): the AVX2 + FMA module above is the baseline; an
 AVX-512 (F / BW / VL + VNNI) module built beside it gives the blocked fp32 linear and the int8-activation kernels
@@ -45,7 +46,7 @@ from serve.model.kernels.isa import Variant
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": the reason when None; "isa": the variant
+_state: dict[str, object] = {}  # "ops": the module or None once decided; "why": why None; "isa": the variant
 _variants: dict[str, ModuleType | None] = {}  # variant_ops()
 
 

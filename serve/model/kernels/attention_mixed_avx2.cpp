@@ -4,7 +4,7 @@
 // Why: the KV-precision rung (serve/engine/kv_rung.py) turns free full-precision slots into 8-bit blocks, so a running
 // sequence's later blocks are 8-bit while its earlier ones are not. The single-format kernels (attention_avx2.cpp,
 // attention_q8_avx2.cpp) cannot read such a table, and the dense path (gather, dequantize, SDPA) writes and reads an
-// fp32 copy of every block of every layer at every step: with the rung on, a bursty replay's mean TPOT doubled.
+// fp32 copy of every block of every layer at every step: with the KV rung on, a bursty replay's mean TPOT doubled.
 //
 // Layout (serve/model/kv_cache.py: the two BlockStores lie over the same arena bytes with different grids): `blocks`
 // is the full-precision grid viewed as fp32 [entries, block_size, kv_heads, hd], `codes` the 8-bit grid as int8

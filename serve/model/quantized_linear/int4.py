@@ -40,7 +40,7 @@ from serve.model.quantized_linear.int4_packing import (
 
 _INT4_MAX = 7.0
 
-_UNPACK_CHUNK = 1024
+_UNPACK_TILE = 1024
 """Identity rows per kernel call when :meth:`Int4WeightOnly.codes` recovers codes through an aten kernel."""
 
 
@@ -182,8 +182,8 @@ class Int4WeightOnly:
         unit[..., 0] = 1.0
         unit[..., 1] = 8.0  # (code - 8) * 1 + 8 == code
         out = torch.empty(k, n, dtype=torch.int32, device=self.packed.device)
-        for start in range(0, k, _UNPACK_CHUNK):
-            stop = min(start + _UNPACK_CHUNK, k)
+        for start in range(0, k, _UNPACK_TILE):
+            stop = min(start + _UNPACK_TILE, k)
             eye = torch.zeros(stop - start, k, dtype=torch.bfloat16, device=self.packed.device)
             eye[:, start:stop] = torch.eye(stop - start, dtype=torch.bfloat16, device=self.packed.device)
             out[start:stop] = self._mm(eye, unit).round().to(torch.int32)

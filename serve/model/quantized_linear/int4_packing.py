@@ -116,8 +116,8 @@ def _pack_int4_for_kernel(codes: torch.Tensor, device: torch.device, layout: str
 
 
 def _pack_int4_cuda(codes: torch.Tensor) -> torch.Tensor:
-    # Checked on an H200 (codes identical after repacking): the CUDA tinygemm packer takes uint8 [N, K/2] with the *even* k in the
-    # high nibble (as torchao does) and returns an int32 tiled layout.
+    # Checked on an H200 (codes identical after repacking): the CUDA tinygemm packer takes uint8 [N, K/2] with the
+    # *even* k in the high nibble (as torchao does) and returns an int32 tiled layout.
     k = codes.shape[1]
     inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
     nibbles = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()

@@ -165,7 +165,8 @@ def check_registry() -> None:
         raise RuntimeError("two quantization formats share a format name or a quant_algo")
     for f in REGISTRY.values():
         if f.trtllm.scales not in SCALE_GRANULARITIES or (f.trtllm.scales == "group") != f.grouped:
-            raise RuntimeError(f"{f.precision}: TensorRT-LLM scales {f.trtllm.scales!r} do not match grouped={f.grouped}")
+            raise RuntimeError(f"{f.precision}: TensorRT-LLM scales {f.trtllm.scales!r} do not match "
+                               f"grouped={f.grouped}")
 
 
 check_registry()

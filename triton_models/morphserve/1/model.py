@@ -2,21 +2,19 @@
 
 The engine decides each request's life (admission bound, shedding on arrival, the queue deadline, timeout_s,
 cancellation, draining: serve/engine/lifecycle.py) and says how a request ended as an ErrorKind; this file maps
-kinds to Triton's error codes and the message tag the HTTP door and gRPC clients read (serve/triton/errors.py).
+kinds to Triton's error codes and the message tag the HTTP front end and gRPC clients read (serve/triton/errors.py).
 
 Threads in this stub process:
-- Triton's execute() thread: validates each request, hands it to the engine with its arrival (the HTTP door's,
-  when it came through the door), returns.
+- Triton's execute() thread: validates each request, hands it to the engine with its arrival (the HTTP front end's,
+  when it came through the front end), returns.
 - the engine loop thread (``engine.start_background()``): runs steps; its per-request callback only
   enqueues ``(RequestOutput, timestamp)`` so the loop never waits on IPC to the server.
-- ``morphserve-responder``: drains that queue and sends responses through each request's
-  ``response_sender`` (one per token group with stream=true, one in all otherwise; the last carries
-  TRITONSERVER_RESPONSE_COMPLETE_FINAL, an error one when the engine ended the request early), hands each
-  output to the request tracker (TTFT, ITL, finish reasons: serve/request_tracker.py, shared with the Dynamo
-  worker), and polls ``request.is_cancelled()`` to abort cancelled requests in the engine at once (which frees
-  their KV blocks).
-- ``morphserve-metrics``: refreshes the gauges from ``engine.stats()`` (which waits for the engine
-  lock, so it must not run on the responder thread).
+- ``morphserve-responder``: drains that queue and sends responses through each request's ``response_sender`` (one per
+  token group with stream=true, one in all otherwise; the last carries TRITONSERVER_RESPONSE_COMPLETE_FINAL, an error
+  one when the engine ended the request early), hands each output to the request tracker (TTFT, ITL, finish reasons:
+  serve/request_tracker.py, shared with the Dynamo worker), and polls ``request.is_cancelled()`` to abort cancelled
+  requests in the engine at once (which frees their KV blocks).
+- ``morphserve-metrics``: refreshes the gauges from ``engine.stats()`` (it takes the engine lock: not the responder).
 - ``morphserve-operator`` (with an ``operator_port``): the operator's controls, loopback only
   (serve/triton/operator_port.py); the inference ports refuse them (serve/triton/controls.py).
 - ``morphserve-watchdog``: ends the process at once when tritonserver is gone (serve/triton/stale.py).
@@ -49,7 +47,7 @@ from serve.error_kinds import ErrorKind  # noqa: E402
 from serve.logging_setup import configure_logging, get_logger  # noqa: E402
 from serve.operator_auth import from_env  # noqa: E402
 from serve.request_tracker import OVERLOADED, RequestTracker, TrackedRequest  # noqa: E402
-from serve.triton.controls import cancel_target, door_arrival  # noqa: E402
+from serve.triton.controls import cancel_target, front_end_arrival  # noqa: E402
 from serve.triton.errors import TRITON_CODE, tagged  # noqa: E402
 from serve.triton.llmapi import perf_metric_arrays  # noqa: E402
 from serve.triton.llmapi_config import ModelYamlError, parse_model_yaml  # noqa: E402
@@ -94,7 +92,8 @@ def _input_array(request: Any, name: str) -> np.ndarray | None:
 
 
 def _response(text: str, num_input: int, num_output: int, finish_reason: str,
-              logprobs: tuple[list[float], float] | None = None, out: Any = None, inflight: _InFlight | None = None) -> Any:
+              logprobs: tuple[list[float], float] | None = None, out: Any = None,
+              inflight: _InFlight | None = None) -> Any:
     """One response; ``logprobs`` = (this response's tokens' log-probabilities, cumulative sum); ``out`` (the
     engine's RequestOutput) and ``inflight`` give the stop reason and perf metrics when the request asked."""
     tensors = [
@@ -207,7 +206,8 @@ class TritonPythonModel:
             return {}
         yaml_path = Path(args.get("model_repository", ".")) / path
         try:
-            engine = parse_model_yaml(yaml_path.read_text(), tuple(f.name for f in dataclasses.fields(config_cls))).engine
+            engine = parse_model_yaml(yaml_path.read_text(),
+                                      tuple(f.name for f in dataclasses.fields(config_cls))).engine
         except OSError as exc:
             raise ValueError(f"llmapi_config {yaml_path}: {exc.strerror or exc}") from None
         except ModelYamlError as exc:
@@ -245,8 +245,8 @@ class TritonPythonModel:
                 self._cancel_inner_request(target)
                 sender.send(flags=FINAL)
                 return
-            door = door_arrival(parameters)
-            waited = 0.0 if door is None else max(0.0, time.monotonic() - door)  # at the HTTP door and in Triton
+            front_end = front_end_arrival(parameters)
+            waited = 0.0 if front_end is None else max(0.0, time.monotonic() - front_end)  # front end + Triton
             get_input = lambda name: _input_array(request, name)  # noqa: E731
             parsed = parse_request(get_input, self.max_tokens_limit, self.default_max_tokens,
                                    parameters=parameters, limits=self.limits)

@@ -110,16 +110,16 @@ class TritonPythonModel:
 
         fields = tuple(f.name for f in dataclasses.fields(EngineConfig))
         try:
-            self.front = parse_model_yaml(path.read_text(), fields).front
+            self.bls = parse_model_yaml(path.read_text(), fields).bls
         except FileNotFoundError:
             raise pb_utils.TritonModelException(f"{path} is missing: the tensorrt_llm model reads its configuration "
                                                 "there (docs/triton.md)") from None
         except ModelYamlError as exc:
             raise pb_utils.TritonModelException(f"{path}: {exc}") from None
         decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        if decoupled != self.front.decoupled:
+        if decoupled != self.bls.decoupled:
             raise pb_utils.TritonModelException(
-                f"model.yaml says triton_config.decoupled: {str(self.front.decoupled).lower()} but config.pbtxt's "
+                f"model.yaml says triton_config.decoupled: {str(self.bls.decoupled).lower()} but config.pbtxt's "
                 f"model_transaction_policy says decoupled: {str(decoupled).lower()}; make them agree (python -m "
                 "serve.triton --write-repository writes both)")
         self._lock = threading.Lock()
@@ -149,7 +149,7 @@ class TritonPythonModel:
             refuse_operator_controls(parameters)
             check_parameters(parameters, INTERNAL_PARAMETERS)
             arrays, options = llmapi_to_engine(get)
-            if options.stream and not self.front.decoupled:
+            if options.stream and not self.bls.decoupled:
                 raise InputError("streaming needs a decoupled model: this tensorrt_llm model is not (model.yaml "
                                  "triton_config.decoupled: false)")
         except (InputError, ValueError) as exc:
@@ -158,7 +158,7 @@ class TritonPythonModel:
         flight = _InFlight(client_id, new_inner_request_id(), request, sender)
         inner_params = {ARRIVAL_PARAMETER: parameters[ARRIVAL_PARAMETER]} if ARRIVAL_PARAMETER in parameters else {}
         inner = pb_utils.InferenceRequest(
-            model_name=self.front.engine_model, request_id=flight.inner_id,
+            model_name=self.bls.engine_model, request_id=flight.inner_id,
             requested_output_names=list(ENGINE_OUTPUTS), parameters=inner_params,
             inputs=[pb_utils.Tensor(name, arr) for name, arr in arrays.items()])
         with self._lock:
@@ -193,7 +193,7 @@ class TritonPythonModel:
     # ---- ending requests early --------------------------------------------------------------------
     def _stop(self, client_id: str, sender: Any) -> None:
         """A stop request: end the in-flight requests of ``client_id``; it is answered CANCELLED in every case."""
-        if not self.front.stop_by_request_id:
+        if not self.bls.stop_by_request_id:
             self._send_quietly(sender, _error("stop by request id is turned off on this server (model.yaml "
                                               "morphserve.stop_by_request_id: false); cancel the request's own "
                                               "call or stream instead"))
@@ -213,7 +213,7 @@ class TritonPythonModel:
             self._cancel(flight.inner_id)
 
     def _poll_cancellations(self) -> None:
-        period = self.front.cancellation_check_period_ms / 1000
+        period = self.bls.cancellation_check_period_ms / 1000
         while not self._stopping.wait(period):
             with self._lock:
                 flights = [f for f in self._inflight.values() if not f.answered]
@@ -228,7 +228,7 @@ class TritonPythonModel:
     def _cancel(self, inner_id: str) -> None:
         """Ask the engine model to abort the inner request (BLS requests cannot be cancelled in Triton 2.51)."""
         control = pb_utils.InferenceRequest(
-            model_name=self.front.engine_model, requested_output_names=["text_output"],
+            model_name=self.bls.engine_model, requested_output_names=["text_output"],
             inputs=[pb_utils.Tensor("text_input", np.array([b""], dtype=np.object_))],
             parameters={CANCEL_PARAMETER: inner_id})
         for _ in control.exec(decoupled=True):

@@ -57,7 +57,8 @@ class TritonPythonModel:
         self.target = params.get("morphserve_model_name") or "morphserve"
         self.outputs = {o["name"] for o in config.get("output", [])}
         if not pb_utils.using_decoupled_model_transaction_policy(config):
-            raise pb_utils.TritonModelException(f"{config.get('name')} needs model_transaction_policy {{ decoupled: true }}")
+            raise pb_utils.TritonModelException(f"{config.get('name')} needs model_transaction_policy {{ decoupled: "
+                                                "true }")
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:

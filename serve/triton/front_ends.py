@@ -1,7 +1,7 @@
-"""The client ports of a TritonServer: the project's HTTP door (serve/triton/http_front.py) and gRPC door
+"""The client ports of a TritonServer: the project's HTTP front end (serve/triton/http_front.py) and gRPC front end
 (serve/triton/grpc_front.py) in front of tritonserver's own servers, which listen on internal loopback ports.
 
-The doors keep their ports while the supervisor restarts tritonserver (clients get 503 / UNAVAILABLE
+The front ends keep their ports while the supervisor restarts tritonserver (clients get 503 / UNAVAILABLE
 "restarting", not a refused connection). Each may be turned off (``http=False`` / ``grpc=False``): tritonserver's
 own server then takes the client port, unbounded (tests of Triton's own behaviour only).
 """
@@ -18,11 +18,11 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass
-class Doors:
+class FrontEnds:
     http_port: int
     grpc_port: int
-    triton_http_port: int      # = http_port without the HTTP door
-    triton_grpc_port: int      # = grpc_port without the gRPC door
+    triton_http_port: int      # = http_port without the HTTP front end
+    triton_grpc_port: int      # = grpc_port without the gRPC front end
     http: bool = True
     grpc: bool = True
     front_options: FrontOptions | None = None
@@ -32,21 +32,22 @@ class Doors:
     grpc_front: GrpcFront | None = field(default=None, init=False)
 
     def internal_ports(self) -> list[int]:
-        """tritonserver's own ports behind the doors."""
-        return [p for p, door in ((self.triton_http_port, self.http), (self.triton_grpc_port, self.grpc)) if door]
+        """tritonserver's own ports behind the front ends."""
+        return [p for p, front_end in ((self.triton_http_port, self.http), (self.triton_grpc_port, self.grpc))
+                if front_end]
 
     def running_ports(self) -> list[int]:
-        """Client ports a running door holds (not busy for a restarted tritonserver)."""
+        """Client ports a running front end holds (not busy for a restarted tritonserver)."""
         return [p for p, d in ((self.http_port, self.http_front), (self.grpc_port, self.grpc_front)) if d is not None]
 
     def start(self) -> None:
-        """Start the doors not yet running; OSError naming the port that cannot be bound."""
+        """Start the front ends not yet running; OSError naming the port that cannot be bound."""
         if self.grpc and self.grpc_front is None:
             try:
                 self.grpc_front = GrpcFront(LOOPBACK, self.grpc_port, f"{LOOPBACK}:{self.triton_grpc_port}",
                                             self.opened, self.grpc_max_message_bytes).start()
             except OSError as e:
-                raise OSError(f"the gRPC front cannot listen on {LOOPBACK}:{self.grpc_port}: {e}") from None
+                raise OSError(f"the gRPC front end cannot listen on {LOOPBACK}:{self.grpc_port}: {e}") from None
         if self.http and self.http_front is None:
             options = self.front_options or FrontOptions()
             options.open_apis = self.opened
@@ -54,17 +55,17 @@ class Doors:
                 self.http_front = HttpFront(LOOPBACK, self.http_port, f"{LOOPBACK}:{self.triton_grpc_port}",
                                             f"http://{LOOPBACK}:{self.triton_http_port}", options).start()
             except OSError as e:
-                raise OSError(f"the HTTP front cannot listen on {LOOPBACK}:{self.http_port}: {e}") from None
+                raise OSError(f"the HTTP front end cannot listen on {LOOPBACK}:{self.http_port}: {e}") from None
 
     def drain(self) -> bool:
-        """New HTTP requests and readiness answer 503; False without an HTTP door."""
+        """New HTTP requests and readiness answer 503; False without an HTTP front end."""
         if self.http_front is None:
             return False
         self.http_front.drain()
         return True
 
     def stop(self) -> None:
-        for door in (self.http_front, self.grpc_front):
-            if door is not None:
-                door.stop()
+        for front_end in (self.http_front, self.grpc_front):
+            if front_end is not None:
+                front_end.stop()
         self.http_front = self.grpc_front = None
