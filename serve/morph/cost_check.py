@@ -2,14 +2,15 @@
 
 A resource manager of the engine (serve/resource_seam.py), after the levers that read the table: it counts the
 iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the
-full-precision layer's linears at 8 and 32 tokens, three repeats, a few milliseconds, under the conditions check of
-policy/measurement.py. Not at 1 token: a 1-token layer takes 0.1-0.6 ms on a 2-core CPU, the scale of an OpenMP
-thread's wake-up, and quiet probes inside a serving loop read 0.3-0.7x of a quiet table there while 8 tokens read
-0.9-1.2x, so a check at 1 token corrected a right table at every engine start. The rule compares the probe with the
-table; when quiet probes say the table is off, the correction is due: at the next iteration with nothing running or
-waiting (measuring the table takes ~10 s on 2 cores, which no running request should wait for) the whole table is
-measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
-speculation controller take it), written back to the per-machine cache, and the kernel crossovers are measured
+full-precision layer's linears at 8 tokens, three repeats, a few milliseconds, under the conditions check of
+policy/measurement.py. Only at 8: in quiet probes inside a serving loop the other cells disagree with a quiet table
+measured apart by more than the band while 8 tokens agree (2-core Xeon, 2026-12-07: 1 token 0.27-0.68x, 32 tokens
+0.70-0.75x, 8 tokens 0.87-1.18x; a 1-token layer takes 0.1-0.6 ms, an OpenMP wake-up's size), so a check there
+corrected a right table at every engine start. The rule compares the probe with the table; when quiet probes
+say the table is off, the correction is due: at the next iteration with nothing running or waiting (measuring the
+table takes ~10 s on 2 cores, which no running request should wait for) the whole table is measured again
+(quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the speculation controller
+take it), written back to the per-machine cache, and the kernel crossovers are measured
 again and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
 
 ``remeasure()`` does the correction at once (the operator's ``remeasure_costs`` control). Its stats fill
@@ -35,7 +36,7 @@ from serve.resource_seam import ResourceManagerBase, SchedulerView
 
 log = get_logger("morphserve.cost_check")
 
-PROBE_TOKENS = (8, 32)
+PROBE_TOKENS = (8,)
 
 
 @dataclass
