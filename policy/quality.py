@@ -112,14 +112,21 @@ class SamplingRule:
     run the meter spends at most ``fraction`` of the step time plus one sample. Further positions in the same step
     are taken only while their estimated cost (measured seconds per context token, times the context) fits the
     credit left, at most ``max_per_step``. A step with nothing quantized earns nothing and samples nothing, and a
-    positive credit is not banked across it (no burst when quantization returns)."""
+    positive credit is not banked across it (no burst when quantization returns).
 
-    def __init__(self, fraction: float, max_per_step: int = 2, seed: int = 0) -> None:
+    With ``defer_while_waiting`` a step that leaves requests waiting takes no sample (its credit keeps, up to the
+    bank): a sample's forward runs inside the step, so in a queue it would delay every waiting request by its whole
+    length, while in a step with nobody waiting it only lengthens that one step for the running ones. A quality
+    floor needs readings while the controller quantizes under pressure, so the engine turns deferral off when one
+    is set."""
+
+    def __init__(self, fraction: float, max_per_step: int = 2, seed: int = 0,
+                 defer_while_waiting: bool = False) -> None:
         if not 0.0 <= fraction < float("inf"):
             raise ValueError(f"the meter's cost fraction must be a finite number >= 0, got {fraction}")
         if max_per_step < 1:
             raise ValueError(f"max_per_step must be >= 1, got {max_per_step}")
-        self.fraction, self.max_per_step = fraction, max_per_step
+        self.fraction, self.max_per_step, self.defer_while_waiting = fraction, max_per_step, defer_while_waiting
         self.credit_s = 0.0
         self.seconds_per_token: float | None = None  # measured reference cost per context token (EWMA)
         self.spent_s = self.earned_s = 0.0
@@ -137,9 +144,12 @@ class SamplingRule:
         if self.largest_s > 0.0:  # no burst after a long run of steps without candidates
             self.credit_s = min(self.credit_s, self.max_per_step * self.largest_s)
 
-    def choose(self, contexts: Sequence[int], active: bool) -> list[int]:
-        """Indices into ``contexts`` (the candidates' context lengths in tokens) to sample now, in random order."""
+    def choose(self, contexts: Sequence[int], active: bool, waiting: int = 0) -> list[int]:
+        """Indices into ``contexts`` (the candidates' context lengths in tokens) to sample now, in random order;
+        ``waiting``: requests left waiting by this step's schedule."""
         if not active or self.fraction == 0.0 or not contexts or self.credit_s < 0.0:
+            return []
+        if waiting > 0 and self.defer_while_waiting:
             return []
         order = list(range(len(contexts)))
         self._rng.shuffle(order)

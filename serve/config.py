@@ -34,6 +34,7 @@ def without_none(hint: Any) -> Any:
 
 
 SCHEDULERS = ("fcfs", "slai")
+SLAI_ADMISSIONS = ("deadline", "shortest")
 SLAI_THETA_BY_DEVICE: dict[str, tuple[float, float]] = {"cpu": (3.0, 6.0), "cuda": (5.0, 10.0)}
 """slai's (theta_low, theta_high) by device type, where the config leaves them unset. The margin ``theta x mean
 batch`` must cover the spread of one batch's duration and stay well below the TBT targets (docs/slai.md
@@ -129,6 +130,9 @@ class EngineConfig:
     slai_theta_high: float | None = None  # above slai_theta_kv_threshold KV usage; None: CPU 6, CUDA 10
     slai_theta_kv_threshold: float = 0.96
     slai_max_decodes: int | None = None  # decodes per batch; None = max_num_seqs
+    # admission order (policy/slai_admission.py): "deadline" (near-deadline prompts by deadline, the rest shortest
+    # first, prompts past their TTFT target last) or "shortest" (shortest remaining prompt first)
+    slai_admission: str = "deadline"
     # self-speculative decoding (docs/speculation.md): off | auto (the controller drafts when the measured step
     # costs and the acceptance rate say it pays) | always (drafts whenever KV and the batch allow)
     speculation: str = "auto"
@@ -243,6 +247,8 @@ class EngineConfig:
             raise ValueError(f"slai_theta_kv_threshold must be in (0, 1], got {self.slai_theta_kv_threshold!r}")
         if self.slai_max_decodes is not None and self.slai_max_decodes < 1:
             raise ValueError(f"slai_max_decodes must be >= 1, got {self.slai_max_decodes!r}")
+        if self.slai_admission not in SLAI_ADMISSIONS:
+            raise ValueError(f"unknown slai_admission {self.slai_admission!r}; valid: {list(SLAI_ADMISSIONS)}")
         if not 0 <= self.quality_meter < float("inf"):
             raise ValueError(f"quality_meter must be a finite fraction of step time >= 0, got {self.quality_meter!r}")
         from policy.speculation import SPECULATION_MODES  # noqa: PLC0415

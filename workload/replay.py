@@ -197,7 +197,7 @@ def morph_summary(engine, timeline: list[dict], duration: float, block_tokens: i
     ).as_dict()
 
 
-MODE_ENGINE_KEYS = ("speculation", "kv_cache_dtype", "scheduler", "quality_meter")
+MODE_ENGINE_KEYS = ("speculation", "kv_cache_dtype", "scheduler", "quality_meter", "slai_admission")
 """Engine settings a mode spec may carry beside policy overrides (``default+speculation=off``,
 ``off+scheduler=slai``, ``default+quality_meter=0``), so configurations that differ in them run interleaved in one
 command."""

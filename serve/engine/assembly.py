@@ -111,7 +111,9 @@ def resource_managers(config: EngineConfig, device: EngineDevice, policy: Policy
         return []
     mixed = memory.kv.mixes_formats
     meter = build_quality_meter(config.quality_meter, policy.quality_confidence, device.model, memory.bank,
-                                memory.pool, memory.kv, clock, config.seed)  # observes last; the floor reads it
+                                memory.pool, memory.kv, clock, config.seed,
+                                floor_set=policy.quality_floor is not None or bool(policy.quality_floor_by_tier))
+    # the meter observes last; the floor reads it
     morph = build_runtime(policy, plan.swap_order, memory.bank, memory.pool, memory.ledger, memory.kv,
                           config.block_size, clock, costs=device.morph_costs(policy, plan, memory.bank),
                           prefix_cache=config.prefix_cache_across_morph, pressure=device.pressure(config, policy),
@@ -129,7 +131,8 @@ def make_scheduler(config: EngineConfig, pool: BlockPool, clock: Callable[[], fl
     if config.scheduler == "slai":
         theta_low, theta_high = config.slai_thetas(device_type)  # unset: the device's calibration
         slai = SlaiConfig(theta=config.slai_theta, theta_low=theta_low, theta_high=theta_high,
-                          kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes)
+                          kv_threshold=config.slai_theta_kv_threshold, max_decodes=config.slai_max_decodes,
+                          deadline_admission=config.slai_admission == "deadline")
         return SlaiScheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, clock, slai,
                              prefix_caching=config.enable_prefix_caching, on_shortfall=on_shortfall)
     return Scheduler(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,

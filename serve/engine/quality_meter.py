@@ -91,6 +91,7 @@ class QualityMeter(ResourceManagerBase):
         self.tokens_quantized_layers = self.tokens_kv_8bit = 0
         self._step_started: float | None = None
         self._served: dict[str, _Served] = {}
+        self._scheduler: SchedulerView | None = None
 
     # ---- what is served now -------------------------------------------------------------------------------------
     def layers_quantized(self) -> bool:
@@ -105,6 +106,7 @@ class QualityMeter(ResourceManagerBase):
     # ---- the seam -------------------------------------------------------------------------------------------------
     def before_schedule(self, scheduler: SchedulerView) -> None:
         self._settle_all()
+        self._scheduler = scheduler
 
     def after_schedule(self, num_tokens: int) -> None:
         self._step_started = self.clock()
@@ -126,7 +128,8 @@ class QualityMeter(ResourceManagerBase):
                                                      kv8 and self.reads_8bit(c.seq))
         contexts = [c.start + c.num_tokens for c in sampled]
         candidates = [i for i, n in enumerate(contexts) if n <= MAX_CONTEXT]
-        for j in self.rule.choose([contexts[i] for i in candidates], active):
+        waiting = self._scheduler.num_waiting() if self._scheduler is not None else 0  # left by this schedule
+        for j in self.rule.choose([contexts[i] for i in candidates], active, waiting):
             i = candidates[j]
             self._sample(sampled[i], logits[rows[i]])
 
@@ -192,9 +195,11 @@ class QualityMeter(ResourceManagerBase):
 
 
 def build_quality_meter(fraction: float, confidence: float, model: LlamaModel | None, bank: Any, pool: BlockPool,
-                        kv: Any, clock: Callable[[], float], seed: int = 0) -> QualityMeter | None:
+                        kv: Any, clock: Callable[[], float], seed: int = 0,
+                        floor_set: bool = False) -> QualityMeter | None:
     """The meter over the engine's model and layer bank; None when it is off (``fraction`` 0), simulated (no model)
-    or there is no bank to read full precision from."""
+    or there is no bank to read full precision from. It samples only in steps that leave nobody waiting unless
+    ``floor_set`` (a quality floor needs readings under pressure): ``SamplingRule.defer_while_waiting``."""
     if fraction <= 0 or model is None or not isinstance(bank, LayerBank) or not isinstance(kv, PagedKVCache):
         return None
     if model.device.type == "cpu":
@@ -203,5 +208,5 @@ def build_quality_meter(fraction: float, confidence: float, model: LlamaModel | 
     else:
         def full_layer(i: int) -> DecoderLayer:
             return bank.detached(i, FULL)
-    return QualityMeter(model, full_layer, pool, kv, SamplingRule(fraction, seed=seed),
-                        QualityWindow(confidence=confidence), clock)
+    rule = SamplingRule(fraction, seed=seed, defer_while_waiting=not floor_set)
+    return QualityMeter(model, full_layer, pool, kv, rule, QualityWindow(confidence=confidence), clock)

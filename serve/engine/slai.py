@@ -19,7 +19,9 @@ Each iteration, within the token budget (``max_num_batched_tokens``) and the run
 3. Partially-done prefills continue (chunk = min(remaining, budget left)), in admission order; one that
    finds no block may preempt newer partial prefills only, else it waits.
 4. New prefills are admitted (skipped in a batch that preempted): tier first (0 = strict), then
-   previously preempted sequences, then shortest remaining prompt, then arrival.
+   previously preempted sequences, then by TTFT deadline (policy/slai_admission.py: prompts near their deadline by
+   deadline, the rest shortest remaining prompt first, prompts already past it last; ``deadline_admission``
+   False: shortest remaining prompt, then arrival).
 5. Leftover budget goes to the non-critical decodes in LST order (no preemption for them).
 
 While KV binds (usage at or above ``kv_threshold``, or the last admission found no block for the request at the
@@ -37,6 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from policy.slai_admission import admission_key
 from policy.slai_budget import fit_step_time, must_run_now, token_budget
 from serve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from serve.engine.sequence import Sequence, SequenceStatus
@@ -54,6 +57,8 @@ class SlaiConfig:
     tbt_budget: bool = True        # cap each iteration's tokens by the tightest running decode's TBT deadline
     min_prompt_tokens: int = 16    # prompt tokens an iteration may always take beside its decodes (admission moves)
     kv_bound_decodes_first: bool = True  # while KV binds admission, no decode is deferred (module docstring)
+    deadline_admission: bool = True  # rule 4's order by TTFT deadline (policy/slai_admission.py); False: shortest
+    urgent_share: float = 0.5      # a prompt with less than this share of its TTFT target left is urgent
 
     def __post_init__(self) -> None:
         for name in ("theta", "theta_low", "theta_high"):
@@ -68,6 +73,8 @@ class SlaiConfig:
             raise ValueError(f"slai window must be >= 1, got {self.window!r}")
         if self.min_prompt_tokens < 0:
             raise ValueError(f"slai min_prompt_tokens must be >= 0, got {self.min_prompt_tokens!r}")
+        if not 0.0 <= self.urgent_share <= 1.0:
+            raise ValueError(f"slai urgent_share must be in [0, 1], got {self.urgent_share!r}")
 
 
 class SlaiScheduler(Scheduler):
@@ -172,8 +179,7 @@ class SlaiScheduler(Scheduler):
         return budget
 
     def _admit(self, out: SchedulerOutput, scheduled: set[Sequence], budget: int) -> int:
-        order = sorted(self.waiting, key=lambda s: (s.slo.priority, 0 if s.num_output_tokens else 1,
-                                                    s.num_tokens - s.num_computed_tokens, s.arrival_time))
+        order = sorted(self.waiting, key=self._admission_key(self.clock()))
         if not order:
             self.admission_short_of_blocks = False
         for seq in order:
@@ -188,6 +194,15 @@ class SlaiScheduler(Scheduler):
             self.running.append(seq)
             budget -= self._add(out, scheduled, seq, n)
         return budget
+
+    def _admission_key(self, now: float) -> Callable[[Sequence], tuple]:
+        c = self.config
+        if not c.deadline_admission:
+            return lambda s: (s.slo.priority, 0 if s.num_output_tokens else 1, s.num_tokens - s.num_computed_tokens,
+                              s.arrival_time)
+        return lambda s: admission_key(now, s.slo.priority, s.num_output_tokens > 0,
+                                       s.num_tokens - s.num_computed_tokens, s.arrival_time,
+                                       math.inf if s.slo.ttft_s is None else s.slo.ttft_s, c.urgent_share)
 
     def _add(self, out: SchedulerOutput, scheduled: set[Sequence], seq: Sequence, n: int) -> int:
         out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))

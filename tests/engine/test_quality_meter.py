@@ -158,3 +158,27 @@ def test_the_controller_sees_which_tiers_are_running(smollm):
         assert runtime.telemetry(engine.clock(), engine.scheduler).running_tiers == ()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("floor", [None, 0.5])
+def test_the_meter_samples_only_when_nobody_waits_unless_a_floor_is_set(smollm, floor):
+    """One request runs at a time (max_num_seqs 1), so the first two wait behind it: without a quality floor the
+    meter takes no sample in a step that leaves a request waiting (it would delay each of them by a whole reference
+    forward), so only the last request is sampled; with a floor it samples while they wait."""
+    policy = {**POLICY, "quality_floor": floor}
+    engine = build(smollm, 1000.0, "off", num_kv_blocks=256, max_num_seqs=1, policy_overrides=policy)
+    try:
+        morph(engine).apply_now(MorphDecision("quantize", LAYERS, "int8", "test"))
+        finals: dict[str, RequestOutput] = {}
+        for i, p in enumerate(PROMPTS[:3]):
+            engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True), request_id=f"w{i}",
+                               callback=lambda out: finals.update({out.request_id: out}) if out.finished else None)
+        while engine.has_unfinished_requests():
+            engine.step()
+        samples = [finals[f"w{i}"].metrics.quality_samples for i in range(3)]
+        if floor is None:
+            assert samples[:2] == [0, 0] and samples[2] > 0
+        else:
+            assert all(n > 0 for n in samples)
+    finally:
+        engine.shutdown()

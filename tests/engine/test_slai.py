@@ -118,6 +118,19 @@ def test_equal_prompts_in_a_tier_go_in_arrival_order_and_preempted_first() -> No
     assert run(s, clock, 0.1) == [("resumed", 7), ("early", 1)]
 
 
+@pytest.mark.parametrize("deadline_admission", [True, False])
+def test_a_prompt_near_its_ttft_deadline_goes_first_and_one_past_it_last(deadline_admission: bool) -> None:
+    s, clock = make(budget=48, deadline_admission=deadline_admission)
+    s.add(req("long", 40, arrival=0.0, ttft=2.0))   # at t = 1.5 a quarter of its target is left: urgent
+    s.add(req("short", 8, arrival=1.4, ttft=2.0))   # on time
+    s.add(req("late", 4, arrival=0.0, ttft=1.0))    # past its deadline: its target is lost whatever runs
+    clock.t = 1.5
+    if deadline_admission:
+        assert run(s, clock, 0.1) == [("long", 40), ("short", 8)]
+    else:  # shortest first: the long prompt misses its target behind two it could have waited for
+        assert run(s, clock, 0.1) == [("late", 4), ("short", 8), ("long", 36)]
+
+
 def running_partial_prefill(s: SlaiScheduler, name: str, arrival: float) -> Sequence:
     """A 12-token prompt admitted with a 4-token first chunk (state set directly: under one fixed budget two
     partial prefills only coexist when blocks ran short, which is what these tests are about)."""

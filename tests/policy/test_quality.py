@@ -64,6 +64,15 @@ def test_sampling_spends_its_fraction_of_step_time():
     assert rule.seconds_per_token == pytest.approx(cost_per_token)
 
 
+def test_deferral_takes_no_sample_while_requests_wait_and_keeps_the_credit():
+    rule = SamplingRule(fraction=1.0, seed=0, defer_while_waiting=True)
+    rule.step(0.1, active=True)
+    assert rule.choose([10, 10], active=True, waiting=1) == []
+    assert rule.credit_s == pytest.approx(0.1)  # earned while deferring, spent once nobody waits
+    assert len(rule.choose([10, 10], active=True, waiting=0)) == 1
+    assert len(SamplingRule(fraction=1.0).choose([10], active=True, waiting=3)) == 1  # deferral off (a floor is set)
+
+
 def test_several_positions_only_when_their_estimated_cost_fits_the_credit():
     rule = SamplingRule(fraction=1.0, max_per_step=3, seed=0)
     assert len(rule.choose([10, 10, 10], active=True)) == 1  # no cost measured yet: one
