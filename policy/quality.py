@@ -144,19 +144,24 @@ class SamplingRule:
         if self.largest_s > 0.0:  # no burst after a long run of steps without candidates
             self.credit_s = min(self.credit_s, self.max_per_step * self.largest_s)
 
-    def choose(self, contexts: Sequence[int], active: bool, waiting: int = 0) -> list[int]:
+    def choose(self, contexts: Sequence[int], active: bool, waiting: int = 0,
+               room_s: float = float("inf")) -> list[int]:
         """Indices into ``contexts`` (the candidates' context lengths in tokens) to sample now, in random order;
-        ``waiting``: requests left waiting by this step's schedule."""
+        ``waiting``: requests left waiting by this step's schedule; ``room_s``: how much longer this step may last
+        before a running request's next token misses its TBT target (a sample whose estimated cost exceeds it is
+        not taken: the meter never spends a request's TBT)."""
         if not active or self.fraction == 0.0 or not contexts or self.credit_s < 0.0:
             return []
         if waiting > 0 and self.defer_while_waiting:
             return []
-        order = list(range(len(contexts)))
+        order = [i for i in range(len(contexts)) if self.estimate(contexts[i]) <= room_s]
+        if not order:
+            return []
         self._rng.shuffle(order)
         chosen, planned = [order[0]], self.estimate(contexts[order[0]])
         for i in order[1:self.max_per_step]:
             more = self.estimate(contexts[i])
-            if self.seconds_per_token is None or planned + more > self.credit_s:
+            if self.seconds_per_token is None or planned + more > min(self.credit_s, room_s):
                 break
             chosen.append(i)
             planned += more

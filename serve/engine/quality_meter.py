@@ -129,7 +129,8 @@ class QualityMeter(ResourceManagerBase):
         contexts = [c.start + c.num_tokens for c in sampled]
         candidates = [i for i, n in enumerate(contexts) if n <= MAX_CONTEXT]
         waiting = self._scheduler.num_waiting() if self._scheduler is not None else 0  # left by this schedule
-        for j in self.rule.choose([contexts[i] for i in candidates], active, waiting):
+        room = tbt_room(sampled, self.clock())
+        for j in self.rule.choose([contexts[i] for i in candidates], active, waiting, room):
             i = candidates[j]
             self._sample(sampled[i], logits[rows[i]])
 
@@ -192,6 +193,14 @@ class QualityMeter(ResourceManagerBase):
                              num_decodes=0, prefills=[PrefillChunk(0, n, 0, None)],
                              sample_indices=torch.tensor([n - 1], device=m.device))
         return m.forward(batch, scratch, layers=self.reference_layers())[0]
+
+
+def tbt_room(sampled: Sequence[Any], now: float) -> float:
+    """How much longer this step may last before one of its requests' next token misses its TBT target: the least
+    of (TBT target - time since its last token) over the batch's requests with a token out (inf if none)."""
+    rooms = [c.seq.slo.tbt_s - (now - c.seq.last_token_time) for c in sampled
+             if c.seq.slo.tbt_s is not None and c.seq.last_token_time is not None]
+    return min(rooms, default=float("inf"))
 
 
 def build_quality_meter(fraction: float, confidence: float, model: LlamaModel | None, bank: Any, pool: BlockPool,

@@ -182,3 +182,16 @@ def test_the_meter_samples_only_when_nobody_waits_unless_a_floor_is_set(smollm, 
             assert all(n > 0 for n in samples)
     finally:
         engine.shutdown()
+
+
+def test_tbt_room_is_the_least_time_left_before_a_batch_request_misses_its_tbt():
+    from types import SimpleNamespace
+
+    from serve.engine.quality_meter import tbt_room
+    from serve.engine.slo import RequestSLO
+
+    def chunk(tbt: float, last: float | None) -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(slo=RequestSLO(1.0, tbt, 1), last_token_time=last))
+
+    assert tbt_room([chunk(0.4, 10.0), chunk(1.0, 9.5), chunk(0.1, None)], now=10.1) == pytest.approx(0.3)
+    assert tbt_room([chunk(0.1, None)], now=10.0) == float("inf")  # a prompt in prefill has no gap yet

@@ -73,6 +73,15 @@ def test_deferral_takes_no_sample_while_requests_wait_and_keeps_the_credit():
     assert len(SamplingRule(fraction=1.0).choose([10], active=True, waiting=3)) == 1  # deferral off (a floor is set)
 
 
+def test_no_sample_whose_estimated_cost_exceeds_the_tbt_room():
+    rule = SamplingRule(fraction=1.0, max_per_step=3, seed=0)
+    rule.spent(0.100, 100)  # 1 ms per context token
+    rule.step(1.0, active=True)
+    assert rule.choose([300, 300], active=True, room_s=0.25) == []  # 0.3 s each: a tight request's gap would burst
+    assert rule.choose([300, 100], active=True, room_s=0.25) == [1]  # the 0.1 s one fits
+    assert len(rule.choose([100, 100, 100], active=True, room_s=0.25)) == 2  # two fit together, three do not
+
+
 def test_several_positions_only_when_their_estimated_cost_fits_the_credit():
     rule = SamplingRule(fraction=1.0, max_per_step=3, seed=0)
     assert len(rule.choose([10, 10, 10], active=True)) == 1  # no cost measured yet: one
