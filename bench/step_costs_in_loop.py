@@ -2,18 +2,19 @@
 
   .venv/bin/python -m bench.step_costs_in_loop [--model engines/smollm2-135m] [--batches 1,8,32] [--steps 12]
 
-In one process, on one engine (mode default, 2 GiB so nothing morphs), on a quiet machine (it prints the load):
+In one process, on one engine (mode default, 2 GiB so nothing morphs, no speculation), on a quiet machine
+(it prints the load):
 
-1. ``measure`` as the builder calls it (serve/model/step_costs.py: layer 0 of each precision, timed apart, repeated);
-2. the served layer 0 (the arena's copy the forward runs) timed the same way;
+1. ``measure`` as the builder calls it (serve/model/step_costs.py on serve/morph/setup.py ``cost_inputs``: on CPU
+   every layer of each precision, one after the other, per layer);
+2. the served layer 0 (the arena's copy the forward runs) alone, timed again and again (cache-hot);
 3. every served layer's linears one after the other (weights streamed as a step streams them), per layer;
 4. decode steps at each batch size, each decoder projection and the LM head wrapped by a timer: the linears' seconds
    per layer inside a step, the head's, the forward's and the step's (medians over ``--steps``, the first two
    decode steps dropped).
 
 What the table predicts for a decode step's linears is ``layers x cell(batch)``; the in-loop column is what they
-took. Where the two differ, (2) and (3) say whether the object timed or the way it is timed (one layer repeated,
-cache-hot, vs a step's stream of layers) makes the difference.
+took; (2) is how the table was measured before (one layer repeated), (3) the served copies streamed.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print("load before", os.getloadavg(), flush=True)
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions="int8,int4",
                                     policy_overrides={"cost_aware": False}, num_threads=args.threads,
-                                    device_memory="2GiB"))
+                                    device_memory="2GiB", speculation="off"))
     out: dict[str, object] = {}
     try:
         layers, shape, head_fn = cost_inputs(engine.model, engine.resource_manager(MorphRuntime).bank)
