@@ -112,16 +112,23 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: torch.device, dtype: torch.dtype,
-            head: Callable[[torch.Tensor], torch.Tensor] | None = None, token_counts: Sequence[int] = TOKEN_COUNTS,
-            repeats: int = 7, min_sample_s: float = 2e-3) -> StepCosts:
-    """Time each precision's layer linears at each token count. ``shape`` = (hidden, attention width,
-    intermediate): the input widths of qkv/gate_up, o and down. ``head`` (the LM head as a step runs it,
-    ``LlamaModel.logits``) times the part of the step no morph changes."""
+def measure(layers: Mapping[str, DecoderLayer | Sequence[DecoderLayer]], shape: Sequence[int], device: torch.device,
+            dtype: torch.dtype, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            token_counts: Sequence[int] = TOKEN_COUNTS, repeats: int = 7, min_sample_s: float = 2e-3) -> StepCosts:
+    """Time each precision's layer linears at each token count. ``layers[p]``: one layer, or several (the model's
+    layers, as a step streams them): their linears run one layer after the other and the cost is per layer. One
+    layer timed again and again is cache-hot, and how fast depends on where its copy lies (2-core Xeon, 2026-12-07:
+    two copies of layer 0 in one process 0.27 and 0.41 ms at 1 token) while a step reads each layer once (all
+    served layers streamed: 0.57 / 0.85 / 1.49 ms at 1 / 8 / 32 tokens against 0.55 / 0.85 / 1.50 inside decode
+    steps; one layer repeated: 0.47 / 0.50 / 1.49). ``shape`` = (hidden, attention width, intermediate): the input
+    widths of qkv/gate_up, o and down. ``head`` (the LM head as a step runs it, ``LlamaModel.logits``) times the
+    part of the step no morph changes."""
     widths = list(shape)
     inputs = {n: [torch.randn(n, w, device=device, dtype=dtype) for w in widths] for n in token_counts}
-    runs: dict[str, Any] = {p: (lambda n, layer=layer: [op(inputs[n][w]) for op, w in _ops(layer)])
-                            for p, layer in layers.items()}
+    stacks = {p: [ls] if isinstance(ls, DecoderLayer) else list(ls) for p, ls in layers.items()}
+    runs: dict[str, Any] = {p: (lambda n, stack=stack: [op(inputs[n][w]) for layer in stack for op, w in _ops(layer)])
+                            for p, stack in stacks.items()}
+    per = {p: len(stack) for p, stack in stacks.items()} | {"rest": 1}
     if head is not None:
         runs["rest"] = lambda n: head(inputs[n][0])
     inner: dict[tuple[str, int], int] = {}
@@ -144,7 +151,7 @@ def measure(layers: Mapping[str, DecoderLayer], shape: Sequence[int], device: to
                 for _ in range(inner[name, n]):
                     run(n)
                 _sync(device)
-                samples[name, n].append((time.perf_counter() - t0) / inner[name, n])
+                samples[name, n].append((time.perf_counter() - t0) / inner[name, n] / per[name])
     med = {k: min(v) for k, v in samples.items()}
     return StepCosts(device=device_name(device), token_counts=tuple(token_counts),
                      layer_s={p: tuple(med[p, n] for n in token_counts) for p in layers},

@@ -2,16 +2,15 @@
 
 A resource manager of the engine (serve/resource_seam.py), after the levers that read the table: it counts the
 iterations that serve something, and now and then (after ``first`` of them, then every ``every``) times a probe: the
-full-precision layer's linears at 8 tokens, three repeats, a few milliseconds, under the conditions check of
-policy/measurement.py. Only at 8: in quiet probes inside a serving loop the other cells disagree with a quiet table
-measured apart by more than the band while 8 tokens agree (2-core Xeon, 2026-12-07: 1 token 0.27-0.68x, 32 tokens
-0.70-0.75x, 8 tokens 0.87-1.18x; a 1-token layer takes 0.1-0.6 ms, an OpenMP wake-up's size), so a check there
-corrected a right table at every engine start. The rule compares the probe with the table; when quiet probes
-say the table is off, the correction is due: at the next iteration with nothing running or waiting (measuring the
-table takes ~10 s on 2 cores, which no running request should wait for) the whole table is measured again
-(quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the speculation controller
-take it), written back to the per-machine cache, and the kernel crossovers are measured
-again and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
+full-precision linears of the first ``PROBE_LAYERS`` layers one after another (on CUDA layer 0) at 8 tokens, three
+repeats, under the conditions check of policy/measurement.py. Only at 8: with the table timed on layer 0 repeated,
+in quiet probes inside a serving loop the 1- and 32-token cells disagreed with it by more than the band while 8
+tokens agreed, so a check there corrected a right table at every engine start. The rule compares the probe with the
+table; when quiet probes say the table is off, the correction is due: at the next iteration with nothing running or
+waiting (measuring the table takes ~10 s on 2 cores, which no running request should wait for) the whole table is
+measured again (quietly, else the old one stays) and handed to ``on_correct`` (the morph controller and the
+speculation controller take it), written back to the per-machine cache, and the kernel crossovers are measured again
+and made current (quietly, else they stay). Every decision is logged with its reason; the counts are stats.
 
 ``remeasure()`` does the correction at once (the operator's ``remeasure_costs`` control). Its stats fill
 ``EngineStats.step_cost_probes`` / ``step_cost_corrections`` (metrics ``morphserve_step_cost_*_total``).
@@ -37,6 +36,9 @@ from serve.resource_seam import ResourceManagerBase, SchedulerView
 log = get_logger("morphserve.cost_check")
 
 PROBE_TOKENS = (8,)
+PROBE_LAYERS = 6
+"""Layers the probe streams on CPU (the table streams them all): more than the caches hold, so each is read from
+memory as in a step, and few enough that a probe inside the serving loop stays near 30 ms on 2 cores."""
 
 
 @dataclass
@@ -92,7 +94,9 @@ class CostCheck(ResourceManagerBase):
     def check(self) -> DriftDecision:
         """One probe and the rule's decision; a correction due when it says so."""
         model = self.model
-        probe, _, verdict = measure_checked({FULL: self.layers[FULL]}, self.shape, model.device, model.dtype,
+        full = self.layers[FULL]
+        layers = full[:PROBE_LAYERS] if isinstance(full, list) else full  # streamed like a step, but a few ms
+        probe, _, verdict = measure_checked({FULL: layers}, self.shape, model.device, model.dtype,
                                             token_counts=PROBE_TOKENS, repeats=3)
         self.stats.probes += 1
         ratios = {n: probe.layer_cost_s(FULL, n) / self.costs.layer_cost_s(FULL, n) for n in PROBE_TOKENS}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from serve.memory.block_pool import BlockPool
 from serve.memory.budget import MemoryLedger
 from serve.memory.pressure import PressureSource
 from serve.model.kv_cache import KVBlocks
-from serve.model.llama import DecoderLayer, LlamaModel
+from serve.model.llama import LlamaModel
 from serve.model.step_costs import load_or_measure
 from serve.morph.layer_bank import LayerBank, MorphBank
 from serve.morph.placement import remap
@@ -27,19 +28,21 @@ from serve.resource_seam import IdleSchedulerView
 log = get_logger("morphserve.morph")
 
 
-def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, DecoderLayer], tuple[int, int, int],
+def cost_inputs(model: LlamaModel, bank: LayerBank) -> tuple[dict[str, Any], tuple[int, int, int],
                                                              Callable[[torch.Tensor], torch.Tensor]]:
-    """What step costs are measured on: layer 0 at every precision the bank holds (the very objects the
-    engine serves, fused as it fuses them), the linears' input widths, and the LM head as a step runs it
+    """What step costs are measured on: on CPU every layer at every precision the bank holds (the very objects the
+    engine serves, fused as it fuses them; timed one after the other, per layer), on CUDA layer 0, the linears'
+    input widths, and the LM head as a step runs it
     (``LlamaModel.logits``: the int8 head blocks up to their row crossover, the fp32 head above). On CUDA the
     bank's sources are pinned host copies, so each is copied to the device for the measurement (and dropped
     after)."""
     cfg = model.config
     shape = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-    layers = {p: bank.host[0][p] for p in (FULL, *sorted(bank.precisions))}
+    precisions = (FULL, *sorted(bank.precisions))
     if model.device.type != "cpu":
-        layers = {p: remap(layer, lambda t: t.to(model.device)) for p, layer in layers.items()}
-    return layers, shape, model.logits
+        return {p: remap(bank.host[0][p], lambda t: t.to(model.device)) for p in precisions}, shape, model.logits
+    # every layer, streamed as a step streams them: layer 0 repeated stays in cache and reads 0.5-1.7x a step's cost
+    return {p: [bank.host[i][p] for i in sorted(bank.host)] for p in precisions}, shape, model.logits
 
 
 def step_costs(model: LlamaModel, bank: LayerBank, engine_dir: Path | None) -> StepCosts:

@@ -171,3 +171,16 @@ def test_replay_serves_a_synthetic_workload_and_writes_the_replay_schema(tiny_di
     assert r["ttft_s"]["p50"] is not None and r["morph"]["swaps"] == 0
     assert (r["quality_meter"]["samples"], r["quality_meter"]["seconds"]) == (0, 0)  # nothing quantized: no cost
     assert 0 <= r["host_load"]["other_share"] <= 1 and r["host_load"]["known"]  # what else ran beside it
+
+
+def test_step_costs_in_loop_puts_the_table_beside_in_step_timings(tiny_dir: Path, tmp_path: Path) -> None:
+    from bench import step_costs_in_loop
+
+    out = tmp_path / "in_loop.json"
+    assert step_costs_in_loop.main(["--model", str(tiny_dir), "--batches", "1,4", "--steps", "4", "--threads", "1",
+                                    "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert {"full", "int8", "int4", "rest"} <= set(got["table"]) and len(got["served_layer0"]) == 5
+    for batch in (1, 4):
+        row = got[f"decode_{batch}"]
+        assert row["steps"] > 0 and 0 < row["linears_ms"] <= row["forward_ms"] and row["table_layer_ms"] > 0
