@@ -30,6 +30,7 @@ import torch
 
 from policy import FULL
 from serve.config import EngineConfig
+from serve.config_flags import add_engine_flags
 from serve.engine.engine import LLMEngine
 from serve.engine.sampling_params import SamplingParams
 from serve.model import crossovers, kernels
@@ -111,15 +112,14 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, lin: list[float], he
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step_costs_in_loop", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="engines/smollm2-135m")
+    add_engine_flags(p, ("model", "num_threads"), defaults={"model": "engines/smollm2-135m", "num_threads": 2})
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the numbers here")
     args = p.parse_args(argv)
     print("load before", os.getloadavg(), flush=True)
     engine = LLMEngine(EngineConfig(model=args.model, morph_mode="default", morph_precisions="int8,int4",
-                                    policy_overrides={"cost_aware": False}, num_threads=args.threads,
+                                    policy_overrides={"cost_aware": False}, num_threads=args.num_threads,
                                     device_memory="2GiB", speculation="off"))
     out: dict[str, object] = {}
     try:

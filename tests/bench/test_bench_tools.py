@@ -177,7 +177,7 @@ def test_step_costs_in_loop_puts_the_table_beside_in_step_timings(tiny_dir: Path
     from bench import step_costs_in_loop
 
     out = tmp_path / "in_loop.json"
-    assert step_costs_in_loop.main(["--model", str(tiny_dir), "--batches", "1,4", "--steps", "4", "--threads", "1",
+    assert step_costs_in_loop.main(["--model", str(tiny_dir), "--batches", "1,4", "--steps", "4", "--num-threads", "1",
                                     "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert {"full", "int8", "int4", "rest"} <= set(got["table"]) and len(got["served_layer0"]) == 5
