@@ -143,7 +143,8 @@ def test_an_engine_on_an_inflated_table_converges_while_serving(tmp_path, monkey
         assert check.stats.corrections == 1, check.stats.as_dict()
         now = runtime.controller.costs
         assert now is check.costs and spec.controller.costs is now
-        assert now.layer_s == quiet.layer_s  # the planted 3x table is gone
+        assert now.layer_s.keys() == quiet.layer_s.keys()  # the planted 3x table is gone (equal up to rounding: the
+        assert all(now.layer_s[p] == pytest.approx(quiet.layer_s[p], rel=1e-9) for p in quiet.layer_s)  # interpolation)
         assert "measured" in crossovers.current().source
     finally:
         engine.shutdown()
