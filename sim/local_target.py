@@ -70,6 +70,18 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _fit_without_stalls(x: np.ndarray, y: np.ndarray, spread: float = 5.0) -> np.ndarray:
+    """Non-negative least squares, fitted again without the samples far above the first fit (a stall: a collection,
+    a first-time allocation, another process) so one slow forward does not become a cost of every step: those whose
+    residual exceeds ``spread`` median absolute deviations above the median residual."""
+    coef = _nonneg_lstsq(x, y)
+    r = y - x @ coef
+    med = float(np.median(r))
+    mad = float(np.median(np.abs(r - med))) or 1e-9
+    keep = r <= med + spread * mad
+    return _nonneg_lstsq(x[keep], y[keep]) if keep.sum() >= x.shape[1] and not keep.all() else coef
+
+
 class TimedExecutor:
     """The engine's executor, each batch's shape and forward time appended to ``samples``."""
 
@@ -110,8 +122,8 @@ def calibrate(engine: LLMEngine, costs, seed: int) -> LocalTerms:
         rows.append([layers, layers * m, layers * sum(shape.decode_kv_lens), layers
                      * prefill_work(shape.prefill_chunks)])
         ys.append(fwd - known)
-    c = _nonneg_lstsq(np.array(rows, dtype=float), np.array(ys))
-    o = _nonneg_lstsq(np.array([[1.0, n] for _, _, n in steps]), np.array([w - f for w, f, _ in steps]))
+    c = _fit_without_stalls(np.array(rows, dtype=float), np.array(ys))
+    o = _fit_without_stalls(np.array([[1.0, n] for _, _, n in steps]), np.array([w - f for w, f, _ in steps]))
     return LocalTerms(per_layer_const=c[0], per_layer_token=c[1], per_layer_decode_ctx=c[2],
                       per_layer_prefill_work=c[3],
                       step_const=o[0], step_per_seq=o[1],
