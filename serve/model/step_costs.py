@@ -117,10 +117,9 @@ def measure(layers: Mapping[str, DecoderLayer | Sequence[DecoderLayer]], shape: 
             token_counts: Sequence[int] = TOKEN_COUNTS, repeats: int = 7, min_sample_s: float = 2e-3) -> StepCosts:
     """Time each precision's layer linears at each token count. ``layers[p]``: one layer, or several (the model's
     layers, as a step streams them): their linears run one layer after the other and the cost is per layer. One
-    layer timed again and again is cache-hot, and how fast depends on where its copy lies (2-core Xeon, 2026-12-07:
-    two copies of layer 0 in one process 0.27 and 0.41 ms at 1 token) while a step reads each layer once (all
-    served layers streamed: 0.57 / 0.85 / 1.49 ms at 1 / 8 / 32 tokens against 0.55 / 0.85 / 1.50 inside decode
-    steps; one layer repeated: 0.47 / 0.50 / 1.49). ``shape`` = (hidden, attention width, intermediate): the input
+    layer timed again and again is cache-hot, and how fast depends on where its copy lies, while a step reads each
+    layer once (the measurements: docs/morphing.md, "The table timed over every layer").
+    ``shape`` = (hidden, attention width, intermediate): the input
     widths of qkv/gate_up, o and down. ``head`` (the LM head as a step runs it, ``LlamaModel.logits``) times the
     part of the step no morph changes."""
     widths = list(shape)
